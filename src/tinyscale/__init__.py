@@ -1,0 +1,1 @@
+"""tinyscale: how large models are trained across many GPUs, one small topic at a time."""

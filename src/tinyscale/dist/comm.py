@@ -1,0 +1,322 @@
+"""Instrumented collectives: the one place tinyscale talks to `torch.distributed`.
+
+Every collective and point-to-point message a topic issues goes through a function in
+this module, so that a `Ledger` can see it: which op, how many bytes, over how many ranks,
+and how long it took. Tests assert communication volume against theory from the ledger;
+lessons print it beside the formula.
+
+    with comm.record() as ledger:
+        comm.all_reduce(grad)
+    ledger.bytes("all_reduce"), ledger.calls("all_reduce"), ledger.rows
+
+What `bytes` means for each op (the "size" of nccl-tests, so figures are comparable):
+
+    all_reduce, broadcast, reduce   the tensor's size
+    all_gather                      the gathered output's size (world_size x the input)
+    reduce_scatter                  the input's size (world_size x the output)
+    all_to_all                      the input's size
+    send / isend                    the tensor's size (bytes this rank puts on the wire)
+    recv / irecv                    the tensor's size (bytes this rank takes off the wire)
+
+`Row.bus_bytes` converts that size into the bytes each rank sends under a
+bandwidth-optimal (ring) algorithm, nccl-tests' "bus bandwidth" factor: all-reduce moves
+2(n-1)/n of the size per rank, all-gather and reduce-scatter (n-1)/n. That is the figure
+ZeRO's "2 Psi" and "3 Psi" are written in.
+
+An async op (``async_op=True``) returns a `Work` whose ``wait()`` stamps the row with the
+time the op completed, so the ledger also knows how long the op was in flight.
+
+The module also hides the names torch keeps changing (``all_gather_into_tensor`` became
+``all_gather_single`` in recent releases): topics never call those directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+# Newer torch renames the flat collectives and deprecates the old names; older torch has
+# only the old ones. Pick once, here.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Per-rank bytes sent by a bandwidth-optimal algorithm, as a fraction of the op's size,
+# for a group of n ranks (nccl-tests' busbw factors).
+_BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "reduce": lambda n: 1.0 if n > 1 else 0.0,
+    "send": lambda n: 1.0,
+    "isend": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+    "irecv": lambda n: 0.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+@dataclass
+class Row:
+    """One communication call as this rank saw it."""
+
+    op: str
+    bytes: int
+    group_size: int
+    dtype: str
+    seconds: float  # issue to completion; for async ops, filled in by Work.wait()
+    async_op: bool = False
+    peer: int | None = None  # global rank of the other side, for point-to-point ops
+    start: float = 0.0  # time.perf_counter() at issue
+    end: float | None = None  # time.perf_counter() at completion (None: async, not waited yet)
+
+    @property
+    def bus_bytes(self) -> float:
+        """Bytes this rank sends for this call under a ring (bandwidth-optimal) algorithm."""
+        return self.bytes * _BUS_FACTOR[self.op](self.group_size)
+
+
+@dataclass
+class Ledger:
+    """The rows recorded while a `record()` block was open (on this rank)."""
+
+    rows: list[Row] = field(default_factory=list)
+
+    def _select(self, op: str | Sequence[str] | None) -> list[Row]:
+        if op is None:
+            return self.rows
+        ops = {op} if isinstance(op, str) else set(op)
+        unknown = ops - _BUS_FACTOR.keys()
+        if unknown:
+            raise ValueError(f"unknown op {sorted(unknown)}; known ops: {sorted(_BUS_FACTOR)}")
+        return [r for r in self.rows if r.op in ops]
+
+    def bytes(self, op: str | Sequence[str] | None = None) -> int:
+        """Total size of the selected calls (see the module docstring for what size means per op)."""
+        return sum(r.bytes for r in self._select(op))
+
+    def bus_bytes(self, op: str | Sequence[str] | None = None) -> float:
+        """Total bytes this rank sends for the selected calls under ring algorithms."""
+        return sum(r.bus_bytes for r in self._select(op))
+
+    def calls(self, op: str | Sequence[str] | None = None) -> int:
+        return len(self._select(op))
+
+    def seconds(self, op: str | Sequence[str] | None = None) -> float:
+        return sum(r.seconds for r in self._select(op))
+
+    def by_op(self) -> dict[str, dict[str, float]]:
+        """{op: {"calls", "bytes", "bus_bytes", "seconds"}} in first-seen order."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.rows:
+            s = out.setdefault(r.op, {"calls": 0, "bytes": 0, "bus_bytes": 0.0, "seconds": 0.0})
+            s["calls"] += 1
+            s["bytes"] += r.bytes
+            s["bus_bytes"] += r.bus_bytes
+            s["seconds"] += r.seconds
+        return out
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+
+# The open ledgers of this process, innermost last. Every op appends to all of them, so an
+# engine's own ledger and a test's ledger can watch the same calls.
+_active: list[Ledger] = []
+
+
+# --8<-- [start:record]
+@contextlib.contextmanager
+def record(ledger: Ledger | None = None) -> Iterator[Ledger]:
+    """Collect a `Row` for every communication call made inside the block.
+
+    Pass an existing ledger to keep appending to it (the engine does, across steps).
+    """
+    ledger = Ledger() if ledger is None else ledger
+    _active.append(ledger)
+    try:
+        yield ledger
+    finally:
+        _active.remove(ledger)
+# --8<-- [end:record]
+
+
+class Work:
+    """Handle of an async op: ``wait()`` blocks until it is done and stamps its ledger row."""
+
+    def __init__(self, work, row: Row | None):
+        self._work = work
+        self._row = row
+
+    def wait(self) -> None:
+        self._work.wait()
+        if self._row is not None and self._row.end is None:
+            self._row.end = time.perf_counter()
+            self._row.seconds = self._row.end - self._row.start
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _issue(op: str, nbytes: int, tensor: torch.Tensor, group, async_op: bool, call, peer=None):
+    """Run `call()` (the torch.distributed op) and record it in every open ledger."""
+    start = time.perf_counter()
+    work = call()
+    row = None
+    if _active:
+        end = None if async_op else time.perf_counter()
+        row = Row(
+            op=op,
+            bytes=int(nbytes),
+            group_size=_group_size(group),
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            seconds=0.0 if end is None else end - start,
+            async_op=async_op,
+            peer=peer,
+            start=start,
+            end=end,
+        )
+        for ledger in _active:
+            ledger.rows.append(row)
+    return Work(work, row) if async_op else None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --8<-- [start:all_reduce]
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """In place: every rank ends with the reduction of everyone's `tensor`."""
+    call = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # noqa: E731
+    return _issue("all_reduce", _nbytes(tensor), tensor, group, async_op, call)
+# --8<-- [end:all_reduce]
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """In place on `dst` (a global rank): the reduction of everyone's `tensor`."""
+    call = lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)  # noqa: E731
+    return _issue("reduce", _nbytes(tensor), tensor, group, async_op, call)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """In place: every rank ends with `src`'s tensor (`src` is a global rank)."""
+    call = lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op)  # noqa: E731
+    return _issue("broadcast", _nbytes(tensor), tensor, group, async_op, call)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """`output` (world_size * input.numel() elements) gets every rank's `input`, in rank order."""
+    n = _group_size(group)
+    if output.numel() != n * input.numel():
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements but needs group size {n} x "
+            f"input's {input.numel()} = {n * input.numel()}"
+        )
+    call = lambda: _all_gather_flat(output, input, group=group, async_op=async_op)  # noqa: E731
+    return _issue("all_gather", _nbytes(output), input, group, async_op, call)
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False
+):
+    """`output` gets this rank's 1/world_size slice of the reduction of everyone's `input`."""
+    n = _group_size(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements but needs group size {n} x "
+            f"output's {output.numel()} = {n * output.numel()}"
+        )
+    call = lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)  # noqa: E731
+    return _issue("reduce_scatter", _nbytes(input), input, group, async_op, call)
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group=None,
+    async_op: bool = False,
+):
+    """Rank i's j-th chunk of `input` lands as rank j's i-th chunk of `output` (dim 0 splits)."""
+    call = lambda: dist.all_to_all_single(  # noqa: E731
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+    return _issue("all_to_all", _nbytes(input), input, group, async_op, call)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    """Blocking send to global rank `dst`."""
+    _issue("send", _nbytes(tensor), tensor, group, False, lambda: dist.send(tensor, dst, group), dst)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    """Blocking receive from global rank `src` into `tensor`."""
+    _issue("recv", _nbytes(tensor), tensor, group, False, lambda: dist.recv(tensor, src, group), src)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None) -> Work:
+    call = lambda: dist.isend(tensor, dst, group)  # noqa: E731
+    return _issue("isend", _nbytes(tensor), tensor, group, True, call, dst)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None) -> Work:
+    call = lambda: dist.irecv(tensor, src, group)  # noqa: E731
+    return _issue("irecv", _nbytes(tensor), tensor, group, True, call, src)
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One send or receive of a batch for `batch_isend_irecv` (`peer` is a global rank)."""
+
+    op: str  # "isend" or "irecv"
+    tensor: torch.Tensor
+    peer: int
+    group: object = None
+
+    def __post_init__(self):
+        if self.op not in ("isend", "irecv"):
+            raise ValueError(f"P2POp.op must be 'isend' or 'irecv', got {self.op!r}")
+
+
+def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
+    """Issue several sends/receives together (NCCL fuses them; avoids send/recv ordering deadlocks)."""
+    if not ops:
+        return []
+    torch_ops = [
+        dist.P2POp(dist.isend if p.op == "isend" else dist.irecv, p.tensor, p.peer, p.group)
+        for p in ops
+    ]
+    start = time.perf_counter()
+    works = dist.batch_isend_irecv(torch_ops)
+    rows: list[Row | None] = []
+    for p in ops:
+        row = None
+        if _active:
+            row = Row(p.op, _nbytes(p.tensor), _group_size(p.group), str(p.tensor.dtype).removeprefix("torch."),
+                      0.0, True, p.peer, start, None)
+            for ledger in _active:
+                ledger.rows.append(row)
+        rows.append(row)
+    # torch returns one Work per op on gloo, and a single coalesced Work on NCCL.
+    if len(works) == len(ops):
+        return [Work(w, r) for w, r in zip(works, rows)]
+    return [Work(works[0], r) for r in rows] if works else []
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of the group (recorded with 0 bytes)."""
+    _issue("barrier", 0, torch.empty(0), group, False, lambda: dist.barrier(group=group))

@@ -1,0 +1,75 @@
+"""Helpers for the central claim of every topic: it trains exactly like one process.
+
+Equivalence tests run in float64. There, summing the same numbers in a different order
+(what splitting a batch over ranks does) changes a result by ~1e-16 relative, and a
+few optimizer steps keep it near 1e-15; a real bug (a missing 1/N, a micro-batch counted
+twice, a stale gradient) shows at 1e-6 or more. So the tolerances below are tight enough
+to catch every bug of that kind and loose enough never to trip on reduction order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+# Relative tolerance for float64 equivalence (DESIGN.md). Reduction-order noise is ~1e-15.
+FLOAT64_RTOL = 1e-10
+# Absolute floor for values that are ~0 (parameters are O(0.01-1), so relative error is
+# meaningless near 0): 1e-12 is ~1000x the noise and ~1e6x below the smallest real bug.
+FLOAT64_ATOL = 1e-12
+
+
+def state_dict_cpu(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of a model's state_dict (safe to send between processes)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def max_abs_diff(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> float:
+    """Largest elementwise |actual - expected| over all shared keys (in float64)."""
+    worst = 0.0
+    for key in expected:
+        a, e = actual[key].double().cpu(), expected[key].double().cpu()
+        if a.numel():
+            worst = max(worst, (a - e).abs().max().item())
+    return worst
+
+
+def assert_state_dicts_close(
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    rtol: float = FLOAT64_RTOL,
+    atol: float = FLOAT64_ATOL,
+    what: str = "state",
+) -> None:
+    """Same keys, same shapes, values close; the message names the worst tensor."""
+    missing, extra = set(expected) - set(actual), set(actual) - set(expected)
+    if missing or extra:
+        raise AssertionError(f"{what}: keys differ; missing {sorted(missing)}, unexpected {sorted(extra)}")
+    failures = []
+    for key in expected:
+        a, e = actual[key].detach().cpu(), expected[key].detach().cpu()
+        if a.shape != e.shape:
+            failures.append(f"{key}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+            continue
+        if a.dtype != e.dtype:
+            failures.append(f"{key}: dtype {a.dtype} != expected {e.dtype}")
+            continue
+        if not torch.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True):
+            diff = (a.double() - e.double()).abs()
+            rel = diff / e.double().abs().clamp_min(atol)
+            failures.append(f"{key}: max |diff| {diff.max().item():.3e}, max rel {rel.max().item():.3e}")
+    if failures:
+        raise AssertionError(f"{what} differ (rtol={rtol:g}, atol={atol:g}):\n  " + "\n  ".join(failures))
+
+
+def assert_losses_close(
+    actual: Sequence[float], expected: Sequence[float], *, rtol: float = FLOAT64_RTOL, atol: float = FLOAT64_ATOL
+) -> None:
+    """Per-step losses agree; the message names the first step that does not."""
+    if len(actual) != len(expected):
+        raise AssertionError(f"{len(actual)} losses, expected {len(expected)}")
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        if not abs(a - e) <= atol + rtol * abs(e):
+            raise AssertionError(f"loss at step {step}: {a!r} != expected {e!r} (|diff| {abs(a - e):.3e})")

@@ -1,0 +1,95 @@
+"""`launch`: fresh ranks per call; results in rank order; every failure named and bounded in time."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from tinyscale.dist import RankDiedError, RankError, RankTimeoutError, comm, info, launch
+
+
+def _rank_and_sum(offset):
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    comm.all_reduce(t)
+    me = info()
+    return me.rank, me.world_size, me.backend, t.item()
+
+
+def _fail_on_rank_two():
+    if dist.get_rank() == 2:
+        raise KeyError("rank two is unhappy")
+    comm.all_reduce(torch.ones(4))
+
+
+def _die_on_rank_one():
+    if dist.get_rank() == 1:
+        os._exit(7)
+    comm.all_reduce(torch.ones(4))
+
+
+def _hang_on_rank_zero():
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+    comm.all_reduce(torch.ones(4))
+
+
+def _live_children() -> set[int]:
+    """Our live child processes, minus multiprocessing's resource tracker (a shared helper)."""
+    out = set()
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(c.cmdline()):
+                out.add(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture
+def no_orphans():
+    """Fails the test if it leaves a live process behind (pooled ranks from other tests are exempt)."""
+    before = _live_children()
+    yield
+    left = _live_children() - before
+    assert not left, f"launch left processes behind: {sorted(left)}"
+
+
+def test_dist_launch_returns_results_in_rank_order(no_orphans):
+    results = launch(_rank_and_sum, 3, 10)
+    assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]
+    assert {r[2] for r in results} == {"gloo" if not torch.cuda.is_available() else results[0][2]}
+    assert all(r[3] == 10 + 11 + 12 for r in results)
+
+
+def test_dist_launch_names_the_rank_that_raised_with_its_traceback(no_orphans):
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 2 of 4 raised KeyError") as err:
+        launch(_fail_on_rank_two, 4, timeout_s=60)
+    assert time.monotonic() - t0 < 60
+    assert "--- traceback on rank 2 ---" in str(err.value)
+    assert "_fail_on_rank_two" in err.value.remote_traceback
+    assert isinstance(err.value.__cause__, KeyError)
+
+
+def test_dist_launch_reports_a_rank_that_died_without_a_word(no_orphans):
+    with pytest.raises(RankDiedError, match=r"rank 1 of 2 died with exit code 7"):
+        launch(_die_on_rank_one, 2, timeout_s=60)
+
+
+def test_dist_launch_stops_a_hung_rank_within_the_timeout(no_orphans):
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeoutError, match=r"rank 0 of 2 did not finish within 12 s"):
+        launch(_hang_on_rank_zero, 2, timeout_s=12)
+    assert time.monotonic() - t0 < 12 + 5
+
+
+def test_dist_launch_rejects_bad_arguments_before_spawning():
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        launch(_rank_and_sum, 0, 1)
+    with pytest.raises(ValueError, match="module level"):
+        launch(lambda: 1, 2)

@@ -1,0 +1,258 @@
+"""`EngineConfig`: one validated training configuration, in DeepSpeed's key names.
+
+A DeepSpeed user can bring their JSON: ``train_batch_size``,
+``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``optimizer``,
+``scheduler``, ``gradient_clipping``, ``zero_optimization``, ``fp16``, ``bf16`` mean what
+they mean there. Parallel degrees, which DeepSpeed spreads over several places, live under
+``parallel``. Unknown keys and impossible values are rejected at load time with the field
+named (``ConfigError``), before any process group exists.
+
+The batch identity every layout must satisfy (`EngineConfig.batch`):
+
+    train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp
+
+Give any two of the three (or just one of the batch sizes) and the rest is derived, as in
+DeepSpeed. dp is the data-parallel size: world size / (tensor x pipeline x context).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+
+
+class OptimizerParams(_Section):
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.0, ge=0, lt=1)  # SGD only
+    nesterov: bool = False  # SGD only
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class OptimizerConfig(_Section):
+    type: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    params: OptimizerParams = OptimizerParams()
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_name(cls, v: Any) -> Any:
+        names = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+        return names.get(v.lower(), v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _sgd_only_fields(self) -> OptimizerConfig:
+        p = self.params
+        if self.type != "SGD" and (p.momentum or p.nesterov):
+            raise ValueError(f"params.momentum/nesterov apply to SGD only, not {self.type}; remove them")
+        if self.type == "SGD" and p.nesterov and p.momentum == 0:
+            raise ValueError("SGD with nesterov=true needs params.momentum > 0")
+        return self
+
+
+class SchedulerParams(_Section):
+    """Warm up from ``warmup_min_lr`` to ``warmup_max_lr`` (default: the optimizer's lr),
+    then hold (WarmupLR), decay linearly to 0 (WarmupDecayLR) or follow a cosine down to
+    ``cos_min_ratio`` x the peak (WarmupCosineLR) at ``total_num_steps``."""
+
+    warmup_min_lr: float = Field(0.0, ge=0)
+    warmup_max_lr: float | None = Field(None, gt=0)
+    warmup_num_steps: int = Field(0, ge=0)
+    warmup_type: Literal["linear", "log"] = "linear"
+    total_num_steps: PositiveInt | None = None
+    cos_min_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class SchedulerConfig(_Section):
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = "WarmupLR"
+    params: SchedulerParams = SchedulerParams()
+
+    @model_validator(mode="after")
+    def _needs_total(self) -> SchedulerConfig:
+        p = self.params
+        if self.type != "WarmupLR":
+            if p.total_num_steps is None:
+                raise ValueError(f"{self.type} needs params.total_num_steps")
+            if p.total_num_steps < p.warmup_num_steps:
+                raise ValueError(
+                    f"params.total_num_steps ({p.total_num_steps}) is less than "
+                    f"params.warmup_num_steps ({p.warmup_num_steps})"
+                )
+        return self
+
+
+class OffloadConfig(_Section):
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+
+
+class ZeroConfig(_Section):
+    stage: int = Field(0, ge=0, le=3)
+    reduce_bucket_size: PositiveInt = 500_000_000
+    overlap_comm: bool = True
+    offload_optimizer: OffloadConfig = OffloadConfig()
+    offload_param: OffloadConfig = OffloadConfig()
+
+
+class Fp16Config(_Section):
+    enabled: bool = False
+    loss_scale: float = Field(0.0, ge=0)  # 0 = dynamic
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: PositiveInt = 1000
+    hysteresis: PositiveInt = 2
+    min_loss_scale: float = Field(1.0, gt=0)
+
+
+class Bf16Config(_Section):
+    enabled: bool = False
+
+
+class ParallelConfig(_Section):
+    tensor: PositiveInt = 1
+    pipeline: PositiveInt = 1
+    context: PositiveInt = 1
+    sequence_parallel: bool = False
+    pipeline_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    virtual_stages: PositiveInt = 1
+    context_algorithm: Literal["ring", "ulysses"] = "ring"
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The resolved batch identity: train_batch_size = micro x accumulation x dp."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    dp: int
+
+
+class EngineConfig(_Section):
+    train_batch_size: PositiveInt | None = None
+    train_micro_batch_size_per_gpu: PositiveInt | None = None
+    gradient_accumulation_steps: PositiveInt | None = None
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: float = Field(0.0, ge=0)  # max global gradient norm; 0 = off
+    zero_optimization: ZeroConfig = ZeroConfig()
+    fp16: Fp16Config = Fp16Config()
+    bf16: Bf16Config = Bf16Config()
+    parallel: ParallelConfig = ParallelConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        if self.train_batch_size is None and self.train_micro_batch_size_per_gpu is None:
+            raise ValueError(
+                "set train_batch_size (the global batch, in rows) or train_micro_batch_size_per_gpu"
+            )
+        return self
+
+    @classmethod
+    def load(cls, config: EngineConfig | dict | str | Path) -> EngineConfig:
+        """From a dict, a path to .json/.yaml/.yml, or an EngineConfig (returned as is)."""
+        if isinstance(config, EngineConfig):
+            return config
+        if isinstance(config, (str, Path)):
+            config = _read_file(Path(config))
+        if not isinstance(config, dict):
+            raise ConfigError(f"config must be a dict, a .json/.yaml path or an EngineConfig, got {type(config).__name__}")
+        try:
+            return cls.model_validate(config)
+        except ValidationError as err:
+            raise ConfigError(_explain(err, config)) from None
+
+    def batch(self, dp: int) -> BatchLayout:
+        """Resolve the batch identity for a data-parallel size, DeepSpeed's way."""
+        tbs, micro, accum = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps)
+        given = (f"train_batch_size={tbs}, train_micro_batch_size_per_gpu={micro}, "
+                 f"gradient_accumulation_steps={accum}, data-parallel size={dp}")
+        if tbs is not None and micro is not None and accum is not None:
+            if tbs != micro * accum * dp:
+                raise ConfigError(
+                    f"train_batch_size must equal train_micro_batch_size_per_gpu x "
+                    f"gradient_accumulation_steps x data-parallel size: {micro} x {accum} x {dp} = "
+                    f"{micro * accum * dp}, not {tbs} ({given}). Change one, or leave one out to derive it."
+                )
+        elif tbs is not None and micro is not None:
+            accum, rem = divmod(tbs, micro * dp)
+            if rem or accum == 0:
+                raise ConfigError(f"train_batch_size is not a multiple of micro batch x dp ({given})")
+        elif tbs is not None:
+            accum = accum or 1
+            micro, rem = divmod(tbs, accum * dp)
+            if rem or micro == 0:
+                raise ConfigError(
+                    f"train_batch_size must be a multiple of gradient_accumulation_steps x "
+                    f"data-parallel size ({given})"
+                )
+        else:
+            accum = accum or 1
+            tbs = micro * accum * dp
+        return BatchLayout(tbs, micro, accum, dp)
+
+
+def _read_file(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json":
+        return json.loads(text)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    raise ConfigError(f"config file {path}: use a .json, .yaml or .yml file")
+
+
+def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the section at `loc` (for "did you mean" hints)."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        candidates = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not candidates:
+            return []
+        model = candidates[0]
+    return list(model.model_fields)
+
+
+def _explain(err: ValidationError, raw: dict) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            hint = difflib.get_close_matches(str(loc[-1]), _known_keys(EngineConfig, loc), n=1)
+            fix = f"; did you mean '{hint[0]}'?" if hint else "; remove it"
+            lines.append(f"config field '{where}': unknown key{fix}")
+        else:
+            got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+            lines.append(f"config field '{where}': {e['msg']}{got}")
+    return "invalid config:\n  " + "\n  ".join(lines)

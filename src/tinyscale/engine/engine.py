@@ -1,0 +1,131 @@
+"""`Engine`: one optimizer step over a global batch, whatever the layout underneath.
+
+    engine = ts.initialize(model, config)   # inside ts.dist.launch / torchrun, or a plain process
+    loss = engine.train_batch(batch)        # the global batch's mean loss, same on every rank
+
+What a step does (data parallelism over `dp` ranks, the only strategy so far):
+
+1. take this rank's rows of the global batch and cut them into micro-batches
+   (`tinyscale.data.local_micro_batches`: contiguous blocks per rank, contiguous
+   micro-batches within a block);
+2. backward ``loss_i / gradient_accumulation_steps`` for each micro-batch, so the local
+   gradient is that of the mean over this rank's rows;
+3. all-reduce every gradient (sum) and divide by dp: the mean over the global batch,
+   because every rank holds the same number of rows;
+4. clip by global norm, set this step's learning rate, step, zero gradients.
+
+Every rank ends the step with identical parameters, which is what `full_state_dict`
+returns. Later topics add strategies (bucketed DDP, ZeRO, tensor and pipeline parallel)
+behind the same methods.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.data import local_micro_batches
+from tinyscale.dist import ParallelMesh, comm, device
+from tinyscale.engine.data_parallel import average_gradients, broadcast_parameters
+from tinyscale.engine.memory import MemoryReport, report_for
+from tinyscale.optim import build_optimizer, lr_at, set_lr
+
+
+def check_supported(config: EngineConfig) -> None:
+    """Reject what this build cannot do yet, naming the field (before any work is done)."""
+    todo = []
+    if config.zero_optimization.stage != 0:
+        todo.append(f"zero_optimization.stage={config.zero_optimization.stage} (ZeRO is not built yet; use 0)")
+    if config.zero_optimization.offload_optimizer.device != "none" or config.zero_optimization.offload_param.device != "none":
+        todo.append("zero_optimization.offload_* (offload is not built yet; use device 'none')")
+    if config.fp16.enabled or config.bf16.enabled:
+        todo.append("fp16/bf16.enabled (mixed precision is not built yet; give the model the dtype you want)")
+    par = config.parallel
+    for name in ("tensor", "pipeline", "context"):
+        if getattr(par, name) != 1:
+            todo.append(f"parallel.{name}={getattr(par, name)} (not built yet; use 1)")
+    if par.sequence_parallel:
+        todo.append("parallel.sequence_parallel (not built yet; use false)")
+    if todo:
+        raise ConfigError("not supported by this engine yet:\n  " + "\n  ".join(todo))
+
+
+class Engine:
+    """Trains `model` with the configured strategy; see the module docstring for one step."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, *, mesh: ParallelMesh | None = None):
+        check_supported(config)
+        self.config = config
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1 and mesh is None:
+            mesh = ParallelMesh(dp=world)
+        self.mesh = mesh
+        self.dp_group = mesh.group("dp") if mesh is not None else None
+        self.dp_rank = mesh.rank("dp") if mesh is not None else 0
+        self.dp_size = mesh.size("dp") if mesh is not None else 1
+        self.batch = config.batch(self.dp_size)
+        self.device = device()
+        self.model = model.to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("initialize: the model has no parameter that requires grad")
+        self.comm_ledger = comm.Ledger()
+        if self.dp_size > 1:
+            # Ranks must start identical; a model built from the same seed already is, but
+            # a broadcast makes it true by construction (torch DDP does the same).
+            broadcast_parameters(self.model, self.mesh.group_ranks("dp")[0], self.dp_group)
+        self.optimizer = build_optimizer(self.params, config.optimizer)
+        self.step = 0
+
+    def train_batch(self, batch: Sequence[torch.Tensor]) -> float:
+        """One optimizer step over the global batch; returns its mean loss (same on every rank)."""
+        batch = tuple(batch)
+        rows = batch[0].shape[0]
+        if rows != self.batch.train_batch_size:
+            raise ValueError(
+                f"train_batch: the batch has {rows} rows but train_batch_size is "
+                f"{self.batch.train_batch_size} (= {self.batch.micro_batch_size} micro x "
+                f"{self.batch.gradient_accumulation_steps} accumulation x {self.dp_size} dp)"
+            )
+        self.model.train()
+        micro = local_micro_batches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                    micro_batch_size=self.batch.micro_batch_size)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        with comm.record(self.comm_ledger):
+            for chunk in micro:
+                loss = self.model(*(t.to(self.device) for t in chunk))
+                (loss / len(micro)).backward()
+                total += loss.detach().double()
+            if self.dp_size > 1:
+                average_gradients(self.params, self.dp_group, self.dp_size)
+                comm.all_reduce(total, group=self.dp_group)
+        mean_loss = total.item() / (len(micro) * self.dp_size)
+        if not math.isfinite(mean_loss):  # the same value on every rank, so all raise together
+            raise FloatingPointError(f"train_batch: the loss at step {self.step} is {mean_loss}; training diverged")
+        if self.config.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
+        set_lr(self.optimizer, lr_at(self.step, self.config))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return mean_loss
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict()."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds, by category, counted from the tensors it holds right now."""
+        return report_for(self.model, self.optimizer, self.device)
+
+
+def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = None) -> Engine:
+    """Wrap `model` in an `Engine` for `config` (dict, .json/.yaml path or EngineConfig).
+
+    Call on every rank (inside `tinyscale.dist.launch` or torchrun), or in a plain process.
+    """
+    return Engine(model, EngineConfig.load(config), mesh=mesh)

@@ -1,0 +1,82 @@
+"""The single-process trainer: the truth every parallel topic is compared with.
+
+    losses = ts.reference.train(model, batches, config)
+
+Plain PyTorch, no process group. For each global batch (a tuple of tensors whose dim 0 is
+`train_batch_size` rows) it takes exactly one optimizer step on the gradient of the mean
+loss over the whole batch:
+
+1. cut the batch into micro-batches of ``train_micro_batch_size_per_gpu`` rows (only to
+   bound memory: all of them are summed before the step, so the cut does not change the
+   math; float64 makes the different summation order invisible);
+2. backward ``loss_i / num_micro_batches`` for each: the model's loss is a mean over its
+   rows and every micro-batch has the same number of rows, so the accumulated gradient is
+   the gradient of the mean over the global batch;
+3. clip the global gradient norm to ``gradient_clipping`` (if set), set the learning rate
+   of this step (`tinyscale.optim.lr_at`), step, zero the gradients.
+
+It returns the per-step mean losses and leaves the trained parameters in `model`.
+Parallelism-only config (ZeRO stage, parallel degrees) is ignored: the math is the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from tinyscale.config import EngineConfig
+from tinyscale.data import micro_batches
+from tinyscale.optim import build_optimizer, lr_at, set_lr
+
+Batch = Sequence[torch.Tensor]
+
+
+def _micro_batch_size(config: EngineConfig, rows: int) -> int:
+    if config.train_batch_size is not None and rows != config.train_batch_size:
+        raise ValueError(
+            f"a batch has {rows} rows but train_batch_size is {config.train_batch_size}; "
+            "every global batch must have exactly train_batch_size rows"
+        )
+    micro = config.train_micro_batch_size_per_gpu
+    if micro is None:  # only the global size is known: one micro-batch per accumulation step
+        micro = rows // (config.gradient_accumulation_steps or 1)
+    return micro
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
+               config: EngineConfig, step: int) -> float:
+    """One optimizer step on one global batch; returns its mean loss."""
+    device = next(model.parameters()).device
+    batch = tuple(t.to(device) for t in batch)
+    chunks = micro_batches(batch, _micro_batch_size(config, batch[0].shape[0]))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for chunk in chunks:
+        loss = model(*chunk)
+        (loss / len(chunks)).backward()
+        total += loss.detach().double()
+    mean_loss = (total / len(chunks)).item()
+    if not math.isfinite(mean_loss):
+        raise FloatingPointError(f"reference: the loss at step {step} is {mean_loss}; training diverged")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if config.gradient_clipping > 0:
+        torch.nn.utils.clip_grad_norm_(params, config.gradient_clipping)
+    set_lr(optimizer, lr_at(step, config))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return mean_loss
+
+
+def train(model: torch.nn.Module, batches: Iterable[Batch], config) -> list[float]:
+    """Train `model` in this process on each global batch in turn; return the per-step losses.
+
+    `config` is a dict, a path to a .json/.yaml file, or an `EngineConfig`.
+    """
+    config = EngineConfig.load(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("reference.train: the model has no parameter that requires grad")
+    optimizer = build_optimizer(params, config.optimizer)
+    model.train()
+    return [train_step(model, optimizer, batch, config, step) for step, batch in enumerate(batches)]

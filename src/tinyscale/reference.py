@@ -22,7 +22,7 @@ Parallelism-only config (ZeRO stage, parallel degrees) is ignored: the math is t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -68,10 +68,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return mean_loss
 
 
-def train(model: torch.nn.Module, batches: Iterable[Batch], config) -> list[float]:
+def train(model: torch.nn.Module, batches: Iterable[Batch], config,
+          on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Train `model` in this process on each global batch in turn; return the per-step losses.
 
-    `config` is a dict, a path to a .json/.yaml file, or an `EngineConfig`.
+    `config` is a dict, a path to a .json/.yaml file, or an `EngineConfig`; `on_step(step,
+    loss)` is called after every step (progress bars use it).
     """
     config = EngineConfig.load(config)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -79,4 +81,9 @@ def train(model: torch.nn.Module, batches: Iterable[Batch], config) -> list[floa
         raise ValueError("reference.train: the model has no parameter that requires grad")
     optimizer = build_optimizer(params, config.optimizer)
     model.train()
-    return [train_step(model, optimizer, batch, config, step) for step, batch in enumerate(batches)]
+    losses = []
+    for step, batch in enumerate(batches):
+        losses.append(train_step(model, optimizer, batch, config, step))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses

@@ -1,0 +1,199 @@
+"""`tinyscale`: the command line.
+
+    tinyscale train --preset ddp --world-size 4 [--steps 50] [--config FILE] [--dtype float64]
+    tinyscale info
+
+`train` spawns CPU ranks on this machine (or, started by torchrun, joins its ranks), trains
+the GPT on the standard library's sources with a progress bar, trains the single-process
+reference on the same batches, and prints a summary: final losses, the largest parameter
+difference, bytes communicated per op and model-state bytes per rank. It writes
+``metrics.jsonl``, ``summary.json`` and ``loss.png`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+# In float64, splitting the batch over ranks changes sums by ~1e-16 relative and the
+# parameters after a few hundred steps by ~1e-13: anything above 1e-10 is a bug. In float32
+# the same rounding (~1e-7) is amplified by Adam wherever a gradient is near zero (the
+# update m / sqrt(v) flips with the sign of noise), so parameters drift apart by up to the
+# learning rate per step without anything being wrong: there we report, not judge.
+_MATCH_TOLERANCE = {"float64": 1e-10}
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f}"
+
+
+def _write_outputs(run_dir: Path, spec, result: dict, ref: dict | None, summary: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for i, row in enumerate(result["metrics"]):
+            if ref is not None:
+                row = {**row, "reference_loss": ref["losses"][i]}
+            f.write(json.dumps(row) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [m["step"] for m in result["metrics"]]
+    ax.plot(steps, [m["loss"] for m in result["metrics"]], label=f"{spec.preset}, {spec.world_size} ranks")
+    if ref is not None:
+        ax.plot(steps, ref["losses"], "--", label="single-process reference")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title(f"tinyscale train --preset {spec.preset} ({spec.model} GPT, {spec.dtype})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=120)
+    plt.close(fig)
+
+
+def _summary_table(spec, result: dict, ref: dict | None) -> tuple[Table, dict]:
+    metrics = result["metrics"]
+    timed = metrics[1:] or metrics  # the first step pays for warm-up
+    tok_s = sum(m["tokens"] for m in timed) / sum(m["step_time_s"] for m in timed)
+    summary = {
+        "preset": spec.preset, "world_size": spec.world_size, "backend": result["backend"],
+        "model": spec.model, "num_params": result["num_params"], "dtype": spec.dtype, "steps": spec.steps,
+        "final_loss": metrics[-1]["loss"], "tokens_per_s": tok_s,
+        "comm": result["ledger"], "memory_per_rank": result["memory"],
+    }
+    table = Table(title=f"tinyscale train --preset {spec.preset}", show_header=True)
+    table.add_column("", style="bold")
+    table.add_column("value", justify="right")
+    table.add_row("ranks / backend", f"{spec.world_size} / {result['backend']}")
+    table.add_row("model", f"{spec.model} GPT, {result['num_params']:,} params, {spec.dtype}")
+    table.add_row("final loss", f"{metrics[-1]['loss']:.6f}")
+    if ref is not None:
+        tol = _MATCH_TOLERANCE.get(spec.dtype)
+        matches = None if tol is None else ref["max_param_diff"] <= tol
+        summary |= {"reference_final_loss": ref["losses"][-1], "max_loss_diff": ref["max_loss_diff"],
+                    "max_param_diff": ref["max_param_diff"], "matches_reference": matches, "tolerance": tol}
+        table.add_row("reference final loss (1 process)", f"{ref['losses'][-1]:.6f}")
+        table.add_row("max |loss - reference| over steps", f"{ref['max_loss_diff']:.3e}")
+        if tol is None:
+            verdict = f"({spec.dtype} rounding drift expected; --dtype float64 checks exactly)"
+        else:
+            verdict = ("[green]matches[/green]" if matches else "[red]DIFFERS[/red]") + f" (tol {tol:g})"
+        table.add_row("max |param - reference|", f"{ref['max_param_diff']:.3e}  {verdict}")
+    table.add_row("throughput", f"{tok_s:,.0f} tokens/s ({metrics[-1]['step_time_s'] * 1e3:.0f} ms last step)")
+    for op, row in result["ledger"].items():
+        table.add_row(f"comm {op}", f"{_fmt_bytes(row['bytes'])} in {row['calls']:,} calls "
+                                    f"({_fmt_bytes(row['bytes'] / spec.steps)}/step)")
+    if not result["ledger"]:
+        table.add_row("comm", "none (one process)")
+    mem = result["memory"]
+    states = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in mem.items() if k != "total" and v)
+    table.add_row("model state per rank", f"{_fmt_bytes(mem['total'])} ({states})")
+    return table, summary
+
+
+def cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from tinyscale import dist
+    from tinyscale.config import EngineConfig
+    from tinyscale.train import compare_with_reference, make_spec, train_rank
+
+    config = None
+    if args.config:
+        config = EngineConfig.load(args.config).model_dump(exclude_defaults=True)
+    torchrun = _under_torchrun()
+    world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
+    spec = make_spec(args.preset, world_size=world_size, steps=args.steps, config=config,
+                     model=args.model, dtype=args.dtype, seed=args.seed)
+    if torchrun:
+        dist.init(timeout_s=args.timeout)
+        result = train_rank(spec)
+        if dist.rank() != 0:
+            return 0
+    elif spec.world_size == 1:
+        result = train_rank(spec)
+    else:
+        console.print(f"launching {spec.world_size} ranks (gloo on CPU unless there is a GPU per rank)...")
+        result = dist.launch(train_rank, spec.world_size, spec, timeout_s=args.timeout)[0]
+    ref = None if args.no_reference else compare_with_reference(spec, result)
+    table, summary = _summary_table(spec, result, ref)
+    console.print(table)
+    run_dir = Path(args.run_dir or f"runs/{spec.preset}-x{spec.world_size}-{time.strftime('%Y%m%d-%H%M%S')}")
+    _write_outputs(run_dir, spec, result, ref, summary)
+    console.print(f"wrote {run_dir}/metrics.jsonl, summary.json and loss.png")
+    return 1 if ref is not None and summary["matches_reference"] is False else 0
+
+
+def cmd_info(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    from tinyscale.data import corpus_info
+    from tinyscale.dist import resolve_backend
+
+    table = Table(title="tinyscale info", show_header=False)
+    table.add_row("torch", torch.__version__)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    table.add_row("GPUs", str(gpus) + (f" ({torch.cuda.get_device_name(0)})" if gpus else ""))
+    table.add_row("backend for 4 ranks", resolve_backend("auto", 4))
+    table.add_row("CPU cores", str(os.cpu_count()))
+    for key, value in corpus_info().items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{v:,} {k}" for k, v in value.items())
+        table.add_row(f"corpus {key}", str(value))
+    console.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tinyscale.models import PRESETS as MODEL_PRESETS
+    from tinyscale.train import DTYPES, PRESETS
+
+    parser = argparse.ArgumentParser(prog="tinyscale", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the GPT on N ranks and compare with one process")
+    t.add_argument("--preset", default="ddp", choices=sorted(PRESETS), help="layout and recipe (default: ddp)")
+    t.add_argument("--world-size", type=int, default=None, help="ranks to spawn (default: the preset's)")
+    t.add_argument("--steps", type=int, default=50, help="optimizer steps (default: 50)")
+    t.add_argument("--config", help="engine config (.json/.yaml, DeepSpeed keys) replacing the preset's")
+    t.add_argument("--model", choices=[m for m in MODEL_PRESETS if m in ("tiny", "small")],
+                   help="GPT preset (default: the preset's)")
+    t.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="parameter dtype (default: the preset's, float64, where equivalence is exact)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--run-dir", help="where to write metrics.jsonl, summary.json, loss.png")
+    t.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
+    t.add_argument("--timeout", type=float, default=3600, help="seconds before a stuck run is stopped")
+    sub.add_parser("info", help="this machine, the backend tinyscale picks, and the corpus")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    console = Console()
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": cmd_train, "info": cmd_info}[args.command](args, console)
+    except ValueError as err:  # bad input: say what and how to fix it, no traceback
+        console.print(f"[red]error:[/red] {err}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The models every topic trains: a Llama-style GPT and a tiny MLP with tied and frozen parameters.
+
+    from tinyscale.models import GPT, GPTConfig, PRESETS, TinyMLP
+    model = GPT(GPTConfig.preset("tiny"), seed=0, dtype=torch.float64)
+    loss = model(inputs, targets)   # scalar: mean cross-entropy over all B*T positions
+"""
+
+from tinyscale.models.gpt import (
+    GPT,
+    PRESETS,
+    Attention,
+    Block,
+    GPTConfig,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    causal_attention,
+    rope_tables,
+)
+from tinyscale.models.mlp import TinyMLP
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "PRESETS",
+    "TinyMLP",
+    "Attention",
+    "Block",
+    "RMSNorm",
+    "SwiGLU",
+    "apply_rope",
+    "causal_attention",
+    "rope_tables",
+]

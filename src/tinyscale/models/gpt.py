@@ -1,0 +1,316 @@
+"""A small Llama-style GPT: the one transformer every tinyscale topic trains.
+
+Pre-norm blocks with RMSNorm, rotary position embeddings (RoPE, "rotate half"), causal
+attention with optional grouped-query attention (GQA), a SwiGLU MLP and no biases: Llama 2/3
+at laptop size. Submodule names are a contract: tensor parallelism swaps wq/wk/wv/wo and
+w_gate/w_up/w_down, pipelining slices `blocks`, ZeRO and FSDP walk named_parameters().
+
+Shape legend: B batch rows, T sequence length, V vocab size, C d_model, H query heads,
+K key/value heads (H % K == 0), D head_dim = C // H, F ffn hidden size.
+Check it with `pytest tests/models -q`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Every shape of the GPT, validated at construction; derive variants with `with_`."""
+
+    vocab_size: int = 256
+    max_seq_len: int = 128  # RoPE tables are built for this length; longer inputs raise ValueError
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int | None = None  # None -> n_head (plain multi-head); fewer -> grouped-query attention
+    d_model: int = 64
+    ffn_hidden: int | None = None  # None -> Llama rule: 8*d_model/3 rounded up to a multiple_of
+    multiple_of: int = 16
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False  # the LM head shares the token-embedding matrix
+    dropout: float = 0.0  # on attention probabilities and on both residual branches
+    attn_impl: str = "sdpa"  # "sdpa" (fused kernel) or "math" (explicit matmuls: FLOP counters see them)
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, field: str, fix: str) -> None:
+            if not ok:
+                raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {fix}")
+
+        for field in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model", "multiple_of"):
+            require(_positive_int(getattr(self, field)), field, "it must be a positive int")
+        for field in ("n_kv_head", "ffn_hidden"):
+            value = getattr(self, field)
+            require(value is None or _positive_int(value), field, "it must be None or a positive int")
+        require(self.d_model % self.n_head == 0, "d_model",
+                f"it must be a multiple of n_head={self.n_head} (head_dim = d_model // n_head)")
+        require(self.n_head % self.kv_heads == 0, "n_kv_head", f"it must divide n_head={self.n_head} "
+                "(each K/V head serves a group of query heads): pick a divisor of n_head, or None")
+        require(self.head_dim % 2 == 0, "d_model", f"head_dim = d_model // n_head = {self.head_dim} "
+                "must be even (RoPE rotates pairs of dimensions): change d_model or n_head")
+        for field in ("norm_eps", "rope_theta", "init_std"):
+            require(getattr(self, field) > 0, field, "it must be > 0")
+        require(0.0 <= self.dropout < 1.0, "dropout", "it must satisfy 0 <= dropout < 1")
+        require(self.attn_impl in ("sdpa", "math"), "attn_impl", "use 'sdpa' or 'math'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:  # n_kv_head resolved
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def kv_dim(self) -> int:  # output width of wk and wv
+        return self.kv_heads * self.head_dim
+
+    @property
+    def ffn_dim(self) -> int:
+        """ffn_hidden resolved. Llama's 8C/3 makes 3 matrices of C x 8C/3 as big as 2 of C x 4C."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return -(-int(8 * self.d_model / 3) // self.multiple_of) * self.multiple_of  # ceil to multiple
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count from the shapes alone, without building the model (tied head counted once).
+        include_embedding=False leaves out the token-embedding table (a lookup, no FLOPs); an
+        untied head stays (a matmul), a tied one goes with the table it is."""
+        C, V = self.d_model, self.vocab_size
+        attn = 2 * C * C + 2 * C * self.kv_dim  # wq, wo: C x C; wk, wv: C x K*D
+        mlp = 3 * C * self.ffn_dim  # w_gate, w_up: C x F; w_down: F x C
+        total = self.n_layer * (attn + mlp + 2 * C) + C  # two RMSNorms per block, one final
+        total += 0 if self.tie_embeddings else V * C  # untied LM head
+        return total + (V * C if include_embedding else 0)
+
+    def with_(self, **changes) -> GPTConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> GPTConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}: choose one of {sorted(PRESETS)}")
+        return PRESETS[name]
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # For tests: every feature (GQA, RoPE, SwiGLU) at a size that runs in milliseconds. 41,120 params.
+    "tiny": GPTConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32),
+    # CPU demo on the byte-level corpus: 869,504 params.
+    "small": GPTConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=4, d_model=128),
+    # GPT-2 small's shapes, for FLOP/memory arithmetic. ffn_hidden=2048 gives the SwiGLU MLP's
+    # three C x 2048 matrices exactly the parameters of GPT-2's two C x 4C ones. Without GPT-2's
+    # learned positions and biases: 123,551,232 params (GPT-2 itself: 124,439,808).
+    "gpt2-124m": GPTConfig(vocab_size=50257, max_seq_len=1024, n_layer=12, n_head=12, d_model=768,
+                           ffn_hidden=2048, tie_embeddings=True),
+    # Llama-3.2-1B's shapes (its long-context RoPE scaling is not modelled): 1,235,814,400 params.
+    "llama-1b": GPTConfig(vocab_size=128256, max_seq_len=8192, n_layer=16, n_head=32, n_kv_head=8,
+                          d_model=2048, ffn_hidden=8192, rope_theta=500000.0, tie_embeddings=True),
+}
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float32: norms, RoPE and softmax lose too much in bf16/fp16."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in at least float32."""
+
+    def __init__(self, dim: int, eps: float, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (seq_len, head_dim), float64 on the CPU. "Rotate half" (Llama's HF
+    port): dim i < D/2 pairs with i + D/2; position p turns the pair by p * theta^(-2i/D)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (D/2,)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)  # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D): dims i and i + D/2 share an angle
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, T, heads, D) by the tables cos, sin (T, D) of x's positions."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, T, heads, D/2) each
+    rotated = torch.cat([-x2, x1], dim=-1)  # (B, T, heads, D)
+    ct = _compute_dtype(x.dtype)
+    cos, sin = cos[:, None, :].to(ct), sin[:, None, :].to(ct)  # (T, 1, D): broadcast over heads
+    return (x.to(ct) * cos + rotated.to(ct) * sin).to(x.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",
+                     dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(D)) v. q (B, H, T, D); k, v (B, K, T, D) -> (B, H, T, D).
+
+    GQA by repeating each K/V head for its group of H/K query heads (query head h reads K/V head
+    h // (H/K)): it materialises full-size K/V, where a fused GQA kernel indexes, but keeps one
+    readable path for both impls."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)  # (B, H, T, D)
+        v = v.repeat_interleave(group, dim=1)  # (B, H, T, D)
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=_compute_dtype(q.dtype)).to(q.dtype)  # (B, H, T, T)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return probs @ v  # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.head_dim, self.impl, self.dropout = cfg.head_dim, cfg.attn_impl, cfg.dropout
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, **kw)  # C -> H*D
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, **kw)  # C -> K*D
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, **kw)  # C -> K*D
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, **kw)  # H*D -> C
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1: head counts come from the weights' widths, so a tensor-parallel shard runs this code.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
+        dropout_p = self.dropout if self.training else 0.0
+        out = causal_attention(q, k, v, impl=self.impl, dropout_p=dropout_p)  # (B, H, T, D)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H*D) -> (B, T, C)
+
+
+class SwiGLU(nn.Module):
+    """w_down(silu(w_gate x) * w_up x): the gated MLP of PaLM and Llama."""
+
+    def __init__(self, cfg: GPTConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, **kw)
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, **kw)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # (B, T, F) -> (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.dropout = cfg.dropout
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
+        self.attn = Attention(cfg, **kw)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
+        self.mlp = SwiGLU(cfg, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + F.dropout(self.attn(self.attn_norm(x), cos, sin), self.dropout, self.training)  # (B, T, C)
+        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)  # (B, T, C)
+
+
+def _check_ids(ids: torch.Tensor, cfg: GPTConfig, name: str) -> None:
+    """Bad ids make embedding lookups and cross-entropy fail obscurely (or read garbage on a GPU)."""
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must be a 2-D (B, T) int64 tensor of token ids, got shape "
+                         f"{tuple(ids.shape)} dtype {ids.dtype}: pass ids.long() with a batch dim")
+    if ids.shape[1] > cfg.max_seq_len:
+        raise ValueError(f"{name} has sequence length T={ids.shape[1]} > max_seq_len={cfg.max_seq_len}: "
+                         "crop the input or build the model with a larger GPTConfig.max_seq_len")
+    bad = (ids < 0) | (ids >= cfg.vocab_size)
+    if bad.any():
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} contains token id {int(ids[where])} at position {where}; valid ids are "
+                         f"0..{cfg.vocab_size - 1} (vocab_size={cfg.vocab_size}): fix the data or vocab_size")
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. forward(idx) -> logits; forward(idx, targets) -> mean loss."""
+
+    def __init__(self, config: GPTConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device=None) -> None:
+        super().__init__()
+        self.config = config
+        kw = dict(device=device, dtype=dtype)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model, **kw)
+        self.blocks = nn.ModuleList(Block(config, **kw) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps, **kw)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight  # one Parameter, two uses: their grads add up
+        # Derived, not learned: non-persistent keeps them out of state_dict (parameters only).
+        # At least float32: angles up to max_seq_len radians need the precision.
+        for name in ("rope_cos", "rope_sin"):  # (max_seq_len, D), filled by reset_parameters
+            table = torch.empty(config.max_seq_len, config.head_dim, device=device,
+                                dtype=_compute_dtype(dtype))
+            self.register_buffer(name, table, persistent=False)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init, the same on any device and whatever the global RNG state.
+
+        Draws float32 from a CPU generator in named_parameters() order (a tied weight once), so
+        float32 and float64 models start equal. wo and w_down get std / sqrt(2 * n_layer) (GPT-2,
+        sec. 2.3) so the residual stream does not grow with depth. Rebuilds the RoPE tables too:
+        a model built on the meta device works after to_empty()."""
+        cfg = self.config
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        norm_weights = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
+        for name, param in self.named_parameters():
+            if id(param) in norm_weights:
+                param.fill_(1.0)
+                continue
+            std = cfg.init_std
+            if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+                std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+            param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.config
+        _check_ids(idx, cfg, "idx")
+        B, T = idx.shape
+        x = self.embed(idx)  # (B, T, C)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D)
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, C)
+        logits = self.head(self.norm(x))  # (B, T, C) @ (C, V) -> (B, T, V)
+        if targets is None:
+            return logits
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}: "
+                             "targets must be idx shifted by one position, same (B, T)")
+        _check_ids(targets, cfg, "targets")
+        # Mean over all B*T positions = mean over rows of per-row means (every row has T
+        # positions): that is what lets data parallelism average per-rank losses.
+        logits = logits.reshape(B * T, cfg.vocab_size).to(_compute_dtype(logits.dtype))  # (B*T, V)
+        return F.cross_entropy(logits, targets.reshape(B * T).long())

@@ -1,0 +1,58 @@
+"""`tinyscale train`: spawned ranks, torchrun, outputs on disk, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tinyscale.cli import main
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_cli_train_ddp_matches_the_reference_and_writes_its_outputs(tmp_path, capsys):
+    code = main(["train", "--preset", "ddp", "--world-size", "2", "--steps", "3", "--model", "tiny",
+                 "--run-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    summary = _summary(tmp_path)
+    assert summary["matches_reference"] is True and summary["max_param_diff"] <= 1e-10
+    assert summary["world_size"] == 2 and summary["dtype"] == "float64"
+    assert summary["comm"]["all_reduce"]["calls"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all({"loss", "reference_loss", "tokens_per_s", "step_time_s"} <= r.keys() for r in rows)
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert "matches" in out and "comm all_reduce" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "0"], "--world-size must be at least 1"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--world-size", "3", "--config", "CFG"], "train_batch_size must equal"),
+])
+def test_cli_train_bad_input_exits_2_with_the_fix(argv, message, tmp_path, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                               "gradient_accumulation_steps": 1}))
+    argv = [str(cfg) if a == "CFG" else a for a in argv]
+    assert main(["train", "--model", "tiny", *argv]) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_cli_train_runs_under_torchrun(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")  # ships with torch
+    proc = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "-m", "tinyscale.train", "--preset", "ddp", "--steps", "2",
+         "--model", "tiny", "--run-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = _summary(tmp_path)
+    assert summary["world_size"] == 2 and summary["matches_reference"] is True

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
+from tinyscale.engine import checkpoint
 from tinyscale.engine.data_parallel import average_gradients, broadcast_parameters
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.optim import build_optimizer, lr_at, set_lr
@@ -117,6 +118,37 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict()."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save_checkpoint(self, path) -> None:
+        """Write the full model and optimizer state to directory `path` (atomic; call on every rank)."""
+        error = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            try:
+                names = {p: n for n, p in self.model.named_parameters()}
+                meta = {"step": self.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                        "dp": self.dp_size, "config": self.config.model_dump(mode="json")}
+                checkpoint.write(path, self.full_state_dict(),
+                                 checkpoint.optimizer_state_by_name(self.optimizer, names), meta)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                error = exc
+        if dist.is_initialized():
+            # Every rank learns whether rank 0's write succeeded, so none waits forever.
+            ok = torch.tensor([0.0 if error else 1.0], device=self.device)
+            comm.broadcast(ok, src=0)
+            if ok.item() == 0.0 and error is None:
+                raise RuntimeError(f"save_checkpoint: rank 0 failed to write {path}; see its error")
+        if error is not None:
+            raise error
+
+    def load_checkpoint(self, path) -> None:
+        """Resume from directory `path`, written by any layout; continues bit-for-bit."""
+        model_state, optimizer_state, meta = checkpoint.read(path)
+        missing, unexpected = self.model.load_state_dict(model_state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"load_checkpoint: {path} does not fit this model: missing keys {missing}, "
+                             f"unexpected keys {unexpected}")
+        checkpoint.load_optimizer_state_by_name(self.optimizer, optimizer_state, dict(self.model.named_parameters()))
+        self.step = meta["step"]
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, counted from the tensors it holds right now."""

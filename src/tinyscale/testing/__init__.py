@@ -15,6 +15,7 @@ from tinyscale.testing.equivalence import (
     state_dict_cpu,
 )
 from tinyscale.testing.pool import DEFAULT_TIMEOUT_S, RankPool, close_pools, get_pool, run_on_ranks
+from tinyscale.testing.seams import implementations, resolve
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -25,7 +26,9 @@ __all__ = [
     "assert_state_dicts_close",
     "close_pools",
     "get_pool",
+    "implementations",
     "max_abs_diff",
+    "resolve",
     "run_on_ranks",
     "state_dict_cpu",
 ]

@@ -5,12 +5,11 @@
     loss = model(inputs, targets)   # scalar: mean cross-entropy over all B*T positions
 """
 
+from tinyscale.models.config import PRESETS, GPTConfig
 from tinyscale.models.gpt import (
     GPT,
-    PRESETS,
     Attention,
     Block,
-    GPTConfig,
     RMSNorm,
     SwiGLU,
     apply_rope,

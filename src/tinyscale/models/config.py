@@ -1,0 +1,110 @@
+"""`GPTConfig` and the presets: every shape of the GPT, validated, with its parameter count.
+
+The presets: "tiny" for tests, "small" for the CPU demo, and "gpt2-124m" / "llama-1b"
+shapes for FLOP and memory arithmetic only (never instantiated in tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Every shape of the GPT, validated at construction; derive variants with `with_`."""
+
+    vocab_size: int = 256
+    max_seq_len: int = 128  # RoPE tables are built for this length; longer inputs raise ValueError
+    n_layer: int = 2
+    n_head: int = 4
+    n_kv_head: int | None = None  # None -> n_head (plain multi-head); fewer -> grouped-query attention
+    d_model: int = 64
+    ffn_hidden: int | None = None  # None -> Llama rule: 8*d_model/3 rounded up to a multiple_of
+    multiple_of: int = 16
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False  # the LM head shares the token-embedding matrix
+    dropout: float = 0.0  # on attention probabilities and on both residual branches
+    attn_impl: str = "sdpa"  # "sdpa" (fused kernel) or "math" (explicit matmuls: FLOP counters see them)
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, field: str, fix: str) -> None:
+            if not ok:
+                raise ValueError(f"GPTConfig.{field}={getattr(self, field)!r} is invalid: {fix}")
+
+        for field in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model", "multiple_of"):
+            require(_positive_int(getattr(self, field)), field, "it must be a positive int")
+        for field in ("n_kv_head", "ffn_hidden"):
+            value = getattr(self, field)
+            require(value is None or _positive_int(value), field, "it must be None or a positive int")
+        require(self.d_model % self.n_head == 0, "d_model",
+                f"it must be a multiple of n_head={self.n_head} (head_dim = d_model // n_head)")
+        require(self.n_head % self.kv_heads == 0, "n_kv_head", f"it must divide n_head={self.n_head} "
+                "(each K/V head serves a group of query heads): pick a divisor of n_head, or None")
+        require(self.head_dim % 2 == 0, "d_model", f"head_dim = d_model // n_head = {self.head_dim} "
+                "must be even (RoPE rotates pairs of dimensions): change d_model or n_head")
+        for field in ("norm_eps", "rope_theta", "init_std"):
+            require(getattr(self, field) > 0, field, "it must be > 0")
+        require(0.0 <= self.dropout < 1.0, "dropout", "it must satisfy 0 <= dropout < 1")
+        require(self.attn_impl in ("sdpa", "math"), "attn_impl", "use 'sdpa' or 'math'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:  # n_kv_head resolved
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def kv_dim(self) -> int:  # output width of wk and wv
+        return self.kv_heads * self.head_dim
+
+    @property
+    def ffn_dim(self) -> int:
+        """ffn_hidden resolved. Llama's 8C/3 makes 3 matrices of C x 8C/3 as big as 2 of C x 4C."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return -(-int(8 * self.d_model / 3) // self.multiple_of) * self.multiple_of  # ceil to multiple
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count from the shapes alone, without building the model (tied head counted once).
+        include_embedding=False leaves out the token-embedding table (a lookup, no FLOPs); an
+        untied head stays (a matmul), a tied one goes with the table it is."""
+        C, V = self.d_model, self.vocab_size
+        attn = 2 * C * C + 2 * C * self.kv_dim  # wq, wo: C x C; wk, wv: C x K*D
+        mlp = 3 * C * self.ffn_dim  # w_gate, w_up: C x F; w_down: F x C
+        total = self.n_layer * (attn + mlp + 2 * C) + C  # two RMSNorms per block, one final
+        total += 0 if self.tie_embeddings else V * C  # untied LM head
+        return total + (V * C if include_embedding else 0)
+
+    def with_(self, **changes) -> GPTConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> GPTConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}: choose one of {sorted(PRESETS)}")
+        return PRESETS[name]
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # For tests: every feature (GQA, RoPE, SwiGLU) at a size that runs in milliseconds. 41,120 params.
+    "tiny": GPTConfig(vocab_size=256, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32),
+    # CPU demo on the byte-level corpus: 869,504 params.
+    "small": GPTConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=4, d_model=128),
+    # GPT-2 small's shapes, for FLOP/memory arithmetic. ffn_hidden=2048 gives the SwiGLU MLP's
+    # three C x 2048 matrices exactly the parameters of GPT-2's two C x 4C ones. Without GPT-2's
+    # learned positions and biases: 123,551,232 params (GPT-2 itself: 124,439,808).
+    "gpt2-124m": GPTConfig(vocab_size=50257, max_seq_len=1024, n_layer=12, n_head=12, d_model=768,
+                           ffn_hidden=2048, tie_embeddings=True),
+    # Llama-3.2-1B's shapes (its long-context RoPE scaling is not modelled): 1,235,814,400 params.
+    "llama-1b": GPTConfig(vocab_size=128256, max_seq_len=8192, n_layer=16, n_head=32, n_kv_head=8,
+                          d_model=2048, ffn_hidden=8192, rope_theta=500000.0, tie_embeddings=True),
+}

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import tinyscale as ts
 from tinyscale.data import synthetic_regression_batches, synthetic_token_batches
+from tinyscale.data_parallel import assign_buckets
 from tinyscale.models import GPT, GPTConfig, TinyMLP
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
 
@@ -65,9 +66,21 @@ def test_ddp_engine_matches_single_process_float64(world_size, seed, micro, accu
 def test_ddp_engine_gpt_matches_single_process_float64(world_size):
     config = _config(micro=1, accum=2, world_size=world_size, clip=1.0, optimizer="adamw")
     results = _check_against_reference("gpt", 7, config, 2, world_size)
-    # One all-reduce per trainable parameter plus one for the loss, every step.
-    n_params = len([p for p in GPT(GPTConfig.preset("tiny")).parameters() if p.requires_grad])
-    assert results[0][2] == 2 * (n_params + 1)
+    # One all-reduce per gradient bucket (reduce_bucket_size, default 5e8 bytes: one bucket
+    # for this model) plus one for the loss, every step.
+    trainable = [p for p in GPT(GPTConfig.preset("tiny")).parameters() if p.requires_grad]
+    n_buckets = len(assign_buckets(trainable, 500_000_000))
+    assert n_buckets == 1
+    assert results[0][2] == 2 * (n_buckets + 1)
+
+
+def test_ddp_engine_buckets_follow_reduce_bucket_size():
+    config = {**_config(micro=1, accum=1, world_size=2, clip=0.0, optimizer="sgd"),
+              "zero_optimization": {"stage": 0, "reduce_bucket_size": 2000}}
+    results = _check_against_reference("mlp", 1, config, 2, 2)
+    trainable = [p for p in TinyMLP().parameters() if p.requires_grad]
+    n_buckets = len(assign_buckets(trainable, 2000))
+    assert n_buckets > 1 and results[0][2] == 2 * (n_buckets + 1)
 
 
 def _ledger_and_memory(world_size_unused):

@@ -9,9 +9,12 @@ What a step does (data parallelism over `dp` ranks, the only strategy so far):
    (`tinyscale.data.local_micro_batches`: contiguous blocks per rank, contiguous
    micro-batches within a block);
 2. backward ``loss_i / gradient_accumulation_steps`` for each micro-batch, so the local
-   gradient is that of the mean over this rank's rows;
-3. all-reduce every gradient (sum) and divide by dp: the mean over the global batch,
-   because every rank holds the same number of rows;
+   gradient is that of the mean over this rank's rows; all but the last inside
+   `no_sync()`, so gradients are averaged once per step, not once per micro-batch;
+3. the data-parallel wrapper (`tinyscale.data_parallel.BucketedDDP`, buckets of
+   ``zero_optimization.reduce_bucket_size`` bytes) all-reduces the gradients during the
+   last backward and divides by dp: the mean over the global batch, because every rank
+   holds the same number of rows;
 4. clip by global norm, set this step's learning rate, step, zero gradients.
 
 Every rank ends the step with identical parameters, which is what `full_state_dict`
@@ -21,6 +24,7 @@ behind the same methods.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -30,8 +34,8 @@ import torch.distributed as dist
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
+from tinyscale.data_parallel import BucketedDDP
 from tinyscale.engine import checkpoint
-from tinyscale.engine.data_parallel import average_gradients, broadcast_parameters
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.optim import build_optimizer, lr_at, set_lr
 
@@ -75,13 +79,15 @@ class Engine:
         if not self.params:
             raise ValueError("initialize: the model has no parameter that requires grad")
         self.comm_ledger = comm.Ledger()
+        self.ddp = None
         if self.dp_size > 1:
-            # Ranks must start identical; a model built from the same seed already is, but
-            # a broadcast makes it true by construction (torch DDP does the same).
-            broadcast_parameters(self.model, self.mesh.group_ranks("dp")[0], self.dp_group)
+            with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
+                self.ddp = BucketedDDP(self.model, process_group=self.dp_group,
+                                       bucket_cap_mb=config.zero_optimization.reduce_bucket_size / 2**20)
         self.optimizer = build_optimizer(self.params, config.optimizer)
         self.step = 0
 
+    # --8<-- [start:train-batch]
     def train_batch(self, batch: Sequence[torch.Tensor]) -> float:
         """One optimizer step over the global batch; returns its mean loss (same on every rank)."""
         batch = tuple(batch)
@@ -96,13 +102,16 @@ class Engine:
         micro = local_micro_batches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                     micro_batch_size=self.batch.micro_batch_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        forward = self.ddp if self.ddp is not None else self.model
         with comm.record(self.comm_ledger):
-            for chunk in micro:
-                loss = self.model(*(t.to(self.device) for t in chunk))
-                (loss / len(micro)).backward()
+            for i, chunk in enumerate(micro):
+                last = i == len(micro) - 1
+                # Gradients are averaged once per step: by the last micro-batch's backward.
+                with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
+                    loss = forward(*(t.to(self.device) for t in chunk))
+                    (loss / len(micro)).backward()
                 total += loss.detach().double()
             if self.dp_size > 1:
-                average_gradients(self.params, self.dp_group, self.dp_size)
                 comm.all_reduce(total, group=self.dp_group)
         mean_loss = total.item() / (len(micro) * self.dp_size)
         if not math.isfinite(mean_loss):  # the same value on every rank, so all raise together
@@ -114,6 +123,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return mean_loss
+    # --8<-- [end:train-batch]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict()."""

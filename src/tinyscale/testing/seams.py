@@ -5,14 +5,14 @@ table of named implementations, each given as an import string (``"package.modul
 or ``"path/to/file.py:attr"``). Strings, not objects, because the test body runs in rank
 processes: each rank resolves the string itself.
 
-    GRAD_SYNC = implementations("grad_sync", {"engine": "tinyscale.engine.data_parallel:average_gradients"})
+    DDP = implementations("ddp", {"naive": "tinyscale.data_parallel:NaiveDDP", ...})
 
-    @pytest.mark.parametrize("impl", GRAD_SYNC)
-    def test_grad_sync_...(impl): run_on_ranks(body, 2, impl)   # body calls resolve(impl)
+    @pytest.mark.parametrize("impl", DDP)
+    def test_ddp_...(impl): run_on_ranks(body, 2, impl)   # body calls resolve(impl)
 
 A learner checks their own version with the unchanged tests by naming it in the
-environment: ``TINYSCALE_IMPL_GRAD_SYNC=my_ddp.py:average_gradients pytest -k grad_sync``
-adds it to the table as "yours"; ``TINYSCALE_ONLY_YOURS=1`` runs it alone.
+environment: ``TINYSCALE_IMPL_DDP=my_ddp.py:MyDDP pytest -k ddp`` adds it to the table as
+"yours"; ``TINYSCALE_ONLY_YOURS=1`` runs it alone.
 """
 
 from __future__ import annotations

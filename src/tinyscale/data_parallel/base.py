@@ -1,0 +1,106 @@
+"""What every data-parallel wrapper shares: the module, the group, `no_sync`, and knowing
+when backward has finished.
+
+A wrapper hears about each gradient from a post-accumulate-grad hook (called once per
+parameter per backward, after autograd has summed every use of the parameter into
+``.grad``, so a parameter used twice, or a tied weight, is seen once). The first hook of a
+backward also queues a callback on the autograd engine that runs when the whole backward
+is done: that is where a wrapper finishes synchronising. torch's DDP works the same way.
+
+`no_sync()` turns synchronisation off for the micro-batches of gradient accumulation:
+their gradients accumulate locally in ``.grad``, and the backward of the last
+micro-batch, outside `no_sync`, synchronises the accumulated sum once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from tinyscale.dist import comm
+
+
+@torch.no_grad()
+def broadcast_parameters(module: nn.Module, process_group=None) -> None:
+    """Copy the group's first rank's parameters and buffers to every rank of the group."""
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    for t in [*module.parameters(), *module.buffers()]:
+        comm.broadcast(t.data, src=src, group=process_group)
+
+
+class DataParallelBase(nn.Module):
+    """Shared plumbing; subclasses implement `_grad_ready(param)` and `_finish_backward()`."""
+
+    def __init__(self, module: nn.Module, process_group=None, find_unused_parameters: bool = False):
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.find_unused_parameters = find_unused_parameters
+        # Frozen parameters take no part; model.parameters() already lists a tied weight once.
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.names = {p: n for n, p in module.named_parameters() if p.requires_grad}
+        self._sync = True
+        self._finish_queued = False
+        # Ranks must start identical; torch DDP makes it so the same way.
+        broadcast_parameters(module, process_group)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # --8<-- [start:no_sync]
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside this block synchronises."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous  # restored even if the forward or backward raised
+    # --8<-- [end:no_sync]
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        if not self._finish_queued:
+            self._finish_queued = True
+            self._backward_started()
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        self._grad_ready(param)
+
+    def _on_backward_end(self) -> None:
+        self._finish_queued = False
+        self._finish_backward()
+
+    def _backward_started(self) -> None:
+        """Hook for subclasses: the first gradient of a synchronising backward arrived."""
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _finish_backward(self) -> None:
+        raise NotImplementedError
+
+    def _used_anywhere(self, used_here: list[bool]) -> list[bool]:
+        """Which parameters got a gradient on at least one rank (one small all-reduce)."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        flags = torch.tensor(used_here, dtype=torch.int32, device=device)
+        comm.all_reduce(flags, group=self.process_group)
+        return [bool(f) for f in flags.tolist()]
+
+    def _missing_gradients_error(self, missing: list[torch.Tensor]) -> RuntimeError:
+        names = ", ".join(self.names[p] for p in missing)
+        return RuntimeError(
+            f"{type(self).__name__}: parameters got no gradient in this backward: {names}. Every "
+            "rank must all-reduce every gradient; if these are unused on purpose, pass "
+            "find_unused_parameters=True (costs one small extra all-reduce per step), or freeze "
+            "them (requires_grad=False)."
+        )

@@ -1,0 +1,203 @@
+"""Data parallelism, one suite for NaiveDDP, BucketedDDP and torch's DistributedDataParallel.
+
+Every implementation is reached through the seam (`IMPLEMENTATIONS`; a learner's file joins
+with TINYSCALE_IMPL_DDP=file.py:Class) and held to the same property: trained on shards of
+the global batch, with gradient accumulation under `no_sync`, it ends with the parameters
+one process gets on the whole batch (float64, rtol 1e-10), on 2, 3 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tinyscale as ts
+from tinyscale.data import local_micro_batches, synthetic_regression_batches, synthetic_token_batches
+from tinyscale.data_parallel import IMPLEMENTATIONS
+from tinyscale.dist import comm
+from tinyscale.models import GPT, GPTConfig, TinyMLP
+from tinyscale.optim import build_optimizer
+from tinyscale.testing import assert_losses_close, assert_state_dicts_close, implementations, resolve, run_on_ranks
+
+DDP = implementations("ddp", IMPLEMENTATIONS)
+OURS = [p for p in DDP if p.id != "torch"]
+# Both optimizers, always: Adam's update m / sqrt(v) does not change when every gradient is
+# scaled by the same factor, so with Adam alone a DDP that forgets to divide by the world
+# size would pass. SGD's update is proportional to the gradient and exposes it.
+OPTIMIZERS = {
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    "sgd": {"type": "SGD", "params": {"lr": 5e-2, "momentum": 0.9}},
+}
+
+
+def wrap(impl: str, model, bucket_cap_mb=None, **kwargs):
+    cls = resolve(impl)
+    if bucket_cap_mb is not None and "bucket_cap_mb" in inspect.signature(cls).parameters:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    return cls(model, **kwargs)
+
+
+def _model_and_batches(kind, seed, rows, steps):
+    if kind == "mlp":
+        return (TinyMLP(seed=seed),
+                synthetic_regression_batches(num_batches=steps, batch_size=rows, dim=8, seed=seed))
+    return (GPT(GPTConfig.preset("tiny"), seed=seed, dtype=torch.float64),
+            synthetic_token_batches(num_batches=steps, batch_size=rows, seq_len=16, seed=seed))
+
+
+def train_data_parallel(impl, kind, seed, micro, accum, steps, bucket_cap_mb, sync_last=True, optimizer="sgd"):
+    """Run on every rank: the plain training loop a DDP user writes."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, batches = _model_and_batches(kind, seed, micro * accum * world, steps)
+    ddp = wrap(impl, model, bucket_cap_mb)
+    config = ts.EngineConfig.load({"optimizer": OPTIMIZERS[optimizer], "train_micro_batch_size_per_gpu": micro})
+    optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], config.optimizer)
+    losses = []
+    with comm.record() as ledger:
+        for batch in batches:
+            micros = local_micro_batches(batch, dp_rank=rank, dp_size=world, micro_batch_size=micro)
+            total = torch.zeros((), dtype=torch.float64)
+            for i, chunk in enumerate(micros):
+                last = i == len(micros) - 1
+                with contextlib.nullcontext() if (last and sync_last) else ddp.no_sync():
+                    loss = ddp(*chunk)
+                    (loss / len(micros)).backward()
+                total += loss.detach()
+            dist.all_reduce(total)  # only to report the global loss; not part of the DDP under test
+            losses.append(total.item() / (len(micros) * world))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return losses, ts.testing.state_dict_cpu(model), ledger.calls("all_reduce"), getattr(ddp, "events", None)
+
+
+def _reference(kind, seed, rows, steps, optimizer="sgd"):
+    model, batches = _model_and_batches(kind, seed, rows, steps)
+    config = {"optimizer": OPTIMIZERS[optimizer], "train_batch_size": rows}
+    return ts.reference.train(model, batches, config), model.state_dict()
+
+
+@pytest.mark.parametrize("impl", DDP)
+@given(world_size=st.sampled_from([2, 3, 4]), seed=st.integers(0, 2**16), micro=st.integers(1, 2),
+       accum=st.integers(1, 3), bucket_cap_mb=st.sampled_from([1e-4, 2.2e-3, 25.0]),
+       optimizer=st.sampled_from(sorted(OPTIMIZERS)))
+def test_ddp_matches_single_process_float64(impl, world_size, seed, micro, accum, bucket_cap_mb, optimizer):
+    results = run_on_ranks(train_data_parallel, world_size, impl, "mlp", seed, micro, accum, 3, bucket_cap_mb,
+                           True, optimizer)
+    ref_losses, ref_state = _reference("mlp", seed, micro * accum * world_size, 3, optimizer)
+    for losses, state, _, _ in results:
+        assert_losses_close(losses, ref_losses)
+        assert_state_dicts_close(state, ref_state, what="parameters after 3 steps")
+
+
+@pytest.mark.parametrize("impl", DDP)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ddp_gpt_matches_single_process_float64(impl, world_size):
+    results = run_on_ranks(train_data_parallel, world_size, impl, "gpt", 11, 1, 2, 2, 0.01)
+    ref_losses, ref_state = _reference("gpt", 11, 2 * world_size, 2)
+    for losses, state, _, _ in results:
+        assert_losses_close(losses, ref_losses)
+        assert_state_dicts_close(state, ref_state)
+
+
+def _bucket_sizes(cap_mb):
+    from tinyscale.data_parallel import assign_buckets
+
+    model = TinyMLP()
+    return [len(b) for b in assign_buckets([p for p in model.parameters() if p.requires_grad], int(cap_mb * 2**20))]
+
+
+@pytest.mark.parametrize("cap_mb, expected_buckets", [(25.0, 1), (2.2e-3, 2), (1e-5, 5)])
+def test_ddp_bucketed_issues_one_allreduce_per_bucket(cap_mb, expected_buckets):
+    assert len(_bucket_sizes(cap_mb)) == expected_buckets
+    steps = 2
+    for _, _, calls, events in run_on_ranks(train_data_parallel, 2, IMPLEMENTATIONS["bucketed"], "mlp", 0, 2, 2,
+                                            steps, cap_mb):
+        # accumulation over 2 micro-batches still syncs once per step: no all-reduce under no_sync
+        assert calls == steps * expected_buckets
+        assert [e[1] for e in events if e[0] == "launch"] == list(range(expected_buckets))
+
+
+def test_ddp_bucketed_starts_the_first_allreduce_before_backward_finishes():
+    for _, _, _, events in run_on_ranks(train_data_parallel, 2, IMPLEMENTATIONS["bucketed"], "gpt", 0, 2, 1, 1, 0.01):
+        end = next(t for kind, _, t in events if kind == "backward_end")
+        launched_during_backward = [b for kind, b, t in events if kind == "launch" and t < end]
+        # The bucket holding the last layers fills first and is on the wire while autograd
+        # is still computing the earlier layers' gradients.
+        assert launched_during_backward and launched_during_backward[0] == 0
+        assert len(launched_during_backward) >= 2
+
+
+def test_ddp_naive_issues_one_allreduce_per_trainable_parameter():
+    n = len([p for p in TinyMLP().parameters() if p.requires_grad])
+    for _, _, calls, _ in run_on_ranks(train_data_parallel, 3, IMPLEMENTATIONS["naive"], "mlp", 0, 1, 2, 2, None):
+        assert calls == 2 * n
+
+
+@pytest.mark.parametrize("impl", DDP)
+def test_ddp_no_sync_on_the_last_micro_step_is_the_classic_bug(impl):
+    # Forgetting to leave no_sync for the last micro-batch means no gradient is ever
+    # averaged: each rank steps on its own shard and the replicas drift apart.
+    results = run_on_ranks(train_data_parallel, 2, impl, "mlp", 0, 2, 2, 2, 25.0, False)
+    assert any(not torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
+    assert all(r[2] == 0 for r in results)  # and not a byte was all-reduced
+
+
+class SometimesSkipsShared(torch.nn.Module):
+    """TinyMLP whose forward can leave the `shared` layer (a parameter used twice) unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = TinyMLP(seed=0)
+
+    def forward(self, x, y, skip_shared: bool):
+        if not skip_shared:
+            return self.mlp(x, y)
+        h = torch.relu(self.mlp.fc_in(x))
+        out = torch.nn.functional.linear(h, self.mlp.fc_in.weight.t(), self.mlp.out_bias)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+def _unused_parameter(impl, find_unused, unused_on):
+    rank = dist.get_rank()
+    model = SometimesSkipsShared()
+    ddp = wrap(impl, model, 1e-4, find_unused_parameters=find_unused)
+    x, y = synthetic_regression_batches(num_batches=1, batch_size=4, dim=8, seed=rank)[0]
+    ddp(x, y, rank in unused_on).backward()
+    return {n.removeprefix("mlp."): None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("impl", DDP)
+def test_ddp_find_unused_parameters(impl):
+    # Unused on every rank: no gradient at all, as in one process.
+    for grads in run_on_ranks(_unused_parameter, 2, impl, True, (0, 1)):
+        assert grads["shared.weight"] is None and grads["fc_in.weight"] is not None
+    # Unused on rank 1 only: every rank ends with the same averaged gradient.
+    results = run_on_ranks(_unused_parameter, 2, impl, True, (1,))
+    assert torch.equal(results[0]["shared.weight"], results[1]["shared.weight"])
+
+
+@pytest.mark.parametrize("impl", OURS)
+def test_ddp_unused_parameter_without_find_unused_is_a_clear_error(impl):
+    with pytest.raises(ts.dist.RankError, match=r"got no gradient in this backward: mlp.shared.weight, mlp.shared.bias"):
+        run_on_ranks(_unused_parameter, 2, impl, False, (0, 1))
+
+
+def _no_sync_restores(impl):
+    ddp = wrap(impl, TinyMLP(seed=0), None)
+    with contextlib.suppress(ZeroDivisionError), ddp.no_sync():
+        raise ZeroDivisionError
+    x, y = synthetic_regression_batches(num_batches=1, batch_size=2, dim=8, seed=dist.get_rank())[0]
+    with comm.record() as ledger:
+        ddp(x, y).backward()
+    return ledger.calls("all_reduce") > 0
+
+
+@pytest.mark.parametrize("impl", OURS)
+def test_ddp_no_sync_restores_synchronisation_after_an_exception(impl):
+    assert all(run_on_ranks(_no_sync_restores, 2, impl))

@@ -1,12 +1,12 @@
-"""The engine's plain data parallelism against torch's DistributedDataParallel, same run.
+"""The engine's data parallelism (BucketedDDP inside) against torch's DistributedDataParallel, same run.
 
     python benchmarks/engine_ddp.py [--world-sizes 2 4] [--steps 8] [--model small]
 
 Both train the same GPT on the same batches in the same rank processes; the table shows
 the median step time of each and their ratio, plus the bytes each all-reduces per step.
-Our engine all-reduces every gradient separately after backward (the simplest correct
-scheme); torch DDP packs gradients into 25 MiB buckets and overlaps their all-reduce with
-backward. The gap is what the data-parallel topic's bucketing and overlap recover.
+The engine's step adds to plain DDP what a real trainer does: micro-batching, an
+all-reduce of the loss for reporting, gradient clipping and the LR schedule.
+`benchmarks/ddp.py` compares the data-parallel wrappers alone.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
     args = parser.parse_args()
     console = Console()
-    table = Table(title=f"engine (plain DDP) vs torch DDP: {args.model} GPT, {args.micro} rows/rank, "
+    table = Table(title=f"engine vs torch DDP: {args.model} GPT, {args.micro} rows/rank, "
                         f"median of {args.steps} steps")
     for col in ("ranks", "backend", "ours ms/step", "torch DDP ms/step", "ours / torch", "all-reduce bytes/step"):
         table.add_column(col, justify="right")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import tinyscale as ts
 from tinyscale.data import local_micro_batches, synthetic_regression_batches, synthetic_token_batches
-from tinyscale.data_parallel import IMPLEMENTATIONS
+from tinyscale.data_parallel import IMPLEMENTATIONS, BucketedDDP
 from tinyscale.dist import comm
 from tinyscale.models import GPT, GPTConfig, TinyMLP
 from tinyscale.optim import build_optimizer
@@ -131,6 +131,20 @@ def test_ddp_bucketed_starts_the_first_allreduce_before_backward_finishes():
         # is still computing the earlier layers' gradients.
         assert launched_during_backward and launched_during_backward[0] == 0
         assert len(launched_during_backward) >= 2
+
+
+def _launch_times(overlap):
+    ddp = BucketedDDP(GPT(GPTConfig.preset("tiny"), seed=0, dtype=torch.float64), bucket_cap_mb=0.01,
+                      overlap=overlap)
+    x, y = synthetic_token_batches(num_batches=1, batch_size=2, seq_len=16, seed=dist.get_rank())[0]
+    ddp(x, y).backward()
+    end = next(t for kind, _, t in ddp.events if kind == "backward_end")
+    return [t < end for kind, _, t in ddp.events if kind == "launch"]
+
+
+def test_ddp_bucketed_without_overlap_launches_only_after_backward():
+    for before_end in run_on_ranks(_launch_times, 2, False):
+        assert len(before_end) > 1 and not any(before_end)
 
 
 def test_ddp_naive_issues_one_allreduce_per_trainable_parameter():

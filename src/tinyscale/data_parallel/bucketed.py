@@ -79,8 +79,10 @@ class BucketedDDP(DataParallelBase):
     """Data parallelism with bucketed, asynchronous all-reduces launched during backward."""
 
     def __init__(self, module, process_group=None, bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, overlap: bool = True):
+        """`overlap=False` holds every launch until backward ends (to measure what overlap buys)."""
         super().__init__(module, process_group, find_unused_parameters)
+        self.overlap = overlap
         if bucket_cap_mb <= 0:
             raise ValueError(f"BucketedDDP: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
@@ -109,7 +111,7 @@ class BucketedDDP(DataParallelBase):
         bucket.slot(i).copy_(param.grad)
         bucket.ready.add(i)
         # Launch every full bucket that is next in line: a fixed order on every rank.
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
+        while self.overlap and self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
             self._launch(self._next_launch)
 
     def _launch(self, b: int) -> None:

@@ -82,8 +82,9 @@ class Engine:
         self.ddp = None
         if self.dp_size > 1:
             with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
+                zero = config.zero_optimization
                 self.ddp = BucketedDDP(self.model, process_group=self.dp_group,
-                                       bucket_cap_mb=config.zero_optimization.reduce_bucket_size / 2**20)
+                                       bucket_cap_mb=zero.reduce_bucket_size / 2**20, overlap=zero.overlap_comm)
         self.optimizer = build_optimizer(self.params, config.optimizer)
         self.step = 0
 

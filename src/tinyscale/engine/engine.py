@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,17 +34,21 @@ import torch.distributed as dist
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
-from tinyscale.data_parallel import BucketedDDP
+from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.optim import build_optimizer, lr_at, set_lr
+from tinyscale.zero import ZeroStage1, ZeroStage2
+
+
+ParamGroups = Callable[[torch.nn.Module], list[dict]]
 
 
 def check_supported(config: EngineConfig) -> None:
     """Reject what this build cannot do yet, naming the field (before any work is done)."""
     todo = []
-    if config.zero_optimization.stage != 0:
-        todo.append(f"zero_optimization.stage={config.zero_optimization.stage} (ZeRO is not built yet; use 0)")
+    if config.zero_optimization.stage == 3:
+        todo.append("zero_optimization.stage=3 (not built yet; use 0, 1 or 2)")
     if config.zero_optimization.offload_optimizer.device != "none" or config.zero_optimization.offload_param.device != "none":
         todo.append("zero_optimization.offload_* (offload is not built yet; use device 'none')")
     if config.fp16.enabled or config.bf16.enabled:
@@ -62,7 +66,8 @@ def check_supported(config: EngineConfig) -> None:
 class Engine:
     """Trains `model` with the configured strategy; see the module docstring for one step."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, *, mesh: ParallelMesh | None = None):
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, *, mesh: ParallelMesh | None = None,
+                 param_groups: ParamGroups | None = None):
         check_supported(config)
         self.config = config
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -78,14 +83,30 @@ class Engine:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("initialize: the model has no parameter that requires grad")
+        # torch-style parameter groups (e.g. no weight decay on norms), built from the model.
+        groups = param_groups(self.model) if param_groups is not None else self.params
         self.comm_ledger = comm.Ledger()
-        self.ddp = None
-        if self.dp_size > 1:
-            with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
-                zero = config.zero_optimization
-                self.ddp = BucketedDDP(self.model, process_group=self.dp_group,
-                                       bucket_cap_mb=zero.reduce_bucket_size / 2**20, overlap=zero.overlap_comm)
-        self.optimizer = build_optimizer(self.params, config.optimizer)
+        self.ddp = self.zero = None
+        self._before_step_report: MemoryReport | None = None
+        zero = config.zero_optimization
+        with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
+            if zero.stage == 0:
+                # Data parallelism: full replicas, gradients averaged by the wrapper.
+                if self.dp_size > 1:
+                    self.ddp = BucketedDDP(self.model, process_group=self.dp_group,
+                                           bucket_cap_mb=zero.reduce_bucket_size / 2**20, overlap=zero.overlap_comm)
+                self.optimizer = build_optimizer(groups, config.optimizer)
+            else:
+                # ZeRO 1/2: the ranks start identical, then each builds its shards of the state.
+                if self.dp_size > 1:
+                    broadcast_parameters(self.model, self.dp_group)
+                make = lambda groups: build_optimizer(groups, config.optimizer)  # noqa: E731
+                if zero.stage == 1:
+                    self.zero = ZeroStage1(groups, make, self.dp_group)
+                else:
+                    self.zero = ZeroStage2(groups, make, self.dp_group,
+                                           bucket_bytes=zero.reduce_bucket_size, overlap=zero.overlap_comm)
+                self.optimizer = self.zero.sharded.optimizer
         self.step = 0
 
     # --8<-- [start:train-batch]
@@ -117,11 +138,18 @@ class Engine:
         mean_loss = total.item() / (len(micro) * self.dp_size)
         if not math.isfinite(mean_loss):  # the same value on every rank, so all raise together
             raise FloatingPointError(f"train_batch: the loss at step {self.step} is {mean_loss}; training diverged")
-        if self.config.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
-        set_lr(self.optimizer, lr_at(self.step, self.config))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._before_step_report = self.memory_report()  # the step's peak of model states
+        lr = lr_at(self.step, self.config)
+        if self.zero is not None:
+            self.zero.set_lr(lr)
+            with comm.record(self.comm_ledger):
+                self.zero.step(max_norm=self.config.gradient_clipping)
+        else:
+            if self.config.gradient_clipping > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return mean_loss
     # --8<-- [end:train-batch]
@@ -132,6 +160,11 @@ class Engine:
 
     def save_checkpoint(self, path) -> None:
         """Write the full model and optimizer state to directory `path` (atomic; call on every rank)."""
+        if self.zero is not None:
+            raise NotImplementedError(
+                "save_checkpoint with zero_optimization.stage > 0 is not built yet: the optimizer "
+                "state is sharded and must be gathered by name first. Use stage 0 to checkpoint."
+            )
         error = None
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
@@ -161,14 +194,32 @@ class Engine:
         checkpoint.load_optimizer_state_by_name(self.optimizer, optimizer_state, dict(self.model.named_parameters()))
         self.step = meta["step"]
 
-    def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds, by category, counted from the tensors it holds right now."""
-        return report_for(self.model, self.optimizer, self.device)
+    def memory_report(self, when: str = "now") -> MemoryReport:
+        """Bytes this rank holds, by category, counted from the tensors it holds.
+
+        ``when="now"``: right now (between steps: no gradients). ``when="before_step"``: as
+        they were in the last step after backward, before the optimizer step, the moment
+        model states peak (full gradients for stage 0 and 1, gradient shards for stage 2).
+        """
+        if when == "before_step":
+            if self._before_step_report is None:
+                raise ValueError("memory_report(when='before_step') needs one train_batch first")
+            return self._before_step_report
+        if when != "now":
+            raise ValueError(f"memory_report: when must be 'now' or 'before_step', got {when!r}")
+        extra = None
+        if self.zero is not None:
+            extra = {"master_weights": self.zero.sharded.master, "gradients": self.zero.sharded.grad}
+        return report_for(self.model, self.optimizer, self.device, extra)
 
 
-def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = None) -> Engine:
+def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = None,
+               param_groups: ParamGroups | None = None) -> Engine:
     """Wrap `model` in an `Engine` for `config` (dict, .json/.yaml path or EngineConfig).
 
     Call on every rank (inside `tinyscale.dist.launch` or torchrun), or in a plain process.
+    `param_groups(model)` may return torch-style groups (dicts with "params" and overrides
+    such as "weight_decay"; not "lr": the schedule sets every group's lr);
+    `tinyscale.reference.train` takes the same callable.
     """
-    return Engine(model, EngineConfig.load(config), mesh=mesh)
+    return Engine(model, EngineConfig.load(config), mesh=mesh, param_groups=param_groups)

@@ -76,15 +76,18 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 def report_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-               compute_device: torch.device) -> MemoryReport:
-    """Count a plain (unsharded) model and its optimizer."""
+               compute_device: torch.device, extra: dict[str, list[torch.Tensor]] | None = None) -> MemoryReport:
+    """Count a model, its optimizer, and `extra` tensors by category (e.g. ZeRO's shards)."""
     report = MemoryReport()
     groups = {
         "parameters": list(model.parameters()),
         "gradients": [p.grad for p in model.parameters() if p.grad is not None],
         "optimizer_states": optimizer_state_tensors(optimizer) if optimizer is not None else [],
+        "master_weights": [],
         "buffers": list(model.buffers()),
     }
+    for category, tensors in (extra or {}).items():
+        groups[category] = groups[category] + [t for t in tensors if t is not None]
     for category, tensors in groups.items():
         for device_type, nbytes in unique_nbytes(tensors).items():
             report.add(category, location_of(device_type, compute_device), nbytes)

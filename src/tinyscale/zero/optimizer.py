@@ -1,0 +1,138 @@
+"""The sharded optimizer step shared by ZeRO stages 1 and 2 (and 3's optimizer side).
+
+Each rank keeps, for every `FlatUnit`, only its shard of:
+
+    master  the parameters the optimizer updates (fp32 master weights in mixed precision;
+            here the same dtype as the model), shape (shard_numel,)
+    grad    the averaged gradient of that shard, shape (shard_numel,)
+    state   the optimizer's state for that shard (Adam: exp_avg, exp_avg_sq)
+
+Gradient shards are allocated by the step's first reduce-scatter and freed by the step,
+so between steps a rank holds no gradient at all.
+
+A step is: clip by the global norm (each rank's shard norms, summed across ranks), step the
+torch optimizer on the master shards, then all-gather every unit's updated shards into
+the full parameters that forward uses. How the gradient shards get filled is what
+distinguishes the stages (`stage1.py`: one reduce-scatter per unit after backward;
+`stage2.py`: reduce-scatters launched during backward).
+
+The optimizer is any `torch.optim` optimizer: it sees one tensor per unit and parameter
+group, so per-group hyperparameters (no weight decay on norms) work unchanged. Padding
+elements have zero gradient and zero initial value, and stay zero under SGD and AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tinyscale.dist import comm
+from tinyscale.zero.flat import FlatUnit, split_into_units
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def normalize_param_groups(params_or_groups) -> list[dict]:
+    """torch's forms (an iterable of tensors, or of dicts with "params") -> list of dicts."""
+    items = list(params_or_groups)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items]
+    return [{"params": [p for p in items if p.requires_grad]}]
+
+
+class ShardedOptimizer:
+    """Master weights, gradients and optimizer state for this rank's shard of every unit."""
+
+    def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
+                 unit_bytes: int | None = None, reverse_units: bool = False):
+        self.process_group = process_group
+        # One process without a process group is a group of one: shards are the whole buffer.
+        self.distributed = dist.is_initialized()
+        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.param_groups = normalize_param_groups(params_or_groups)
+        self.units: list[FlatUnit] = []
+        unit_group: list[int] = []
+        for g, group in enumerate(self.param_groups):
+            if group["params"]:
+                new = split_into_units(group["params"], unit_bytes, self.world_size, self.rank,
+                                       reverse=reverse_units)
+                self.units += new
+                unit_group += [g] * len(new)
+        # This rank's master copy of its shards (a clone: the full parameters keep their own storage).
+        self.master = [unit.shard(unit.flatten([p.detach() for p in unit.params])).clone() for unit in self.units]
+        # Gradient shards exist only between the first reduce-scatter of a step and its end.
+        self.grad: list[torch.Tensor | None] = [None] * len(self.master)
+        opt_groups = [{**{k: v for k, v in group.items() if k != "params"},
+                       "params": [m for m, ug in zip(self.master, unit_group) if ug == g]}
+                      for g, group in enumerate(self.param_groups)]
+        self.optimizer = make_optimizer([og for og in opt_groups if og["params"]])
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale every shard's gradient as torch.nn.utils.clip_grad_norm_ would the full gradient."""
+        local = torch.zeros((), dtype=torch.float64, device=self.master[0].device)
+        for g in self.grad:
+            if g is not None:
+                local += g.double().pow(2).sum()
+        if self.distributed:
+            comm.all_reduce(local, group=self.process_group)  # sum of squares over all shards
+        total_norm = local.sqrt()
+        # the same arithmetic as torch's clip_grad_norm_, so float64 results match it exactly
+        clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+        for g in self.grad:
+            if g is not None:
+                g.mul_(clip_coef.to(g.dtype))
+        return total_norm.item()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Optimizer step on the shards, then all-gather the updated parameters."""
+        for m, g in zip(self.master, self.grad):
+            m.grad = g  # None for a unit that got no gradient at all: the optimizer skips it
+        self.optimizer.step()
+        for unit, m in zip(self.units, self.master):
+            full = unit.empty_flat()
+            if self.distributed:
+                comm.all_gather(full, m, group=self.process_group)
+            else:
+                full.copy_(m)
+            unit.copy_into_params(full)
+        for m in self.master:
+            m.grad = None
+        self.grad = [None] * len(self.master)
+
+    def reduce_scatter_into(self, unit_index: int, grads: Sequence[torch.Tensor | None], async_op: bool = False):
+        """Sum `grads` (shaped like the unit's params) over ranks; add this rank's averaged
+        shard into its gradient buffer. Returns a handle whose wait() completes the add."""
+        unit = self.units[unit_index]
+        flat = unit.flatten(grads)
+        if self.grad[unit_index] is None:
+            self.grad[unit_index] = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        if not self.distributed:
+            return _PendingShard(None, flat, flat, self.grad[unit_index], 1)
+        out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        work = comm.reduce_scatter(out, flat, group=self.process_group, async_op=async_op)
+        return _PendingShard(work, flat, out, self.grad[unit_index], self.world_size)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+class _PendingShard:
+    """A reduce-scatter in flight; wait() adds the averaged result into the gradient shard."""
+
+    def __init__(self, work, flat: torch.Tensor, out: torch.Tensor, target: torch.Tensor, world_size: int):
+        # `flat` is held until the collective is done: its memory must outlive the send.
+        self.work, self.flat, self.out, self.target, self.world_size = work, flat, out, target, world_size
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.target.add_(self.out, alpha=1.0 / self.world_size)
+        self.flat = None

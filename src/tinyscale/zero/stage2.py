@@ -1,0 +1,91 @@
+"""ZeRO stage 2: gradients sharded too, reduce-scattered in buckets while backward runs.
+
+    zero = ZeroStage2(model.parameters(), make_optimizer, process_group=group, bucket_bytes=...)
+    for micro in micro_batches: (model(*micro) / n).backward()   # hooks reduce-scatter as it goes
+    zero.step()     # step my shard, all-gather parameters
+
+What changes from stage 1: parameters are packed into buckets (units of at most
+``bucket_bytes``, last layers first). When backward has produced every gradient of a
+bucket, a hook flattens them, launches an asynchronous **reduce-scatter** and frees the
+full gradients (``p.grad = None``); the averaged shard is added into this rank's gradient
+buffer when backward ends. So after backward a rank holds only its 1/N of the gradient
+(plus, during backward, the buckets in flight), and the communication overlaps backward.
+
+Memory per rank: parameters B*Psi, gradients B*Psi/N, master + optimizer state K*Psi/N.
+Communication per step: Psi (reduce-scatter) per micro-batch + Psi (all-gather): with one
+micro-batch 2 Psi, the same as DDP. With gradient accumulation every micro-batch's
+gradient is reduce-scattered at once (DeepSpeed does the same): keeping the full gradient
+across micro-batches would give back the memory stage 2 exists to save.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.autograd import Variable
+
+from tinyscale.zero.optimizer import OptimizerFactory, ShardedOptimizer
+
+
+class ZeroStage2:
+    """Sharded optimizer and gradients; bucketed reduce-scatter launched from gradient hooks."""
+
+    def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
+                 bucket_bytes: int = 500_000_000, overlap: bool = True):
+        self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
+                                        unit_bytes=bucket_bytes, reverse_units=True)
+        self.overlap = overlap
+        self._where = {p: (u, i) for u, unit in enumerate(self.sharded.units) for i, p in enumerate(unit.params)}
+        self._ready: list[set[int]] = [set() for _ in self.sharded.units]
+        self._pending: list = []
+        self._next = 0
+        self._queued = False
+        self.events: list[tuple[str, int | None, float]] = []
+        for p in self._where:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # --8<-- [start:hook]
+    @torch.no_grad()
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._queued:  # first gradient of this backward: finish when backward ends
+            self._queued = True
+            self.events = []
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        u, i = self._where[param]
+        self._ready[u].add(i)
+        while self.overlap and self._next < len(self._ready) and \
+                len(self._ready[self._next]) == len(self.sharded.units[self._next].params):
+            self._launch(self._next)
+
+    def _launch(self, u: int) -> None:
+        unit = self.sharded.units[u]
+        self._pending.append(self.sharded.reduce_scatter_into(u, [p.grad for p in unit.params], async_op=True))
+        for p in unit.params:
+            p.grad = None  # the bucket's flat copy is on the wire; the full gradient is not kept
+        self.events.append(("launch", u, time.perf_counter()))
+        self._next = u + 1
+    # --8<-- [end:hook]
+
+    @torch.no_grad()
+    def _on_backward_end(self) -> None:
+        self.events.append(("backward_end", None, time.perf_counter()))
+        # Buckets whose gradients did not all arrive (unused parameters) or were held back
+        # (overlap=False) go now, in order; a missing gradient counts as zero.
+        for u in range(self._next, len(self.sharded.units)):
+            self._launch(u)
+        for pending in self._pending:
+            pending.wait()
+        self._pending.clear()
+        for ready in self._ready:
+            ready.clear()
+        self._next = 0
+        self._queued = False
+
+    def step(self, max_norm: float = 0.0) -> None:
+        if max_norm > 0:
+            self.sharded.clip_grad_norm_(max_norm)
+        self.sharded.step()
+
+    def set_lr(self, lr: float) -> None:
+        self.sharded.set_lr(lr)

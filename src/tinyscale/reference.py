@@ -45,6 +45,7 @@ def _micro_batch_size(config: EngineConfig, rows: int) -> int:
     return micro
 
 
+# --8<-- [start:train-step]
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
                config: EngineConfig, step: int) -> float:
     """One optimizer step on one global batch; returns its mean loss."""
@@ -66,20 +67,23 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return mean_loss
+# --8<-- [end:train-step]
 
 
 def train(model: torch.nn.Module, batches: Iterable[Batch], config,
-          on_step: Callable[[int, float], None] | None = None) -> list[float]:
+          on_step: Callable[[int, float], None] | None = None,
+          param_groups: Callable[[torch.nn.Module], list[dict]] | None = None) -> list[float]:
     """Train `model` in this process on each global batch in turn; return the per-step losses.
 
     `config` is a dict, a path to a .json/.yaml file, or an `EngineConfig`; `on_step(step,
-    loss)` is called after every step (progress bars use it).
+    loss)` is called after every step (progress bars use it); `param_groups(model)` may
+    return torch-style parameter groups with their own hyperparameters.
     """
     config = EngineConfig.load(config)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("reference.train: the model has no parameter that requires grad")
-    optimizer = build_optimizer(params, config.optimizer)
+    optimizer = build_optimizer(param_groups(model) if param_groups is not None else params, config.optimizer)
     model.train()
     losses = []
     for step, batch in enumerate(batches):

@@ -40,6 +40,10 @@ PRESETS: dict[str, dict] = {
     "single": {"model": "small", "world_size": 1, "dtype": "float64", "config": _COMMON},
     "ddp": {"model": "small", "world_size": 4, "dtype": "float64",
             "config": {**_COMMON, "zero_optimization": {"stage": 0}}},
+    "zero1": {"model": "small", "world_size": 4, "dtype": "float64",
+              "config": {**_COMMON, "zero_optimization": {"stage": 1}}},
+    "zero2": {"model": "small", "world_size": 4, "dtype": "float64",
+              "config": {**_COMMON, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1_000_000}}},
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

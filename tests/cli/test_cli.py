@@ -16,8 +16,9 @@ def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def test_cli_train_ddp_matches_the_reference_and_writes_its_outputs(tmp_path, capsys):
-    code = main(["train", "--preset", "ddp", "--world-size", "2", "--steps", "3", "--model", "tiny",
+@pytest.mark.parametrize("preset", ["ddp", "zero2"])
+def test_cli_train_matches_the_reference_and_writes_its_outputs(preset, tmp_path, capsys):
+    code = main(["train", "--preset", preset, "--world-size", "2", "--steps", "3", "--model", "tiny",
                  "--run-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -25,6 +26,9 @@ def test_cli_train_ddp_matches_the_reference_and_writes_its_outputs(tmp_path, ca
     assert summary["matches_reference"] is True and summary["max_param_diff"] <= 1e-10
     assert summary["world_size"] == 2 and summary["dtype"] == "float64"
     assert summary["comm"]["all_reduce"]["calls"] > 0
+    if preset == "zero2":
+        assert summary["comm"]["reduce_scatter"]["calls"] > 0 and summary["comm"]["all_gather"]["calls"] > 0
+        assert summary["memory_per_rank"]["master_weights"] > 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all({"loss", "reference_loss", "tokens_per_s", "step_time_s"} <= r.keys() for r in rows)

@@ -45,7 +45,7 @@ def _config(stage, micro, accum, world, clip, optimizer, bucket=500_000_000):
 
 
 def _train(kind, seed, config, steps, grouped):
-    rows = ts.EngineConfig.load(config).train_batch_size
+    rows = ts.EngineConfig.load(config).batch(dist.get_world_size()).train_batch_size
     model, batches = _setup(kind, seed, rows, steps)
     engine = ts.initialize(model, config, param_groups=no_decay_on_biases if grouped else None)
     losses = [engine.train_batch(b) for b in batches]
@@ -153,3 +153,29 @@ def test_zero2_reduce_scatters_during_backward_and_never_holds_the_full_gradient
         assert len(before_end) > 1 and before_end[0]  # the first bucket went out while backward ran
         # a shard per bucket, ceil(numel / 2) each: half the gradient plus at most one element per bucket
         assert memory["gradients"] <= psi_bytes / 2 + 8 * len(before_end)
+
+
+def _torch_zero_redundancy(seed, steps, world_micro):
+    """torch's own stage 1: DDP for the gradients, ZeroRedundancyOptimizer for the sharded step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, batches = _setup("mlp", seed, world_micro * world, steps)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
+                                  optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.05)
+    for batch in batches:
+        x, y = (t[rank * world_micro:(rank + 1) * world_micro] for t in batch)
+        ddp(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ts.testing.state_dict_cpu(model)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero1_agrees_with_torch_zero_redundancy_optimizer(world):
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "optimizer": OPTIMIZERS["adamw"]}
+    ours = run_on_ranks(_train, world, "mlp", 4, config, 3, False)
+    theirs = run_on_ranks(_torch_zero_redundancy, world, 4, 3, 2)
+    for (_, state, _, _), torch_state in zip(ours, theirs):
+        assert_state_dicts_close(state, torch_state, what="ours vs ZeroRedundancyOptimizer")

@@ -3,23 +3,26 @@
     engine = ts.initialize(model, config)   # inside ts.dist.launch / torchrun, or a plain process
     loss = engine.train_batch(batch)        # the global batch's mean loss, same on every rank
 
-What a step does (data parallelism over `dp` ranks, the only strategy so far):
+What a step does over `dp` data-parallel ranks:
 
 1. take this rank's rows of the global batch and cut them into micro-batches
    (`tinyscale.data.local_micro_batches`: contiguous blocks per rank, contiguous
    micro-batches within a block);
 2. backward ``loss_i / gradient_accumulation_steps`` for each micro-batch, so the local
-   gradient is that of the mean over this rank's rows; all but the last inside
-   `no_sync()`, so gradients are averaged once per step, not once per micro-batch;
-3. the data-parallel wrapper (`tinyscale.data_parallel.BucketedDDP`, buckets of
-   ``zero_optimization.reduce_bucket_size`` bytes) all-reduces the gradients during the
-   last backward and divides by dp: the mean over the global batch, because every rank
+   gradient is that of the mean over this rank's rows;
+3. average the gradients over the dp ranks, by ``zero_optimization.stage``:
+   0: `tinyscale.data_parallel.BucketedDDP` all-reduces buckets of
+   ``reduce_bucket_size`` bytes during the last micro-batch's backward (the others run
+   under `no_sync()`); 1: `tinyscale.zero.ZeroStage1` reduce-scatters each rank's shard
+   after backward; 2: `tinyscale.zero.ZeroStage2` reduce-scatters buckets during every
+   backward. The mean over ranks is the mean over the global batch because every rank
    holds the same number of rows;
-4. clip by global norm, set this step's learning rate, step, zero gradients.
+4. clip by global norm, set this step's learning rate, step (ZeRO: on this rank's shard,
+   then all-gather the parameters), zero gradients.
 
 Every rank ends the step with identical parameters, which is what `full_state_dict`
-returns. Later topics add strategies (bucketed DDP, ZeRO, tensor and pipeline parallel)
-behind the same methods.
+returns. Later topics add strategies (tensor and pipeline parallel) behind the same
+methods.
 """
 
 from __future__ import annotations

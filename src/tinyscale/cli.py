@@ -1,6 +1,7 @@
 """`tinyscale`: the command line.
 
     tinyscale train --preset ddp --world-size 4 [--steps 50] [--config FILE] [--dtype float64]
+    tinyscale estimate --params 7.5e9 [--dp 1 4 16 64] [--zero 3] [--offload cpu]
     tinyscale info
 
 `train` spawns CPU ranks on this machine (or, started by torchrun, joins its ranks), trains
@@ -162,9 +163,90 @@ def cmd_info(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
+    import math
+
+    from tinyscale.zero import estimate as est
+
+    def gb(nbytes: float) -> str:  # rounded as the paper's Table 1 rounds; tiny values keep 3 digits
+        value = nbytes / est.GB
+        if 0 < value < 0.005:
+            return f"{value:.3g}"
+        return f"{est.round_like_paper(value):,.2f}".rstrip("0").rstrip(".")
+
+    if args.preset:
+        from tinyscale.models import GPTConfig
+
+        num_params, source = GPTConfig.preset(args.preset).num_params(), f"GPT preset {args.preset}"
+    else:
+        num_params = 7.5e9 if args.params is None else args.params
+        source = "the ZeRO paper's example" if args.params is None else "--params"
+    if not (math.isfinite(num_params) and num_params >= 0):
+        raise ValueError(f"--params {args.params} is not a parameter count: give a number >= 0, "
+                         "e.g. --params 7.5e9")
+    if min(args.dp) < 1:
+        raise ValueError(f"--dp {min(args.dp)}: a data-parallel degree is at least 1, e.g. --dp 1 8 64")
+    if args.zero is not None and args.zero not in est.STAGES:
+        raise ValueError(f"--zero {args.zero} is not a ZeRO stage: use 0 (DDP), 1, 2 or 3")
+    # Offload needs the stage that shards what it moves: the optimizer (with its gradient
+    # shard) from stage 2 on (ZeRO-Offload), the parameters at stage 3 (ZeRO-Infinity).
+    lowest = 3 if args.offload_params != "none" else 2 if args.offload != "none" else 0
+    if args.zero is not None and args.zero < lowest:
+        flag = "--offload-params" if lowest == 3 else "--offload"
+        raise ValueError(f"{flag} needs --zero {'3' if lowest == 3 else '2 or 3'} (got --zero {args.zero}): "
+                         "offload moves the shards that those stages create")
+    stages = [args.zero] if args.zero is not None else [s for s in est.STAGES if s >= lowest]
+    offloading = lowest > 0
+    placement = dict(offload=args.offload, offload_params=args.offload_params)
+
+    console.print(f"Ψ = {num_params:,.0f} parameters ({source}), N = data-parallel degree (--dp), "
+                  "GB = 1e9 bytes, mixed-precision Adam (2 + 2 + 12 bytes per parameter)")
+    share = "; host and disk: this rank's share" if offloading else ""
+    memory = Table(title="ZeRO model states per rank (GB)",
+                   caption=f"Rounded like the paper's Table 1{share}. Not counted (not model states): "
+                           "activations, temporary buffers, fragmentation.")
+    memory.add_column("stage", style="bold")
+    if offloading:
+        memory.add_column("on")
+    memory.add_column("bytes per rank")
+    for dp in args.dp:
+        memory.add_column(f"N={dp}", justify="right", no_wrap=True)
+    for stage in stages:
+        rows = [(loc, est.formula(stage, loc, **placement)) for loc in est.LOCATIONS]
+        rows = [(loc, text) for loc, text in rows if loc == "device" or text != "0"]
+        for i, (loc, text) in enumerate(rows):
+            cells = [gb(est.model_state_bytes(num_params, dp, stage, **placement).bytes(location=loc))
+                     for dp in args.dp]
+            label = f"{stage} {est.STAGE_NAMES[stage]}" if i == 0 else ""
+            memory.add_row(label, *([loc] if offloading else []), text, *cells)
+    console.print(memory)
+
+    comm = Table(title="Data-parallel communication per rank per step (one micro-batch)",
+                 caption="As the paper counts it: each reduce-scatter or all-gather moves Ψ elements.")
+    ring = Table(title="The same exactly, for ring collectives over N ranks (GB of fp16)",
+                 caption="A ring reduce-scatter or all-gather sends (N-1)/N of Ψ per rank; the paper "
+                         "rounds that to Ψ. This is what Ledger.bus_bytes() measures.")
+    for table, heading in ((comm, "collectives"), (ring, "elements per rank")):
+        table.add_column("stage", style="bold")
+        table.add_column(heading)
+    comm.add_column("volume", justify="right")
+    comm.add_column("GB fp16", justify="right", no_wrap=True)
+    for dp in args.dp:
+        ring.add_column(f"N={dp}", justify="right", no_wrap=True)
+    for stage in stages:
+        label, k = f"{stage} {est.STAGE_NAMES[stage]}", est.comm_volume(1, stage)
+        comm.add_row(label, est.COLLECTIVES[stage], f"{k:g}Ψ", gb(2 * est.comm_volume(num_params, stage)))
+        ring.add_row(label, f"{k:g}Ψ(N-1)/N",
+                     *[gb(est.comm_bytes_per_rank(num_params, stage, dp, 2)) for dp in args.dp])
+    console.print(comm)
+    console.print(ring)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tinyscale.models import PRESETS as MODEL_PRESETS
     from tinyscale.train import DTYPES, PRESETS
+    from tinyscale.zero.estimate import OFFLOAD_TARGETS, TABLE1_DPS
 
     parser = argparse.ArgumentParser(prog="tinyscale", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
     t.add_argument("--timeout", type=float, default=3600, help="seconds before a stuck run is stopped")
     sub.add_parser("info", help="this machine, the backend tinyscale picks, and the corpus")
+    e = sub.add_parser("estimate", help="ZeRO's model-state memory per device and communication per step")
+    size = e.add_mutually_exclusive_group()
+    size.add_argument("--params", type=float, help="parameters Ψ, e.g. 7.5e9 (default: 7.5e9, the paper's)")
+    size.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="take Ψ from a GPT preset's shapes")
+    e.add_argument("--dp", type=int, nargs="+", default=list(TABLE1_DPS),
+                   help="data-parallel degrees N (default: the paper's 1 4 16 64 256 1024)")
+    e.add_argument("--zero", type=int, help="only this stage: 0 (DDP), 1, 2 or 3 (default: all)")
+    e.add_argument("--offload", choices=OFFLOAD_TARGETS, default="none",
+                   help="optimizer states, master weights and gradient shard to host memory (cpu) "
+                        "or disk (nvme): ZeRO-Offload, stages 2 and 3")
+    e.add_argument("--offload-params", choices=OFFLOAD_TARGETS, default="none",
+                   help="the parameter shard to host memory or disk: ZeRO-Infinity, stage 3")
     return parser
 
 
@@ -189,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "info": cmd_info}[args.command](args, console)
+        return {"train": cmd_train, "info": cmd_info, "estimate": cmd_estimate}[args.command](args, console)
     except ValueError as err:  # bad input: say what and how to fix it, no traceback
         console.print(f"[red]error:[/red] {err}")
         return 2

@@ -23,12 +23,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-# In float64, splitting the batch over ranks changes sums by ~1e-16 relative and the
-# parameters after a few hundred steps by ~1e-13: anything above 1e-10 is a bug. In float32
-# the same rounding (~1e-7) is amplified by Adam wherever a gradient is near zero (the
-# update m / sqrt(v) flips with the sign of noise), so parameters drift apart by up to the
-# learning rate per step without anything being wrong: there we report, not judge.
-_MATCH_TOLERANCE = {"float64": 1e-10}
+# The verdict: our parameters must be as close to the reference as two single-process runs
+# that only sum in a different order are to each other (the noise floor, measured on the
+# same run), with 10x headroom, and never further than 1e-12 when that floor is ~0. In
+# float64 a real bug (a missing 1/N, a dropped micro-batch) lands orders of magnitude above
+# it. In float32 the floor itself is large (Adam amplifies rounding wherever a gradient is
+# near zero): there we report and do not judge.
+_NOISE_HEADROOM = 10.0
+_ABSOLUTE_FLOOR = 1e-12
 
 
 def _under_torchrun() -> bool:
@@ -89,21 +91,23 @@ def _summary_table(spec, result: dict, ref: dict | None) -> tuple[Table, dict]:
     table.add_row("model", f"{spec.model} GPT, {result['num_params']:,} params, {spec.dtype}")
     table.add_row("final loss", f"{metrics[-1]['loss']:.6f}")
     if ref is not None:
-        tol = _MATCH_TOLERANCE.get(spec.dtype)
+        tol = max(_NOISE_HEADROOM * ref["noise_floor"], _ABSOLUTE_FLOOR) if spec.dtype == "float64" else None
         matches = None if tol is None else ref["max_param_diff"] <= tol
         summary |= {"reference_final_loss": ref["losses"][-1], "max_loss_diff": ref["max_loss_diff"],
-                    "max_param_diff": ref["max_param_diff"], "matches_reference": matches, "tolerance": tol}
+                    "max_param_diff": ref["max_param_diff"], "noise_floor": ref["noise_floor"],
+                    "matches_reference": matches, "tolerance": tol}
         table.add_row("reference final loss (1 process)", f"{ref['losses'][-1]:.6f}")
         table.add_row("max |loss - reference| over steps", f"{ref['max_loss_diff']:.3e}")
+        table.add_row("noise floor (1 process, other summation order)", f"{ref['noise_floor']:.3e}")
         if tol is None:
-            verdict = f"({spec.dtype} rounding drift expected; --dtype float64 checks exactly)"
+            verdict = f"({spec.dtype}: reported, not judged; --dtype float64 to check)"
         else:
-            verdict = ("[green]matches[/green]" if matches else "[red]DIFFERS[/red]") + f" (tol {tol:g})"
+            verdict = ("[green]matches[/green]" if matches else "[red]DIFFERS[/red]") + f" (tol {tol:.1e})"
         table.add_row("max |param - reference|", f"{ref['max_param_diff']:.3e}  {verdict}")
     table.add_row("throughput", f"{tok_s:,.0f} tokens/s ({metrics[-1]['step_time_s'] * 1e3:.0f} ms last step)")
     for op, row in result["ledger"].items():
-        table.add_row(f"comm {op}", f"{_fmt_bytes(row['bytes'])} in {row['calls']:,} calls "
-                                    f"({_fmt_bytes(row['bytes'] / spec.steps)}/step)")
+        per_step = "once, at start" if op == "broadcast" else f"{_fmt_bytes(row['bytes'] / spec.steps)}/step"
+        table.add_row(f"comm {op}", f"{_fmt_bytes(row['bytes'])} in {row['calls']:,} calls ({per_step})")
     if not result["ledger"]:
         table.add_row("comm", "none (one process)")
     mem = result["memory"]

@@ -187,6 +187,7 @@ class EngineConfig(_Section):
         except ValidationError as err:
             raise ConfigError(_explain(err, config)) from None
 
+    # --8<-- [start:batch-identity]
     def batch(self, dp: int) -> BatchLayout:
         """Resolve the batch identity for a data-parallel size, DeepSpeed's way."""
         tbs, micro, accum = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
@@ -216,6 +217,7 @@ class EngineConfig(_Section):
             accum = accum or 1
             tbs = micro * accum * dp
         return BatchLayout(tbs, micro, accum, dp)
+    # --8<-- [end:batch-identity]
 
 
 def _read_file(path: Path) -> dict:

@@ -139,20 +139,34 @@ def train_rank(spec: TrainSpec) -> dict | None:
 
 
 def compare_with_reference(spec: TrainSpec, result: dict, show_progress: bool = True) -> dict:
-    """Train a fresh model in this process on the same batches; compare losses and parameters."""
+    """Train fresh models in this process on the same batches; compare losses and parameters.
+
+    Two single-process runs: the reference (micro-batches as configured) and a control that
+    takes each global batch in one piece. Their only difference is the order in which the
+    same numbers are summed, so their distance is the rounding noise floor of this run.
+    Training amplifies rounding (in float64, ~1e-16 after one step grows to ~1e-9 after 50
+    steps of this model): a fixed tolerance would be wrong for long runs, a noise floor
+    measured on the same run is not.
+    """
     model, batches = build(spec)
+    control, _ = build(spec)
+    rows = batches[0][0].shape[0]
+    one_piece = {**spec.config, "train_batch_size": rows, "train_micro_batch_size_per_gpu": rows,
+                 "gradient_accumulation_steps": 1}
     with _progress("reference x1") as progress:
-        task = progress.add_task("ref", total=spec.steps, stats="", visible=show_progress)
+        task = progress.add_task("ref", total=2 * spec.steps, stats="", visible=show_progress)
 
         def on_step(step: int, loss: float) -> None:
             progress.update(task, advance=1, stats=f"loss {loss:.4f}")
 
         losses = ts.reference.train(model, batches, spec.config, on_step=on_step)
+        ts.reference.train(control, batches, one_piece, on_step=on_step)
     ours = [m["loss"] for m in result["metrics"]]
     return {
         "losses": losses,
         "max_loss_diff": max(abs(a - b) for a, b in zip(ours, losses)),
         "max_param_diff": max_abs_diff(result["state"], model.state_dict()),
+        "noise_floor": max_abs_diff(control.state_dict(), model.state_dict()),
     }
 
 

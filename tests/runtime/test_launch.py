@@ -93,3 +93,13 @@ def test_dist_launch_rejects_bad_arguments_before_spawning():
         launch(_rank_and_sum, 0, 1)
     with pytest.raises(ValueError, match="module level"):
         launch(lambda: 1, 2)
+
+
+def _skip_a_collective_on_rank_one():
+    if dist.get_rank() != 1:  # rank 1 returns at once; the others wait for it in vain
+        comm.all_reduce(torch.ones(4))
+
+
+def test_dist_launch_blames_a_rank_that_left_its_peers_waiting(no_orphans):
+    with pytest.raises(RankError, match=r"rank 1 of 3 finished while the other ranks failed"):
+        launch(_skip_a_collective_on_rank_one, 3, timeout_s=20)

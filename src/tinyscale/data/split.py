@@ -52,6 +52,7 @@ def _check_positive(field: str, value: int) -> None:
         raise ValueError(f"{field}={value!r} is invalid: it must be a positive int")
 
 
+# --8<-- [start:shard-rows]
 def shard_rows(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
     """Rank `rank`'s contiguous block of rows: (N, ...) -> (N // world_size, ...) per tensor."""
     _check_positive("world_size", world_size)
@@ -75,6 +76,7 @@ def micro_batches(batch: tuple[torch.Tensor, ...], micro_batch_size: int) -> lis
                          f"(train_micro_batch_size_per_gpu): {_IDENTITY}")
     per_tensor = [t.split(micro_batch_size, dim=0) for t in batch]  # each: R // M views of (M, ...)
     return [tuple(chunks) for chunks in zip(*per_tensor)]
+# --8<-- [end:shard-rows]
 
 
 def local_micro_batches(batch: tuple[torch.Tensor, ...], *, dp_rank: int, dp_size: int,

@@ -100,6 +100,7 @@ def raise_for_outcomes(outcomes: dict[int, procs.Outcome], timeout_s: float) -> 
 
         pytest.skip(ordered[0].message)  # the test is skipped, as it would be on one process
 
+    # --8<-- [start:blame]
     own = sorted((o for o in ordered if o.status == "error" and not o.collateral), key=lambda o: o.at)
     died = [o for o in ordered if o.status == "died"]
     # Among silent ranks, one busy outside torch.distributed is the cause; ranks inside a
@@ -107,7 +108,13 @@ def raise_for_outcomes(outcomes: dict[int, procs.Outcome], timeout_s: float) -> 
     hung = sorted((o for o in ordered if o.status == "hung"), key=lambda o: o.in_collective)
     peer = sorted((o for o in ordered if o.status == "error"), key=lambda o: o.at)
     mixed_skip = [o for o in ordered if o.status == "skip"]
-    culprit = (own or died or hung or peer or mixed_skip)[0]
+    busy = [o for o in hung if not o.in_collective]  # silent, and not waiting for anyone
+    # Nobody failed on its own, yet some ranks finished while the rest wait in (or timed
+    # out of) a collective: a finished rank most likely made fewer collectives than the others.
+    waiting = [o for o in ordered if o.status == "error" or (o.status == "hung" and o.in_collective)]
+    left_early = [o for o in ordered if o.status == "ok"] if waiting and not (own or died or busy) else []
+    culprit = (own or died or busy or left_early or hung or peer or mixed_skip)[0]
+    # --8<-- [end:blame]
 
     others = "\n".join(f"  rank {o.rank}: {_describe(o)}" for o in ordered)
     if culprit.status == "hung":
@@ -119,6 +126,11 @@ def raise_for_outcomes(outcomes: dict[int, procs.Outcome], timeout_s: float) -> 
     elif culprit.status == "died":
         head = f"rank {culprit.rank} of {world_size} {_describe(culprit)} without reporting"
         cls = RankDiedError
+    elif culprit.status == "ok":
+        names = ", ".join(str(o.rank) for o in left_early)
+        head = (f"rank {names} of {world_size} finished while the other ranks failed waiting in a "
+                f"collective: did it skip a collective the others made?")
+        cls = RankError
     elif culprit.status == "skip":
         head = f"rank {culprit.rank} of {world_size} skipped but other ranks did not: ranks disagree"
         cls = RankError
@@ -133,6 +145,7 @@ def raise_for_outcomes(outcomes: dict[int, procs.Outcome], timeout_s: float) -> 
     raise cls(message, rank=culprit.rank, outcomes=outcomes) from culprit.exception
 
 
+# --8<-- [start:rank-main]
 def _rank_main(rank, world_size, port, backend, timeout_s, fn, args, results, parent_pid, stack_dir):
     procs.die_with_parent(parent_pid)
     procs.enable_stack_dumps(stack_dir, rank)
@@ -147,13 +160,20 @@ def _rank_main(rank, world_size, port, backend, timeout_s, fn, args, results, pa
     except BaseException as exc:  # noqa: BLE001 - report, never die silently
         results.put(procs.encode_exception(rank, 0, exc))
         return
-    results.put(procs.encode_result(rank, 0, fn, args, {}))
+    message = procs.encode_result(rank, 0, fn, args, {})
+    results.put(message)
     try:
+        if message[2] == "ok":
+            # Nobody leaves before everyone is done: a fast rank that exits while a slow one
+            # is still connecting (gloo's full mesh) would make the slow one fail.
+            dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a failed run may leave the group unusable; exiting is enough
         pass
+# --8<-- [end:rank-main]
 
 
+# --8<-- [start:pg-timeout]
 def pg_timeout(timeout_s: float) -> float:
     """The process-group timeout for a run with this deadline.
 
@@ -161,6 +181,7 @@ def pg_timeout(timeout_s: float) -> float:
     raise (and report) before the caller gives up: the silent rank is then the hung one.
     """
     return max(1.0, 0.75 * timeout_s)
+# --8<-- [end:pg-timeout]
 
 
 def check_picklable(fn: Callable, args: tuple) -> None:
@@ -186,6 +207,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto", timeout_
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
     if timeout_s <= 0:
         raise ValueError(f"launch: timeout_s must be positive, got {timeout_s!r}")
+    # --8<-- [start:launch]
     check_picklable(fn, args)
     deadline = time.monotonic() + timeout_s
     ctx = mp.get_context("spawn")
@@ -215,3 +237,4 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto", timeout_
         shutil.rmtree(stack_dir, ignore_errors=True)
         del store
     return raise_for_outcomes(outcomes, timeout_s)
+    # --8<-- [end:launch]

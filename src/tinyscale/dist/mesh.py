@@ -64,6 +64,7 @@ class MeshLayout:
                 f"{'; '.join(_factorizations(world_size))}."
             )
 
+    # --8<-- [start:coords]
     def coords(self, rank: int) -> dict[str, int]:
         """{"pp": i, "dp": j, "cp": k, "tp": l} of a global rank."""
         if not 0 <= rank < self.world_size:
@@ -86,7 +87,9 @@ class MeshLayout:
                 raise ValueError(f"{name}={i} is outside 0..{size - 1}")
             rank = rank * size + i
         return rank
+    # --8<-- [end:coords]
 
+    # --8<-- [start:groups]
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along `axis`: lists of global ranks that differ only in that coordinate."""
         if axis not in DIMS:
@@ -97,6 +100,7 @@ class MeshLayout:
             base = dict(zip(others, fixed))
             out.append([self.rank_of(**base, **{axis: i}) for i in range(getattr(self, axis))])
         return out
+    # --8<-- [end:groups]
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
         """The global ranks of `rank`'s group along `axis`."""

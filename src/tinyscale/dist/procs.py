@@ -28,6 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 
 # Errors raised by a rank only because a *peer* failed or stalled: the peer is the story.
+# --8<-- [start:collateral]
 _COLLATERAL_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -41,6 +42,7 @@ _COLLATERAL_MARKERS = (
     "DistNetworkError",
     "DistStoreError",
 )
+# --8<-- [end:collateral]
 
 
 @dataclass
@@ -90,6 +92,7 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="tinyscale-parent-watch", daemon=True).start()
 
 
+# --8<-- [start:stack-dumps]
 def enable_stack_dumps(stack_dir: str, rank: int) -> None:
     """On SIGUSR1, write every thread's Python stack to ``stack_dir/rank{rank}.txt``.
 
@@ -99,6 +102,7 @@ def enable_stack_dumps(stack_dir: str, rank: int) -> None:
     f.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
     f.flush()
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+# --8<-- [end:stack-dumps]
 
 
 def encode_result(rank: int, task_id: int, fn, args, kwargs) -> tuple:

@@ -32,6 +32,7 @@ class RankInfo:
     device: torch.device
 
 
+# --8<-- [start:resolve-backend]
 def resolve_backend(backend: str, ranks_on_this_machine: int) -> str:
     """"auto" -> "nccl" if there is a GPU for every local rank, else "gloo"."""
     if backend not in ("auto", "gloo", "nccl"):
@@ -45,6 +46,7 @@ def resolve_backend(backend: str, ranks_on_this_machine: int) -> str:
             f"machine but {gpus} GPUs visible. Use backend='gloo' (CPU) or fewer ranks."
         )
     return backend
+# --8<-- [end:resolve-backend]
 
 
 def _cpu_threads_per_rank(ranks_on_this_machine: int) -> int:
@@ -90,6 +92,7 @@ def init_rank(
     return RankInfo(rank, world_size, local_rank, backend, _device)
 
 
+# --8<-- [start:init]
 def init(backend: str = "auto", timeout_s: float = 600.0) -> RankInfo:
     """Join a job started by ``torchrun`` (reads its environment variables).
 
@@ -116,6 +119,7 @@ def init(backend: str = "auto", timeout_s: float = 600.0) -> RankInfo:
         backend=backend,
         timeout_s=timeout_s,
     )
+# --8<-- [end:init]
 
 
 def info() -> RankInfo:

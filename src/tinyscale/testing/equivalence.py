@@ -13,11 +13,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+# --8<-- [start:float64-tolerances]
 # Relative tolerance for float64 equivalence (DESIGN.md). Reduction-order noise is ~1e-15.
 FLOAT64_RTOL = 1e-10
 # Absolute floor for values that are ~0 (parameters are O(0.01-1), so relative error is
 # meaningless near 0): 1e-12 is ~1000x the noise and ~1e6x below the smallest real bug.
 FLOAT64_ATOL = 1e-12
+# --8<-- [end:float64-tolerances]
 
 
 def state_dict_cpu(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -56,6 +56,7 @@ def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, par
         results.put(procs.encode_exception(rank, _READY, exc))
         return
     results.put((_READY, rank, "ok", pickle.dumps(None)))
+    # --8<-- [start:worker-loop]
     while True:
         message = tasks.get()
         if message is None:
@@ -71,6 +72,7 @@ def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, par
             results.put(procs.encode_exception(rank, task_id, exc))
             continue
         results.put(procs.encode_result(rank, task_id, fn, args, kwargs))
+    # --8<-- [end:worker-loop]
     dist.destroy_process_group()
 
 

@@ -112,7 +112,7 @@ class OffloadConfig(_Section):
 
 class ZeroConfig(_Section):
     stage: int = Field(0, ge=0, le=3)
-    reduce_bucket_size: PositiveInt = 500_000_000
+    reduce_bucket_size: PositiveInt = 500_000_000  # elements per gradient bucket (DeepSpeed's unit)
     overlap_comm: bool = True
     offload_optimizer: OffloadConfig = OffloadConfig()
     offload_param: OffloadConfig = OffloadConfig()

@@ -66,20 +66,20 @@ def test_ddp_engine_matches_single_process_float64(world_size, seed, micro, accu
 def test_ddp_engine_gpt_matches_single_process_float64(world_size):
     config = _config(micro=1, accum=2, world_size=world_size, clip=1.0, optimizer="adamw")
     results = _check_against_reference("gpt", 7, config, 3, world_size)  # 2 warm-up steps, step 0 at lr 0
-    # One all-reduce per gradient bucket (reduce_bucket_size, default 5e8 bytes: one bucket
+    # One all-reduce per gradient bucket (reduce_bucket_size, default 5e8 elements: one bucket
     # for this model) plus one for the loss, every step.
     trainable = [p for p in GPT(GPTConfig.preset("tiny")).parameters() if p.requires_grad]
-    n_buckets = len(assign_buckets(trainable, 500_000_000))
+    n_buckets = len(assign_buckets(trainable, 500_000_000 * 8))
     assert n_buckets == 1
     assert results[0][2] == 3 * (n_buckets + 1)
 
 
 def test_ddp_engine_buckets_follow_reduce_bucket_size():
     config = {**_config(micro=1, accum=1, world_size=2, clip=0.0, optimizer="sgd"),
-              "zero_optimization": {"stage": 0, "reduce_bucket_size": 2000}}
+              "zero_optimization": {"stage": 0, "reduce_bucket_size": 250}}  # elements
     results = _check_against_reference("mlp", 1, config, 2, 2)
     trainable = [p for p in TinyMLP().parameters() if p.requires_grad]
-    n_buckets = len(assign_buckets(trainable, 2000))
+    n_buckets = len(assign_buckets(trainable, 250 * 8))  # float64: 8 bytes per element
     assert n_buckets > 1 and results[0][2] == 2 * (n_buckets + 1)
 
 

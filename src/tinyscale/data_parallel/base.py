@@ -25,17 +25,20 @@ from torch.autograd import Variable
 from tinyscale.dist import comm
 
 
+# --8<-- [start:broadcast]
 @torch.no_grad()
 def broadcast_parameters(module: nn.Module, process_group=None) -> None:
     """Copy the group's first rank's parameters and buffers to every rank of the group."""
     src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     for t in [*module.parameters(), *module.buffers()]:
         comm.broadcast(t.data, src=src, group=process_group)
+# --8<-- [end:broadcast]
 
 
 class DataParallelBase(nn.Module):
     """Shared plumbing; subclasses implement `_grad_ready(param)` and `_finish_backward()`."""
 
+    # --8<-- [start:init]
     def __init__(self, module: nn.Module, process_group=None, find_unused_parameters: bool = False):
         super().__init__()
         self.module = module
@@ -51,14 +54,25 @@ class DataParallelBase(nn.Module):
         broadcast_parameters(module, process_group)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+    # --8<-- [end:init]
 
     def forward(self, *args, **kwargs):
+        if self._finish_queued:
+            # The last synchronising backward raised midway: autograd dropped our
+            # end-of-backward callback. Without this reset no backward would ever finish
+            # synchronising again, and the replicas would drift apart silently.
+            self._finish_queued = False
+            self._abandon_backward()
         return self.module(*args, **kwargs)
 
     # --8<-- [start:no_sync]
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside this block synchronises."""
+        """Accumulate gradients locally; the next backward outside this block synchronises.
+
+        The flag is read during *backward* (when gradients arrive). torch's DDP reads it
+        during forward: run forward and backward inside the same block and the two agree.
+        """
         previous = self._sync
         self._sync = False
         try:
@@ -67,6 +81,7 @@ class DataParallelBase(nn.Module):
             self._sync = previous  # restored even if the forward or backward raised
     # --8<-- [end:no_sync]
 
+    # --8<-- [start:hooks]
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._sync:
             return
@@ -79,9 +94,13 @@ class DataParallelBase(nn.Module):
     def _on_backward_end(self) -> None:
         self._finish_queued = False
         self._finish_backward()
+    # --8<-- [end:hooks]
 
     def _backward_started(self) -> None:
         """Hook for subclasses: the first gradient of a synchronising backward arrived."""
+
+    def _abandon_backward(self) -> None:
+        """Hook for subclasses: forget the state of a backward that never finished."""
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         raise NotImplementedError
@@ -89,12 +108,14 @@ class DataParallelBase(nn.Module):
     def _finish_backward(self) -> None:
         raise NotImplementedError
 
+    # --8<-- [start:used-anywhere]
     def _used_anywhere(self, used_here: list[bool]) -> list[bool]:
         """Which parameters got a gradient on at least one rank (one small all-reduce)."""
         device = self.params[0].device if self.params else torch.device("cpu")
         flags = torch.tensor(used_here, dtype=torch.int32, device=device)
         comm.all_reduce(flags, group=self.process_group)
         return [bool(f) for f in flags.tolist()]
+    # --8<-- [end:used-anywhere]
 
     def _missing_gradients_error(self, missing: list[torch.Tensor]) -> RuntimeError:
         names = ", ".join(self.names[p] for p in missing)

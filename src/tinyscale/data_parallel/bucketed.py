@@ -103,6 +103,14 @@ class BucketedDDP(DataParallelBase):
     def _backward_started(self) -> None:
         self.events = []
 
+    def _abandon_backward(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # launched on every rank alike: let it finish, then drop it
+            bucket.work = None
+            bucket.ready.clear()
+        self._next_launch = 0
+
     # --8<-- [start:grad_ready]
     @torch.no_grad()
     def _grad_ready(self, param: torch.Tensor) -> None:

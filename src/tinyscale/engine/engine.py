@@ -12,7 +12,7 @@ What a step does over `dp` data-parallel ranks:
    gradient is that of the mean over this rank's rows;
 3. average the gradients over the dp ranks, by ``zero_optimization.stage``:
    0: `tinyscale.data_parallel.BucketedDDP` all-reduces buckets of
-   ``reduce_bucket_size`` bytes during the last micro-batch's backward (the others run
+   ``reduce_bucket_size`` elements during the last micro-batch's backward (the others run
    under `no_sync()`); 1: `tinyscale.zero.ZeroStage1` reduce-scatters each rank's shard
    after backward; 2: `tinyscale.zero.ZeroStage2` reduce-scatters buckets during every
    backward. The mean over ranks is the mean over the global batch because every rank
@@ -92,12 +92,14 @@ class Engine:
         self.ddp = self.zero = None
         self._before_step_report: MemoryReport | None = None
         zero = config.zero_optimization
+        # DeepSpeed counts reduce_bucket_size in elements, not bytes.
+        bucket_bytes = zero.reduce_bucket_size * self.params[0].element_size()
         with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
             if zero.stage == 0:
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
                 if self.dp_size > 1:
                     self.ddp = BucketedDDP(self.model, process_group=self.dp_group,
-                                           bucket_cap_mb=zero.reduce_bucket_size / 2**20, overlap=zero.overlap_comm)
+                                           bucket_cap_mb=bucket_bytes / 2**20, overlap=zero.overlap_comm)
                 self.optimizer = build_optimizer(groups, config.optimizer)
             else:
                 # ZeRO 1/2: the ranks start identical, then each builds its shards of the state.
@@ -108,7 +110,7 @@ class Engine:
                     self.zero = ZeroStage1(groups, make, self.dp_group)
                 else:
                     self.zero = ZeroStage2(groups, make, self.dp_group,
-                                           bucket_bytes=zero.reduce_bucket_size, overlap=zero.overlap_comm)
+                                           bucket_bytes=bucket_bytes, overlap=zero.overlap_comm)
                 self.optimizer = self.zero.sharded.optimizer
         self.step = 0
 
@@ -124,11 +126,14 @@ class Engine:
                 f"{self.batch.gradient_accumulation_steps} accumulation x {self.dp_size} dp)"
             )
         self.model.train()
+        if self.zero is not None:
+            self.zero.abandon_backward()  # in case the previous step's backward raised midway
         micro = local_micro_batches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                     micro_batch_size=self.batch.micro_batch_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         forward = self.ddp if self.ddp is not None else self.model
         with comm.record(self.comm_ledger):
+            # --8<-- [start:accumulate]
             for i, chunk in enumerate(micro):
                 last = i == len(micro) - 1
                 # Gradients are averaged once per step: by the last micro-batch's backward.
@@ -136,6 +141,7 @@ class Engine:
                     loss = forward(*(t.to(self.device) for t in chunk))
                     (loss / len(micro)).backward()
                 total += loss.detach().double()
+            # --8<-- [end:accumulate]
             if self.dp_size > 1:
                 comm.all_reduce(total, group=self.dp_group)
         mean_loss = total.item() / (len(micro) * self.dp_size)

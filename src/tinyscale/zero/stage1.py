@@ -44,6 +44,9 @@ class ZeroStage1:
                 p.grad = None
     # --8<-- [end:reduce]
 
+    def abandon_backward(self) -> None:
+        """Nothing to forget: stage 1 communicates only in `step`."""
+
     def step(self, max_norm: float = 0.0) -> None:
         self.reduce_gradients()
         if max_norm > 0:

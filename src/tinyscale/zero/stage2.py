@@ -82,6 +82,17 @@ class ZeroStage2:
         self._next = 0
         self._queued = False
 
+    def abandon_backward(self) -> None:
+        """Forget a backward that raised midway (autograd then drops the end callback)."""
+        if self._queued:
+            for pending in self._pending:
+                pending.wait()
+            self._pending.clear()
+            for ready in self._ready:
+                ready.clear()
+            self._next = 0
+            self._queued = False
+
     def step(self, max_norm: float = 0.0) -> None:
         if max_norm > 0:
             self.sharded.clip_grad_norm_(max_norm)

@@ -74,6 +74,10 @@ class ZeroStage2:
         # (overlap=False) go now, in order; a missing gradient counts as zero.
         for u in range(self._next, len(self.sharded.units)):
             self._launch(u)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for every launched reduce-scatter and make ready for the next backward."""
         for pending in self._pending:
             pending.wait()
         self._pending.clear()
@@ -83,15 +87,12 @@ class ZeroStage2:
         self._queued = False
 
     def abandon_backward(self) -> None:
-        """Forget a backward that raised midway (autograd then drops the end callback)."""
+        """Forget a backward that raised midway (autograd then drops the end callback).
+
+        What was launched was launched on every rank alike: let it land, drop the rest.
+        """
         if self._queued:
-            for pending in self._pending:
-                pending.wait()
-            self._pending.clear()
-            for ready in self._ready:
-                ready.clear()
-            self._next = 0
-            self._queued = False
+            self._settle()
 
     def step(self, max_norm: float = 0.0) -> None:
         if max_norm > 0:

@@ -46,6 +46,8 @@ PRESETS: dict[str, dict] = {
               "config": {**_COMMON, "zero_optimization": {"stage": 1}}},
     "zero2": {"model": "small", "world_size": 4, "dtype": "float64",
               "config": {**_COMMON, "zero_optimization": {"stage": 2, "reduce_bucket_size": 131_072}}},
+    "zero3": {"model": "small", "world_size": 4, "dtype": "float64",
+              "config": {**_COMMON, "zero_optimization": {"stage": 3}}},
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

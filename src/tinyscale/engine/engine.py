@@ -15,14 +15,16 @@ What a step does over `dp` data-parallel ranks:
    ``reduce_bucket_size`` elements during the last micro-batch's backward (the others run
    under `no_sync()`); 1: `tinyscale.zero.ZeroStage1` reduce-scatters each rank's shard
    after backward; 2: `tinyscale.zero.ZeroStage2` reduce-scatters buckets during every
-   backward. The mean over ranks is the mean over the global batch because every rank
-   holds the same number of rows;
+   backward; 3: `tinyscale.zero.ZeroStage3` holds only parameter shards, its hooks on the
+   model all-gather each unit (a block) for its forward and again for its backward, and
+   reduce-scatter the unit's gradients as soon as backward is done with it. The mean over
+   ranks is the mean over the global batch because every rank holds the same number of rows;
 4. clip by global norm, set this step's learning rate, step (ZeRO: on this rank's shard,
-   then all-gather the parameters), zero gradients.
+   then stages 1 and 2 all-gather the parameters; stage 3 keeps them sharded), zero gradients.
 
-Every rank ends the step with identical parameters, which is what `full_state_dict`
-returns. Later topics add strategies (tensor and pipeline parallel) behind the same
-methods.
+Every rank ends the step with identical parameters (stage 3: identical shards of them),
+which is what `full_state_dict` returns (stage 3 gathers them for it). Later topics add
+strategies (tensor and pipeline parallel) behind the same methods.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.optim import build_optimizer, lr_at, set_lr
-from tinyscale.zero import ZeroStage1, ZeroStage2
+from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
+from tinyscale.zero.stage3 import Wrap
 
 
 ParamGroups = Callable[[torch.nn.Module], list[dict]]
@@ -50,8 +53,6 @@ ParamGroups = Callable[[torch.nn.Module], list[dict]]
 def check_supported(config: EngineConfig) -> None:
     """Reject what this build cannot do yet, naming the field (before any work is done)."""
     todo = []
-    if config.zero_optimization.stage == 3:
-        todo.append("zero_optimization.stage=3 (not built yet; use 0, 1 or 2)")
     if config.zero_optimization.offload_optimizer.device != "none" or config.zero_optimization.offload_param.device != "none":
         todo.append("zero_optimization.offload_* (offload is not built yet; use device 'none')")
     if config.fp16.enabled or config.bf16.enabled:
@@ -70,7 +71,7 @@ class Engine:
     """Trains `model` with the configured strategy; see the module docstring for one step."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, mesh: ParallelMesh | None = None,
-                 param_groups: ParamGroups | None = None):
+                 param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None):
         check_supported(config)
         self.config = config
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -102,15 +103,18 @@ class Engine:
                                            bucket_cap_mb=bucket_bytes / 2**20, overlap=zero.overlap_comm)
                 self.optimizer = build_optimizer(groups, config.optimizer)
             else:
-                # ZeRO 1/2: the ranks start identical, then each builds its shards of the state.
+                # ZeRO: the ranks start identical, then each builds its shards of the state
+                # (stage 3: of the parameters too, and hooks on the model that gather them).
                 if self.dp_size > 1:
                     broadcast_parameters(self.model, self.dp_group)
                 make = lambda groups: build_optimizer(groups, config.optimizer)  # noqa: E731
                 if zero.stage == 1:
                     self.zero = ZeroStage1(groups, make, self.dp_group)
-                else:
+                elif zero.stage == 2:
                     self.zero = ZeroStage2(groups, make, self.dp_group,
                                            bucket_bytes=bucket_bytes, overlap=zero.overlap_comm)
+                else:
+                    self.zero = ZeroStage3(groups, make, self.dp_group, module=self.model, wrap=zero3_wrap)
                 self.optimizer = self.zero.sharded.optimizer
         self.step = 0
 
@@ -164,8 +168,12 @@ class Engine:
     # --8<-- [end:train-batch]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict()."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict().
+
+        With stage 3 every unit is all-gathered for the copy (call it on every rank)."""
+        gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
+        with gathered:
+            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, path) -> None:
         """Write the full model and optimizer state to directory `path` (atomic; call on every rank)."""
@@ -208,7 +216,7 @@ class Engine:
 
         ``when="now"``: right now (between steps: no gradients). ``when="before_step"``: as
         they were in the last step after backward, before the optimizer step, the moment
-        model states peak (full gradients for stage 0 and 1, gradient shards for stage 2).
+        model states peak (full gradients for stage 0 and 1, gradient shards for stages 2 and 3).
         """
         if when == "before_step":
             if self._before_step_report is None:
@@ -219,16 +227,20 @@ class Engine:
         extra = None
         if self.zero is not None:
             extra = {"master_weights": self.zero.sharded.master, "gradients": self.zero.sharded.grad}
+            if isinstance(self.zero, ZeroStage3):  # its parameters are shards (plus frozen ones, full)
+                extra["parameters"] = self.zero.shards
         return report_for(self.model, self.optimizer, self.device, extra)
 
 
 def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = None,
-               param_groups: ParamGroups | None = None) -> Engine:
+               param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None) -> Engine:
     """Wrap `model` in an `Engine` for `config` (dict, .json/.yaml path or EngineConfig).
 
     Call on every rank (inside `tinyscale.dist.launch` or torchrun), or in a plain process.
     `param_groups(model)` may return torch-style groups (dicts with "params" and overrides
     such as "weight_decay"; not "lr": the schedule sets every group's lr);
-    `tinyscale.reference.train` takes the same callable.
+    `tinyscale.reference.train` takes the same callable. `zero3_wrap` (stage 3 only) names
+    the modules that become units (names, or a predicate on (name, module)); default: every
+    element of every nn.ModuleList (see `tinyscale.zero.stage3`).
     """
-    return Engine(model, EngineConfig.load(config), mesh=mesh, param_groups=param_groups)
+    return Engine(model, EngineConfig.load(config), mesh=mesh, param_groups=param_groups, zero3_wrap=zero3_wrap)

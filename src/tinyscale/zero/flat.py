@@ -38,6 +38,9 @@ class FlatUnit:
             raise ValueError(f"a FlatUnit holds one dtype on one device, got {dtypes} on {devices}")
         self.params = list(params)
         self.world_size, self.rank = world_size, rank
+        # Shapes are recorded once: stage 3 swaps a freed parameter's data for an empty tensor,
+        # so p.shape is not always the parameter's real shape.
+        self.shapes = [p.shape for p in self.params]
         self.offsets = []
         total = 0
         for p in self.params:
@@ -62,8 +65,8 @@ class FlatUnit:
     def flatten(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenate tensors shaped like the params (None -> zeros) into a padded flat buffer."""
         flat = self.empty_flat() if out is None else out
-        for t, offset, p in zip(tensors, self.offsets, self.params):
-            piece = flat[offset: offset + p.numel()]
+        for t, offset, shape in zip(tensors, self.offsets, self.shapes):
+            piece = flat[offset: offset + shape.numel()]
             if t is None:
                 piece.zero_()
             else:
@@ -73,7 +76,7 @@ class FlatUnit:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a flat buffer shaped like each parameter (no copies)."""
-        return [flat[o: o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        return [flat[o: o + shape.numel()].view(shape) for o, shape in zip(self.offsets, self.shapes)]
 
     def shard(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a padded flat buffer (a view)."""

@@ -1,4 +1,4 @@
-"""The sharded optimizer step shared by ZeRO stages 1 and 2 (and 3's optimizer side).
+"""The sharded optimizer step shared by ZeRO stages 1, 2 and 3.
 
 Each rank keeps, for every `FlatUnit`, only its shard of:
 
@@ -14,7 +14,8 @@ A step is: clip by the global norm (each rank's shard norms, summed across ranks
 torch optimizer on the master shards, then all-gather every unit's updated shards into
 the full parameters that forward uses. How the gradient shards get filled is what
 distinguishes the stages (`stage1.py`: one reduce-scatter per unit after backward;
-`stage2.py`: reduce-scatters launched during backward).
+`stage2.py`: reduce-scatters launched during backward; `stage3.py`: the same, and its
+step copies the shards into sharded parameters instead: it gathers only when a module runs).
 
 The optimizer is any `torch.optim` optimizer: it sees one tensor per unit and parameter
 group, so per-group hyperparameters (no weight decay on norms) work unchanged. Padding
@@ -46,7 +47,10 @@ class ShardedOptimizer:
     """Master weights, gradients and optimizer state for this rank's shard of every unit."""
 
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
-                 unit_bytes: int | None = None, reverse_units: bool = False):
+                 unit_bytes: int | None = None, reverse_units: bool = False,
+                 unit_key: Callable[[torch.Tensor], int] | None = None):
+        """`unit_key(p)` (stage 3) cuts each group by module instead of by size: parameters
+        with the same key share a unit, units ordered by key."""
         self.process_group = process_group
         # One process without a process group is a group of one: shards are the whole buffer.
         self.distributed = dist.is_initialized()
@@ -57,8 +61,15 @@ class ShardedOptimizer:
         unit_group: list[int] = []
         for g, group in enumerate(self.param_groups):
             if group["params"]:
-                new = split_into_units(group["params"], unit_bytes, self.world_size, self.rank,
-                                       reverse=reverse_units)
+                if unit_key is None:
+                    new = split_into_units(group["params"], unit_bytes, self.world_size, self.rank,
+                                           reverse=reverse_units)
+                else:
+                    by_key: dict[int, list[torch.Tensor]] = {}
+                    for p in group["params"]:
+                        by_key.setdefault(unit_key(p), []).append(p)
+                    new = [u for key in sorted(by_key)
+                           for u in split_into_units(by_key[key], None, self.world_size, self.rank)]
                 self.units += new
                 unit_group += [g] * len(new)
         # This rank's master copy of its shards (a clone: the full parameters keep their own storage).
@@ -87,12 +98,19 @@ class ShardedOptimizer:
         return total_norm.item()
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Optimizer step on the shards, then all-gather the updated parameters."""
+    def step(self, param_shards: Sequence[torch.Tensor] | None = None) -> None:
+        """Optimizer step on the shards, then all-gather the updated parameters.
+
+        Stage 3 passes `param_shards` (its sharded parameter storage, one per unit): the
+        updated master shards are copied into them and nothing is gathered, because the
+        next forward gathers each unit when it needs it."""
         for m, g in zip(self.master, self.grad):
             m.grad = g  # None for a unit that got no gradient at all: the optimizer skips it
         self.optimizer.step()
-        for unit, m in zip(self.units, self.master):
+        for i, (unit, m) in enumerate(zip(self.units, self.master)):
+            if param_shards is not None:
+                param_shards[i].copy_(m)
+                continue
             full = unit.empty_flat()
             if self.distributed:
                 comm.all_gather(full, m, group=self.process_group)

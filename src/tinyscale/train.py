@@ -107,6 +107,7 @@ def train_rank(spec: TrainSpec) -> dict | None:
     """Run on every rank; rank 0 returns metrics, the ledger, memory and the final parameters."""
     torch.manual_seed(spec.seed)
     model, batches = build(spec)
+    num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 shards them
     engine = ts.initialize(model, spec.config)
     rank = ts.dist.rank()
     tokens_per_step = batches[0][0].numel()
@@ -130,15 +131,16 @@ def train_rank(spec: TrainSpec) -> dict | None:
     finally:
         if show:
             progress.stop()
+    state = engine.full_state_dict()  # on every rank: ZeRO-3 all-gathers the parameters for it
     if rank != 0:
         return None
     return {
         "metrics": metrics,
         "ledger": engine.comm_ledger.by_op(),
         "memory": engine.memory_report().as_dict(),
-        "state": engine.full_state_dict(),
+        "state": state,
         "backend": ts.dist.info().backend,
-        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_params": num_params,
     }
 
 

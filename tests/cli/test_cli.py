@@ -19,7 +19,7 @@ def _summary(run_dir):
 @pytest.mark.parametrize("preset", ["ddp", "zero2", "zero3"])
 def test_cli_train_matches_the_reference_and_writes_its_outputs(preset, tmp_path, capsys):
     code = main(["train", "--preset", preset, "--world-size", "2", "--steps", "3", "--model", "tiny",
-                 "--run-dir", str(tmp_path)])
+                 "--run-dir", str(tmp_path), "--timeout", "120"])
     out = capsys.readouterr().out
     assert code == 0, out
     summary = _summary(tmp_path)

@@ -117,6 +117,23 @@ class ZeroConfig(_Section):
     offload_optimizer: OffloadConfig = OffloadConfig()
     offload_param: OffloadConfig = OffloadConfig()
 
+    @model_validator(mode="after")
+    def _offload_fits_the_stage(self):
+        # DeepSpeed's rules: the optimizer lives on the host only if it is sharded (stage >= 1),
+        # parameters only if they are sharded (stage 3); files need a place.
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ValueError("offload_optimizer.device needs zero_optimization.stage >= 1 (the optimizer "
+                             "state is offloaded shard by shard); set stage to 1, 2 or 3")
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ValueError(f"offload_param.device needs zero_optimization.stage 3 (got {self.stage}): only "
+                             "stage 3 shards the parameters; set stage 3 or offload_param.device 'none'")
+        for name in ("offload_optimizer", "offload_param"):
+            section = getattr(self, name)
+            if section.device == "nvme" and not section.nvme_path:
+                raise ValueError(f"{name}.nvme_path is required with device 'nvme': the directory its "
+                                 "swap files go in (a fast local disk)")
+        return self
+
 
 class Fp16Config(_Section):
     enabled: bool = False

@@ -15,6 +15,7 @@ Run it three ways:
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 
 import torch
@@ -48,6 +49,13 @@ PRESETS: dict[str, dict] = {
               "config": {**_COMMON, "zero_optimization": {"stage": 2, "reduce_bucket_size": 131_072}}},
     "zero3": {"model": "small", "world_size": 4, "dtype": "float64",
               "config": {**_COMMON, "zero_optimization": {"stage": 3}}},
+    # ZeRO-Infinity's layout: master weights, optimizer states and parameter shards in files
+    # (under the system's temporary directory), read ahead and written behind by threads.
+    "zero3-offload": {"model": "small", "world_size": 4, "dtype": "float64",
+                      "config": {**_COMMON, "zero_optimization": {
+                          "stage": 3,
+                          "offload_optimizer": {"device": "nvme", "nvme_path": tempfile.gettempdir()},
+                          "offload_param": {"device": "nvme", "nvme_path": tempfile.gettempdir()}}}},
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

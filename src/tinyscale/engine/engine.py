@@ -53,8 +53,6 @@ ParamGroups = Callable[[torch.nn.Module], list[dict]]
 def check_supported(config: EngineConfig) -> None:
     """Reject what this build cannot do yet, naming the field (before any work is done)."""
     todo = []
-    if config.zero_optimization.offload_optimizer.device != "none" or config.zero_optimization.offload_param.device != "none":
-        todo.append("zero_optimization.offload_* (offload is not built yet; use device 'none')")
     if config.fp16.enabled or config.bf16.enabled:
         todo.append("fp16/bf16.enabled (mixed precision is not built yet; give the model the dtype you want)")
     par = config.parallel
@@ -108,13 +106,18 @@ class Engine:
                 if self.dp_size > 1:
                     broadcast_parameters(self.model, self.dp_group)
                 make = lambda groups: build_optimizer(groups, config.optimizer)  # noqa: E731
+                off = {"offload_optimizer": zero.offload_optimizer.device}
                 if zero.stage == 1:
-                    self.zero = ZeroStage1(groups, make, self.dp_group)
+                    self.zero = ZeroStage1(groups, make, self.dp_group, **off,
+                                           nvme_path=zero.offload_optimizer.nvme_path)
                 elif zero.stage == 2:
-                    self.zero = ZeroStage2(groups, make, self.dp_group,
-                                           bucket_bytes=bucket_bytes, overlap=zero.overlap_comm)
+                    self.zero = ZeroStage2(groups, make, self.dp_group, bucket_bytes=bucket_bytes,
+                                           overlap=zero.overlap_comm, **off, nvme_path=zero.offload_optimizer.nvme_path)
                 else:
-                    self.zero = ZeroStage3(groups, make, self.dp_group, module=self.model, wrap=zero3_wrap)
+                    self.zero = ZeroStage3(groups, make, self.dp_group, module=self.model, wrap=zero3_wrap, **off,
+                                           optimizer_nvme_path=zero.offload_optimizer.nvme_path,
+                                           offload_param=zero.offload_param.device,
+                                           param_nvme_path=zero.offload_param.nvme_path)
                 self.optimizer = self.zero.sharded.optimizer
         self.step = 0
 
@@ -228,8 +231,25 @@ class Engine:
         if self.zero is not None:
             extra = {"master_weights": self.zero.sharded.master, "gradients": self.zero.sharded.grad}
             if isinstance(self.zero, ZeroStage3):  # its parameters are shards (plus frozen ones, full)
-                extra["parameters"] = self.zero.shards
-        return report_for(self.model, self.optimizer, self.device, extra)
+                extra["parameters"] = self.zero.shards.resident()
+        for swap in self._swappers():
+            swap.flush()  # writes in flight still hold their memory: let them land first
+        report = report_for(self.model, self.optimizer, self.device, extra)
+        if self.zero is not None:  # the disk tier: what is in files now, not in memory
+            swap = self.zero.sharded.swap
+            if swap is not None:
+                masters = [k for k in swap.keys() if k.endswith("/master")]
+                report.add("master_weights", "disk", swap.disk_bytes(masters))
+                report.add("optimizer_states", "disk", swap.disk_bytes() - swap.disk_bytes(masters))
+            if isinstance(self.zero, ZeroStage3):
+                report.add("parameters", "disk", self.zero.shards.disk_bytes())
+        return report
+
+    def _swappers(self) -> list:
+        if self.zero is None:
+            return []
+        swaps = [self.zero.sharded.swap, self.zero.shards.swap if isinstance(self.zero, ZeroStage3) else None]
+        return [s for s in swaps if s is not None]
 
 
 def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = None,

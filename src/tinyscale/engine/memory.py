@@ -52,8 +52,8 @@ def unique_nbytes(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     seen: set[tuple[int, int]] = set()
     out: dict[str, int] = {}
     for t in tensors:
-        if t is None or t.numel() == 0:
-            continue
+        if t is None or t.numel() == 0 or t.untyped_storage().nbytes() == 0:
+            continue  # nothing held (ZeRO-3 frees gathered buffers, the disk tier swapped ones)
         key = (t.data_ptr(), t.numel() * t.element_size())
         if key in seen:
             continue

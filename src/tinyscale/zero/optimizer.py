@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from tinyscale.dist import comm
 from tinyscale.zero.flat import FlatUnit, split_into_units
+from tinyscale.zero.offload import OFFLOAD_DEVICES, DiskSwapper, host_device
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -48,9 +49,14 @@ class ShardedOptimizer:
 
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
                  unit_bytes: int | None = None, reverse_units: bool = False,
-                 unit_key: Callable[[torch.Tensor], int] | None = None):
+                 unit_key: Callable[[torch.Tensor], int] | None = None,
+                 offload: str = "none", nvme_path: str | None = None):
         """`unit_key(p)` (stage 3) cuts each group by module instead of by size: parameters
-        with the same key share a unit, units ordered by key."""
+        with the same key share a unit, units ordered by key. `offload` ("none", "cpu",
+        "nvme"; `offload.py`): where master shards and optimizer states live and the step runs."""
+        if offload not in OFFLOAD_DEVICES:
+            raise ValueError(f"offload_optimizer.device={offload!r}: choose one of {OFFLOAD_DEVICES}")
+        self.offload = offload
         self.process_group = process_group
         # One process without a process group is a group of one: shards are the whole buffer.
         self.distributed = dist.is_initialized()
@@ -72,8 +78,14 @@ class ShardedOptimizer:
                            for u in split_into_units(by_key[key], None, self.world_size, self.rank)]
                 self.units += new
                 unit_group += [g] * len(new)
-        # This rank's master copy of its shards (a clone: the full parameters keep their own storage).
-        self.master = [unit.shard(unit.flatten([p.detach() for p in unit.params])).clone() for unit in self.units]
+        # This rank's master copy of its shards (a copy: the full parameters keep their own
+        # storage), in host memory when offloaded: the optimizer then creates its states there.
+        where = host_device() if offload != "none" else None
+        self.master = [unit.shard(unit.flatten([p.detach() for p in unit.params])).to(where, copy=True)
+                       for unit in self.units]
+        self.swap = DiskSwapper(nvme_path) if offload == "nvme" else None
+        for i, m in enumerate(self.master) if self.swap else ():
+            self.swap.add(f"{i}/master", m)
         # Gradient shards exist only between the first reduce-scatter of a step and its end.
         self.grad: list[torch.Tensor | None] = [None] * len(self.master)
         opt_groups = [{**{k: v for k, v in group.items() if k != "params"},
@@ -83,7 +95,7 @@ class ShardedOptimizer:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every shard's gradient as torch.nn.utils.clip_grad_norm_ would the full gradient."""
-        local = torch.zeros((), dtype=torch.float64, device=self.master[0].device)
+        local = torch.zeros((), dtype=torch.float64, device=self.units[0].device)
         for g in self.grad:
             if g is not None:
                 local += g.double().pow(2).sum()
@@ -98,28 +110,63 @@ class ShardedOptimizer:
         return total_norm.item()
 
     @torch.no_grad()
-    def step(self, param_shards: Sequence[torch.Tensor] | None = None) -> None:
+    def step(self, publish: Callable[[int, torch.Tensor], None] | None = None) -> None:
         """Optimizer step on the shards, then all-gather the updated parameters.
 
-        Stage 3 passes `param_shards` (its sharded parameter storage, one per unit): the
-        updated master shards are copied into them and nothing is gathered, because the
-        next forward gathers each unit when it needs it."""
-        for m, g in zip(self.master, self.grad):
-            m.grad = g  # None for a unit that got no gradient at all: the optimizer skips it
-        self.optimizer.step()
-        for i, (unit, m) in enumerate(zip(self.units, self.master)):
-            if param_shards is not None:
-                param_shards[i].copy_(m)
-                continue
-            full = unit.empty_flat()
-            if self.distributed:
-                comm.all_gather(full, m, group=self.process_group)
-            else:
-                full.copy_(m)
-            unit.copy_into_params(full)
+        Stage 3 passes `publish(i, master_shard)`, which writes unit i's updated shard into
+        its sharded parameter storage: nothing is gathered, because the next forward gathers
+        each unit when it needs it."""
+        if self.swap is None:
+            for m, g in zip(self.master, self.grad):
+                # None for a unit that got no gradient at all: the optimizer skips it.
+                # Offloaded: the gradient shard goes down to the host (a no-op on a CPU run).
+                m.grad = None if g is None else g.to(m.device)
+            self.optimizer.step()
+            for i in range(len(self.units)):
+                self._publish(i, publish)
+        else:
+            self._step_from_disk(publish)
         for m in self.master:
             m.grad = None
         self.grad = [None] * len(self.master)
+
+    # --8<-- [start:disk-step]
+    def _step_from_disk(self, publish: Callable[[int, torch.Tensor], None] | None) -> None:
+        """One unit at a time: read the next unit's states while stepping this one, write it
+        back behind. Stepping a subset is exact: torch optimizers skip params whose grad is None."""
+        keys = [self._swap_keys(i) for i in range(len(self.units))]
+        self.swap.prefetch(keys[0])
+        for i, m in enumerate(self.master):
+            if i + 1 < len(self.master):
+                self.swap.prefetch(keys[i + 1])
+            self.swap.swap_in(keys[i])
+            for j, other in enumerate(self.master):
+                other.grad = None if j != i or self.grad[j] is None else self.grad[j].to(m.device)
+            self.optimizer.step()
+            for name, t in self.optimizer.state.get(m, {}).items():  # states are born in the first step
+                if t.shape == m.shape and f"{i}/{name}" not in self.swap:
+                    self.swap.add(f"{i}/{name}", t)  # written to its file and freed
+            self._publish(i, publish)
+            self.swap.swap_out(self._swap_keys(i))
+    # --8<-- [end:disk-step]
+
+    def _swap_keys(self, i: int) -> list[str]:
+        m = self.master[i]
+        return [f"{i}/master"] + [f"{i}/{name}" for name, t in self.optimizer.state.get(m, {}).items()
+                                  if f"{i}/{name}" in self.swap]
+
+    def _publish(self, i: int, publish: Callable[[int, torch.Tensor], None] | None) -> None:
+        """Updated master shard -> the parameters: stage 3's shard, or all-gathered (1 and 2)."""
+        unit, m = self.units[i], self.master[i]
+        if publish is not None:
+            publish(i, m)
+            return
+        full = unit.empty_flat()
+        if self.distributed:
+            comm.all_gather(full, m.to(unit.device), group=self.process_group)
+        else:
+            full.copy_(m)
+        unit.copy_into_params(full)
 
     def reduce_scatter_into(self, unit_index: int, grads: Sequence[torch.Tensor | None], async_op: bool = False):
         """Sum `grads` (shaped like the unit's params) over ranks; add this rank's averaged

@@ -30,9 +30,11 @@ from tinyscale.zero.optimizer import OptimizerFactory, ShardedOptimizer
 class ZeroStage1:
     """Sharded optimizer over full, replicated parameters and full local gradients."""
 
-    def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None):
+    def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
+                 offload_optimizer: str = "none", nvme_path: str | None = None):
         # One unit per parameter group: each rank owns 1/N of every group's flat buffer.
-        self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group)
+        self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
+                                        offload=offload_optimizer, nvme_path=nvme_path)
 
     # --8<-- [start:reduce]
     @torch.no_grad()

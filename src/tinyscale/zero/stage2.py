@@ -32,9 +32,11 @@ class ZeroStage2:
     """Sharded optimizer and gradients; bucketed reduce-scatter launched from gradient hooks."""
 
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
-                 bucket_bytes: int = 500_000_000, overlap: bool = True):
+                 bucket_bytes: int = 500_000_000, overlap: bool = True,
+                 offload_optimizer: str = "none", nvme_path: str | None = None):
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
-                                        unit_bytes=bucket_bytes, reverse_units=True)
+                                        unit_bytes=bucket_bytes, reverse_units=True,
+                                        offload=offload_optimizer, nvme_path=nvme_path)
         self.overlap = overlap
         self._where = {p: (u, i) for u, unit in enumerate(self.sharded.units) for i, p in enumerate(unit.params)}
         self._ready: list[set[int]] = [set() for _ in self.sharded.units]

@@ -67,6 +67,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from tinyscale.dist import comm
+from tinyscale.zero.offload import ParamShards
 from tinyscale.zero.optimizer import OptimizerFactory, ShardedOptimizer
 
 Wrap = Callable[[str, nn.Module], bool] | Sequence[str] | None
@@ -116,6 +117,7 @@ class _Unit:
     params: list[torch.Tensor]  # trainable; their gradients are reduce-scattered together
     active: int = 0  # forward calls of the module now running
     pending: list | None = None  # all-gather works in flight
+    sources: list = field(default_factory=list)  # what they gather from, alive until they land
     full: bool = False  # parameters point at the gathered buffer
     backward: bool = False  # gathered for this backward (recomputation must not free it)
     reduced: bool = False  # gradients sent in this backward
@@ -126,20 +128,24 @@ class ZeroStage3:
     """Sharded parameters, gradients and optimizer; gathered per unit by module hooks."""
 
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None, *,
-                 module: nn.Module, wrap: Wrap = None, prefetch: bool = True):
+                 module: nn.Module, wrap: Wrap = None, prefetch: bool = True,
+                 offload_optimizer: str = "none", optimizer_nvme_path: str | None = None,
+                 offload_param: str = "none", param_nvme_path: str | None = None):
         names = wrapped_module_names(module, wrap)
         owner = assign_units(module, names)
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
-                                        unit_key=lambda p: owner[id(p)])
+                                        unit_key=lambda p: owner[id(p)], offload=offload_optimizer,
+                                        nvme_path=optimizer_nvme_path)
         managed = {id(p) for fu in self.sharded.units for p in fu.params}
         if managed != set(owner):
             missing = [n for n, p in module.named_parameters() if id(p) in set(owner) - managed]
             raise ValueError(f"ZeroStage3: params_or_groups must hold every trainable parameter of the module "
                              f"(stage 3 owns their storage); missing: {missing}")
         self.prefetch, self.process_group = prefetch, process_group
-        # This rank's parameter shards start equal to the master (they differ in dtype under
-        # mixed precision), and the full buffers whose storage exists only while gathered.
-        self.shards = [m.clone() for m in self.sharded.master]
+        # This rank's parameter shards (on the device, host or disk: offload.ParamShards), and
+        # the full buffers whose storage exists only while gathered.
+        self.shards = ParamShards([fu.shard(fu.flatten([p.detach() for p in fu.params])) for fu in self.sharded.units],
+                                  self.sharded.units[0].device, offload_param, param_nvme_path)
         self.full = [fu.empty_flat() for fu in self.sharded.units]
         self._empty = [torch.empty(0, dtype=fu.dtype, device=fu.device) for fu in self.sharded.units]
         modules = [module.get_submodule(n) for n in names] + [module]
@@ -174,10 +180,12 @@ class ZeroStage3:
         for i in unit.flats:
             full = self.full[i]
             full.untyped_storage().resize_(full.numel() * full.element_size())  # allocate
+            source = self.shards.source(i)  # disk tier: read now unless read ahead
             if self.sharded.distributed:
-                unit.pending.append(comm.all_gather(full, self.shards[i], group=self.process_group, async_op=True))
+                unit.pending.append(comm.all_gather(full, source, group=self.process_group, async_op=True))
+                unit.sources.append(source)
             else:
-                full.copy_(self.shards[i])
+                full.copy_(source)
         self._event(kind, u)
 
     def _materialize(self, u: int) -> None:
@@ -188,7 +196,9 @@ class ZeroStage3:
         self._issue(u, "gather")
         for work in unit.pending:
             work.wait()
-        unit.pending, unit.full = None, True
+        for i in unit.flats:
+            self.shards.release(i)
+        unit.pending, unit.sources, unit.full = None, [], True
         for i in unit.flats:
             for p, view in zip(self.sharded.units[i].params, self.sharded.units[i].views(self.full[i])):
                 p.data = view
@@ -197,7 +207,10 @@ class ZeroStage3:
         unit = self.units[u]
         for work in unit.pending or []:  # a prefetch nobody used: let it land before freeing
             work.wait()
-        unit.pending = None
+        if unit.pending is not None:
+            for i in unit.flats:
+                self.shards.release(i)
+        unit.pending, unit.sources = None, []
         if unit.full or any(self.full[i].untyped_storage().nbytes() for i in unit.flats):
             for i in unit.flats:
                 for p in self.sharded.units[i].params:
@@ -264,6 +277,8 @@ class ZeroStage3:
             later = [v for v in order[order.index(u) + 1:] if not (self.units[v].reduced or self.units[v].backward)]
             if later:
                 self._issue(later[0], "prefetch")
+            for i in self.units[later[1]].flats if len(later) > 1 else ():
+                self.shards.read_ahead(i)  # disk tier: the unit after next starts reading now
 
     def _start_backward(self) -> None:
         if not self._in_backward:
@@ -336,7 +351,7 @@ class ZeroStage3:
     def step(self, max_norm: float = 0.0) -> None:
         if max_norm > 0:
             self.sharded.clip_grad_norm_(max_norm)
-        self.sharded.step(param_shards=self.shards)  # write my shards; nothing is gathered
+        self.sharded.step(publish=self.shards.write)  # write my shards; nothing is gathered
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

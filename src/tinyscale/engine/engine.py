@@ -45,6 +45,7 @@ from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.optim import build_optimizer, lr_at, set_lr
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 from tinyscale.zero.stage3 import Wrap
+from tinyscale.zero.state_dict import gather_optimizer_state, load_master_from_params, load_optimizer_state
 
 
 ParamGroups = Callable[[torch.nn.Module], list[dict]]
@@ -179,20 +180,22 @@ class Engine:
             return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def save_checkpoint(self, path) -> None:
-        """Write the full model and optimizer state to directory `path` (atomic; call on every rank)."""
+        """Write the full model and optimizer state to directory `path` (atomic; call on every rank).
+
+        ZeRO: every rank takes part in gathering the state by parameter name (the format is
+        the same for every stage and world size; `tinyscale.zero.state_dict`), rank 0 writes."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        model_state = self.full_state_dict()
         if self.zero is not None:
-            raise NotImplementedError(
-                "save_checkpoint with zero_optimization.stage > 0 is not built yet: the optimizer "
-                "state is sharded and must be gathered by name first. Use stage 0 to checkpoint."
-            )
+            optimizer_state = gather_optimizer_state(self.zero.sharded, names)
+        else:
+            optimizer_state = checkpoint.optimizer_state_by_name(self.optimizer, {p: names[id(p)] for p in self.params})
         error = None
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                names = {p: n for n, p in self.model.named_parameters()}
                 meta = {"step": self.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                         "dp": self.dp_size, "config": self.config.model_dump(mode="json")}
-                checkpoint.write(path, self.full_state_dict(),
-                                 checkpoint.optimizer_state_by_name(self.optimizer, names), meta)
+                checkpoint.write(path, model_state, optimizer_state, meta)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
                 error = exc
         if dist.is_initialized():
@@ -205,13 +208,22 @@ class Engine:
             raise error
 
     def load_checkpoint(self, path) -> None:
-        """Resume from directory `path`, written by any layout; continues bit-for-bit."""
+        """Resume from directory `path`, written by any layout; continues bit-for-bit (call on every rank)."""
         model_state, optimizer_state, meta = checkpoint.read(path)
-        missing, unexpected = self.model.load_state_dict(model_state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"load_checkpoint: {path} does not fit this model: missing keys {missing}, "
-                             f"unexpected keys {unexpected}")
-        checkpoint.load_optimizer_state_by_name(self.optimizer, optimizer_state, dict(self.model.named_parameters()))
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        stage3 = isinstance(self.zero, ZeroStage3)
+        with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
+            missing, unexpected = self.model.load_state_dict(model_state, strict=False)
+            if missing or unexpected:
+                raise ValueError(f"load_checkpoint: {path} does not fit this model: missing keys {missing}, "
+                                 f"unexpected keys {unexpected}")
+            if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters
+                load_master_from_params(self.zero.sharded, self.zero.shards.write if stage3 else None)
+        if self.zero is not None:
+            load_optimizer_state(self.zero.sharded, optimizer_state, names)
+        else:
+            checkpoint.load_optimizer_state_by_name(self.optimizer, optimizer_state,
+                                                    {names[id(p)]: p for p in self.params})
         self.step = meta["step"]
 
     def memory_report(self, when: str = "now") -> MemoryReport:

@@ -9,15 +9,21 @@
 All three step the same `ShardedOptimizer` (flat padded shards, `flat.FlatUnit`); they
 differ in when and how the gradient shards are filled, and stage 3 also shards the
 parameters, all-gathering each unit (a module) just before its forward and its backward:
-3 Psi of communication per step instead of 2 Psi. The lesson:
-lessons/03-zero.md (planned).
+3 Psi of communication per step instead of 2 Psi.
+
+Offload (`offload.py`) moves master shards, optimizer states and the step to the host
+(ZeRO-Offload) or into files with read-ahead threads (ZeRO-Infinity), and stage 3's
+parameter shards likewise. Checkpoints (`state_dict.py`) gather the sharded state by
+parameter name, so they load into any stage and world size. The lesson: lessons/03-zero.md.
 """
 
 from tinyscale.zero.flat import FlatUnit, split_into_units
+from tinyscale.zero.offload import DiskSwapper, ParamShards
 from tinyscale.zero.optimizer import ShardedOptimizer, normalize_param_groups
 from tinyscale.zero.stage1 import ZeroStage1
 from tinyscale.zero.stage2 import ZeroStage2
 from tinyscale.zero.stage3 import ZeroStage3
+from tinyscale.zero.state_dict import gather_optimizer_state, load_optimizer_state
 
-__all__ = ["FlatUnit", "ShardedOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3", "normalize_param_groups",
-           "split_into_units"]
+__all__ = ["DiskSwapper", "FlatUnit", "ParamShards", "ShardedOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3",
+           "gather_optimizer_state", "load_optimizer_state", "normalize_param_groups", "split_into_units"]

@@ -222,6 +222,7 @@ def dump_stacks(procs, outcomes: dict[int, Outcome], stack_dir: str) -> None:
 
 def kill_all(procs, grace_s: float = 1.0) -> None:
     """SIGTERM, then SIGKILL whatever is left after `grace_s`; reap everything."""
+    procs = [p for p in procs if p.pid is not None]  # start() may have failed midway: skip the rest
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -9,7 +9,8 @@ Files, in reading order: replay.py (the RNG and autocast state a recomputation r
 reentrant.py (an autograd Function that reruns fn in its backward), nonreentrant.py
 (saved-tensor hooks that save indices and recompute on first unpack), api.py
 (`checkpoint`), offload.py (saved tensors to host memory), policies.py (none, full,
-every_k, selective, offload for the GPT), measure.py (saved and peak bytes), formula.py
+every_k, selective, offload for the GPT), segments.py (Chen et al.'s segments of k
+layers), measure.py (saved and peak bytes), formula.py
 (bytes per layer: Korthikanti et al.'s formula and ours).
 
 The seam the tests use: a checkpoint implementation is a callable
@@ -35,6 +36,7 @@ from tinyscale.checkpointing.policies import (
     remove_policy,
 )
 from tinyscale.checkpointing.reentrant import checkpoint_reentrant
+from tinyscale.checkpointing.segments import checkpoint_in_segments
 
 __all__ = [
     "POLICIES",
@@ -46,6 +48,7 @@ __all__ = [
     "apply_policy",
     "block_saved_bytes",
     "checkpoint",
+    "checkpoint_in_segments",
     "checkpoint_nonreentrant",
     "checkpoint_reentrant",
     "korthikanti_layer_bytes",

@@ -207,6 +207,11 @@ class DiskSwapper:
         return sum(self._tensors[k].numel() * self._tensors[k].element_size()
                    for k in keys if k in self._tensors and k not in self._resident)
 
+    def wait(self, keys: Iterable[str]) -> None:
+        """Wait for the reads and writes in flight for `keys` (a written key is then freed)."""
+        for key in keys:
+            self._wait(key)
+
     def flush(self) -> None:
         """Wait for every read and write in flight."""
         for key in list(self._io):

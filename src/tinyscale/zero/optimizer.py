@@ -137,6 +137,8 @@ class ShardedOptimizer:
         keys = [self._swap_keys(i) for i in range(len(self.units))]
         self.swap.prefetch(keys[0])
         for i, m in enumerate(self.master):
+            if i >= 2:
+                self.swap.wait(self._swap_keys(i - 2))  # bound: unit i-1 writing, i stepping, i+1 reading
             if i + 1 < len(self.master):
                 self.swap.prefetch(keys[i + 1])
             self.swap.swap_in(keys[i])

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tinyscale.checkpointing import (
     apply_policy,
     block_saved_bytes,
+    checkpoint,
     korthikanti_layer_bytes,
     model_saved_bytes_drop,
     peak_bytes,
@@ -120,3 +121,17 @@ def test_activation_checkpoint_full_policy_lowers_peak_memory():
         model = apply_policy(GPT(cfg), policy)
         peaks[policy] = peak_bytes(lambda: model(idx, targets).backward())  # noqa: B023
     assert peaks["full"] < 0.6 * peaks["none"]
+
+
+def test_activation_checkpoint_around_a_single_linear_saves_nothing():
+    """DT-8: checkpointing one Linear keeps its input as the checkpoint, which is all a
+    Linear saves anyway: zero bytes saved, one matmul recomputed."""
+    lin = torch.nn.Linear(16, 16, bias=False)
+    x = torch.randn(8, 16, requires_grad=True)
+    plain = saved_bytes(lin, x)
+    for use_reentrant in (False, True):
+        def checkpointed(x, use_reentrant=use_reentrant):
+            return checkpoint(lin, x, use_reentrant=use_reentrant)
+
+        ckpt = saved_bytes(checkpointed, x, exclude_state_of=lin)
+        assert ckpt == plain == x.numel() * 4

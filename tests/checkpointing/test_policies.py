@@ -57,7 +57,8 @@ def loss_grads_rng(model, idx, targets, seed):
 @pytest.mark.parametrize(("policy", "options"), POLICY_CASES, ids=CASE_IDS)
 @given(batch=st.integers(1, 3), seq=st.integers(1, 16), seed=st.integers(0, 2**16),
        attn=st.sampled_from(["math", "sdpa"]), dtype=st.sampled_from([torch.float32, torch.float64]))
-def test_activation_checkpoint_policy_grads_bit_identical_with_dropout(policy, options, batch, seq, seed, attn, dtype):
+def test_activation_checkpoint_policy_grads_bit_identical_with_dropout(policy, options, batch, seq, seed, attn,
+                                                                       dtype):
     """Same loss, same gradient for every parameter, and the global RNG left where a plain
     model leaves it, with dropout on attention probabilities and both residual branches."""
     cfg = tiny(attn=attn)

@@ -15,8 +15,9 @@ layers), measure.py (saved and peak bytes), formula.py
 
 The seam the tests use: a checkpoint implementation is a callable
 `impl(fn, *args, **kwargs)` returning fn's output, with gradients identical to calling fn.
-Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016); Korthikanti et al.,
-"Reducing Activation Recomputation in Large Transformer Models" (2022), sec. 4.
+Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016, arXiv:1604.06174);
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022,
+arXiv:2205.05198): the per-layer activation memory and selective activation recomputation.
 Lesson: lessons/05-activation-checkpointing.md. Tests: `pytest -k activation_checkpoint`.
 """
 

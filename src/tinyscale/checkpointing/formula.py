@@ -1,8 +1,9 @@
 """Activation bytes per transformer layer: Korthikanti et al.'s formula, and ours for our block.
 
-Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022),
-sec. 4.1, count the bytes a GPT-3-style layer (LayerNorm, GeLU MLP of width 4h, 16-bit
-activations, 1-byte dropout masks) saves for backward:
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models" (2022,
+arXiv:2205.05198), in their analysis of activation memory per transformer layer, count
+the bytes a GPT-3-style layer (LayerNorm, GeLU MLP of width 4h, 16-bit activations,
+1-byte dropout masks) saves for backward:
 
     sbh (34 + 5 a s / h)      s sequence, b micro-batch, h hidden size, a heads
 

@@ -12,7 +12,7 @@ the unpack hook, the first time backward needs any of them, reruns `fn` on the s
 under a hook that collects what the rerun saves, in the same order. Backward never leaves
 the one autograd pass, so `torch.autograd.grad`, inputs that need no gradient and
 parameters inside `fn` all work, unlike the re-entrant variant (reentrant.py).
-torch.utils.checkpoint(use_reentrant=False) works this way; Chen et al. (2016), sec. 4.
+torch.utils.checkpoint(use_reentrant=False) works this way; Chen et al. (2016, arXiv:1604.06174).
 Lesson: lessons/05-activation-checkpointing.md. Tests: `pytest -k activation_checkpoint`.
 
 Not done here (torch's version does them): stopping the recomputation early once the last

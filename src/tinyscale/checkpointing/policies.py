@@ -11,10 +11,11 @@
 | `selective` | only the attention core (scores, softmax, dropout, P V)  | all but the s^2 part |
 | `offload`   | every block's saved tensors go to host memory            | (on the host)        |
 
-`selective` is Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models" (2022), sec. 4: the attention core holds the 5as/h part of their per-layer
-sbh(34 + 5as/h) bytes and costs few FLOPs to redo. `full` and `every_k` are Chen et al.
-(2016). Lesson: lessons/05-activation-checkpointing.md. Tests: `pytest -k activation_checkpoint`.
+`selective` is the selective activation recomputation of Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models" (2022, arXiv:2205.05198): the
+attention core holds the 5as/h part of their per-layer sbh(34 + 5as/h) bytes and costs few
+FLOPs to redo. `full` and `every_k` are Chen et al. (2016, arXiv:1604.06174).
+Lesson: lessons/05-activation-checkpointing.md. Tests: `pytest -k activation_checkpoint`.
 
 How a policy is applied: a block (or a block's `attn`) is replaced by a module of a
 subclass (`CheckpointedBlock`, `OffloadedBlock`, `SelectiveAttention`) that holds the *same*

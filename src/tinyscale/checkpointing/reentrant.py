@@ -7,7 +7,7 @@ Forward runs `fn` under no_grad, so autograd records one node (this Function) an
 only its tensor inputs. Backward *re-enters* autograd: it reruns `fn` with grad enabled on
 detached copies of the inputs, calls `torch.autograd.backward` on that small graph (the
 parameters inside `fn` accumulate their .grad there), and returns the inputs' gradients.
-Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016), sec. 4; the original
+Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016, arXiv:1604.06174); the original
 torch.utils.checkpoint(use_reentrant=True). Lesson: lessons/05-activation-checkpointing.md.
 Tests: `pytest -k activation_checkpoint`.
 

@@ -12,8 +12,8 @@ every dtype decision is the same as the first time:
 - **Autocast.** Backward normally runs after the `autocast` region has exited; a
   recomputation outside it would redo the matmuls in float32 and save different tensors.
 
-Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016), sec. 4 (recompute
-from a saved checkpoint); torch.utils.checkpoint's `preserve_rng_state` does the same.
+Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016, arXiv:1604.06174),
+the recomputation from a checkpoint; torch.utils.checkpoint's `preserve_rng_state` does the same.
 Lesson: lessons/05-activation-checkpointing.md. Tests: `pytest -k activation_checkpoint`.
 """
 

@@ -2,7 +2,7 @@
 
     y = checkpoint_in_segments(model.blocks, x, cos, sin, segment_size=2)  # blocks 0-1, 2-3, ...
 
-Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016), sec. 4.1: split n
+Chen et al., "Training Deep Nets with Sublinear Memory Cost" (2016, arXiv:1604.06174): split n
 layers into n/k segments and keep only each segment's input. Backward recomputes one
 segment at a time, so the peak holds the n/k kept inputs plus one segment's activations:
 

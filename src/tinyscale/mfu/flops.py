@@ -1,0 +1,184 @@
+"""Exact matmul FLOPs of the GPT's training step, from its config, and the usual shortcuts.
+
+Every FLOP the GPT spends in a matrix multiply, counted from `GPTConfig` alone. A multiply of
+an (m, k) by a (k, n) matrix costs 2mkn FLOPs (one multiply and one add per term), the
+convention of `torch.utils.flop_counter.FlopCounterMode`, with which these counts agree exactly
+(tests/mfu/test_flops.py). Elementwise work (RMSNorm, RoPE, SiLU, softmax, the loss, the
+optimizer) is left out, as every MFU convention does: it is small and runs at memory speed.
+
+Per layer, one forward pass over one sequence of T tokens (shape legend of models/gpt.py:
+C d_model, H query heads, K key/value heads, D = C / H, F ffn hidden, V vocab):
+
+    wq, wo        2 x 2TC^2                       (C -> H*D = C and back)
+    wk, wv        2 x 2TC(KD)                     (C -> K*D: GQA shrinks only these two)
+    Q K^T         2 T^2 H D = 2 T^2 C             (every query against every key, all H heads)
+    P V           2 T^2 C
+    SwiGLU        3 x 2TCF                        (w_gate, w_up, w_down)
+    LM head       2TCV  (once, after the last layer; tied or not, the matmul is the same)
+
+Backward is exactly twice the forward: each matmul Y = XW needs dX = dY W^T and dW = X^T dY,
+each as large as the forward product (the GPT's every matmul input needs a gradient: the
+embedding is trainable). The token-embedding lookup is an index, not a matmul: 0 FLOPs.
+
+Attention is counted over the full T x T square, because that is what the explicit ("math")
+attention computes (it masks after multiplying) and what PaLM's formula assumes. A causal
+kernel (flash attention) skips the masked half: pass causal=True to count only the
+T(T+1)/2 query-key pairs it needs.
+
+With N_matmul = the weights used in matmuls (all Linear weights, the LM head included, tied or
+not), the model FLOPs per token are exactly PaLM's 6 N_matmul + 12 L H Q T (Chowdhery et al.,
+"PaLM", 2022, appendix B; Q = D, T the sequence length). The shortcuts go wrong only in which N
+they plug in and whether they count attention; `approximations` computes them side by side.
+
+Lesson: lessons/06-mfu.md. Tests: `pytest tests/mfu -k mfu`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tinyscale.models import GPTConfig
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _check(config: GPTConfig, seq_len: int) -> None:
+    if not isinstance(config, GPTConfig):
+        raise TypeError(f"config must be a tinyscale.models.GPTConfig, got {type(config).__name__}: "
+                         "build one with GPTConfig(...) or GPTConfig.preset(name)")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} is invalid: it must be a positive int (tokens per sequence)")
+
+
+# --8<-- [start:forward-flops]
+@dataclasses.dataclass(frozen=True)
+class ForwardFlops:
+    """Matmul FLOPs of one forward pass over one sequence of `seq_len` tokens, by part.
+
+    Every field sums over all layers. `backward` is 2x `forward`; `model` (forward + backward)
+    is what MFU counts; `hardware(recompute)` adds what activation recomputation re-runs (HFU).
+    """
+
+    seq_len: int
+    n_layer: int
+    qkvo: int  # wq, wk, wv, wo
+    scores: int  # Q K^T
+    values: int  # P V
+    mlp: int  # w_gate, w_up, w_down
+    head: int  # LM head
+
+    @property
+    def attention(self) -> int:
+        """Q K^T and P V: the only part that grows with T per token."""
+        return self.scores + self.values
+
+    @property
+    def forward(self) -> int:
+        return self.qkvo + self.attention + self.mlp + self.head
+
+    @property
+    def backward(self) -> int:
+        return 2 * self.forward  # dX = dY W^T and dW = X^T dY, each the size of Y = X W
+
+    @property
+    def model(self) -> int:
+        """Model FLOPs of one training step on this sequence: what MFU counts."""
+        return self.forward + self.backward
+
+    def recomputed(self, recompute: str = "none", recomputed_layers: int | None = None) -> int:
+        """Forward FLOPs that activation checkpointing runs a second time, during backward.
+
+        "full" re-runs whole blocks (all of them, or the first `recomputed_layers`: the count
+        is what matters, not which), "selective" only the attention core (Q K^T, softmax, P V;
+        Korthikanti et al. 2022, sec. 4). The LM head is never recomputed.
+
+        Counts the whole region, as reentrant checkpointing and Megatron do. torch's
+        non-reentrant checkpoint by default stops recomputing as soon as every tensor backward
+        needs is back, so a region's last matmul, whose output backward does not use, is not
+        redone (w_down for a block, P V for the attention core; tests/mfu/test_flops.py)."""
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={recompute!r} is unknown: choose one of {', '.join(RECOMPUTE)}")
+        layers = self.n_layer if recomputed_layers is None else recomputed_layers
+        if not isinstance(layers, int) or isinstance(layers, bool) or not 0 <= layers <= self.n_layer:
+            raise ValueError(f"recomputed_layers={recomputed_layers!r} is invalid: it must be an int "
+                             f"in 0..n_layer={self.n_layer}, or None for every layer")
+        if recompute == "none":
+            return 0
+        per_layer = self.attention if recompute == "selective" else self.qkvo + self.attention + self.mlp
+        return per_layer // self.n_layer * layers
+
+    def hardware(self, recompute: str = "none", recomputed_layers: int | None = None) -> int:
+        """FLOPs the hardware executes in one step: model FLOPs plus recomputation (HFU)."""
+        return self.model + self.recomputed(recompute, recomputed_layers)
+
+
+def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False) -> ForwardFlops:
+    """Exact matmul FLOPs of the GPT's forward pass over one sequence of `seq_len` tokens.
+
+    `seq_len` may exceed config.max_seq_len (this is arithmetic: the model itself would refuse).
+    causal=False counts the full T x T attention square (the math path, PaLM's convention);
+    causal=True only the T(T+1)/2 pairs a causal kernel must compute."""
+    _check(config, seq_len)
+    T, C, L = seq_len, config.d_model, config.n_layer
+    pairs = T * (T + 1) // 2 if causal else T * T  # query-key pairs per head
+    return ForwardFlops(
+        seq_len=T,
+        n_layer=L,
+        qkvo=L * 2 * T * C * (2 * C + 2 * config.kv_dim),  # (T, C) @ (C, C | K*D), four of them
+        scores=L * 2 * pairs * C,  # per head (T, D) @ (D, T): 2 T^2 D; H heads: H D = C
+        values=L * 2 * pairs * C,  # per head (T, T) @ (T, D)
+        mlp=L * 3 * 2 * T * C * config.ffn_dim,  # (T, C) @ (C, F) twice, (T, F) @ (F, C) once
+        head=2 * T * C * config.vocab_size,  # (T, C) @ (C, V)
+    )
+# --8<-- [end:forward-flops]
+
+
+def model_flops_per_token(config: GPTConfig, seq_len: int, *, causal: bool = False) -> float:
+    """Forward + backward matmul FLOPs per token: the numerator of MFU (per token processed)."""
+    return forward_flops(config, seq_len, causal=causal).model / seq_len
+
+
+def hardware_flops_per_token(config: GPTConfig, seq_len: int, *, recompute: str = "none",
+                             recomputed_layers: int | None = None, causal: bool = False) -> float:
+    """Executed matmul FLOPs per token, recomputation included: the numerator of HFU."""
+    return forward_flops(config, seq_len, causal=causal).hardware(recompute, recomputed_layers) / seq_len
+
+
+def matmul_params(config: GPTConfig) -> int:
+    """Weights that take part in a matmul: every Linear weight, the LM head included even when
+    tied (the tied matrix is multiplied once as the head). Not the embedding lookup or norms."""
+    C = config.d_model
+    per_layer = 2 * C * C + 2 * C * config.kv_dim + 3 * C * config.ffn_dim
+    return config.n_layer * per_layer + config.vocab_size * C
+
+
+# --8<-- [start:approximations]
+def approximations(config: GPTConfig, seq_len: int) -> dict[str, float]:
+    """Model FLOPs per token by the exact count and by the shortcuts people use, side by side.
+
+    - "exact": `model_flops_per_token` (full attention square).
+    - "6N (all params)": 6 x every parameter. Counts the embedding table as if it were a
+      matmul (it is a lookup) and leaves out attention.
+    - "6N (non-embedding)": Kaplan et al. (2020)'s N without the embedding table. Leaves out
+      attention, and the LM head too when it is tied to the embedding.
+    - "6N + 12LHQT (non-embedding N)": PaLM's formula with the N most code plugs in
+      (nanoGPT, torchtitan): exact up to the norm weights when the head is untied; misses the
+      head's 6VC when it is tied (nanoGPT keeps the tied matrix in N for that reason).
+    - "6N + 12LHQT (matmul N)": PaLM with N = `matmul_params`: equal to "exact".
+    """
+    L, H, Q, T = config.n_layer, config.n_head, config.head_dim, seq_len
+    attention = 12 * L * H * Q * T
+    return {
+        "exact": model_flops_per_token(config, seq_len),
+        "6N (all params)": 6.0 * config.num_params(include_embedding=True),
+        "6N (non-embedding)": 6.0 * config.num_params(include_embedding=False),
+        "6N + 12LHQT (non-embedding N)": 6.0 * config.num_params(include_embedding=False) + attention,
+        "6N + 12LHQT (matmul N)": 6.0 * matmul_params(config) + attention,
+    }
+# --8<-- [end:approximations]
+
+
+def attention_share(config: GPTConfig, seq_len: int, *, causal: bool = False) -> float:
+    """Fraction of the model FLOPs spent in Q K^T and P V: 12LCT / (6 N_matmul + 12LCT)."""
+    f = forward_flops(config, seq_len, causal=causal)
+    return f.attention / f.forward

@@ -1,0 +1,160 @@
+"""The analytic matmul FLOPs equal torch's FlopCounterMode count exactly (forward, backward,
+and with recomputation), and the shortcuts differ from them by exactly what they leave out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
+
+import tinyscale.models.gpt as gpt_module
+from tinyscale.mfu import (
+    approximations,
+    attention_share,
+    forward_flops,
+    hfu,
+    matmul_params,
+    model_flops_per_token,
+)
+from tinyscale.models import GPT, GPTConfig
+
+
+def _counted(model: GPT, batch: int, seq_len: int, seed: int = 0) -> tuple[int, int]:
+    """(forward, backward) FLOPs of one training step, as FlopCounterMode counts them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=gen)
+    y = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=gen)
+    with FlopCounterMode(display=False) as fwd:
+        loss = model(x, y)
+    with FlopCounterMode(display=False) as bwd:
+        loss.backward()
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
+@st.composite
+def configs(draw) -> GPTConfig:
+    """Small GPTs with every shape feature: GQA, odd vocab and FFN sizes, tied or untied head."""
+    n_head = draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([2, 4, 6]))
+    return GPTConfig(
+        vocab_size=draw(st.integers(3, 70)),
+        max_seq_len=16,
+        n_layer=draw(st.integers(1, 3)),
+        n_head=n_head,
+        n_kv_head=draw(st.sampled_from([k for k in (1, 2, 4) if n_head % k == 0] + [None])),
+        d_model=n_head * head_dim,
+        ffn_hidden=draw(st.one_of(st.none(), st.integers(1, 40))),
+        tie_embeddings=draw(st.booleans()),
+        attn_impl="math",  # explicit matmuls: FlopCounterMode sees them (SDPA on CPU counts 0)
+    )
+
+
+# FLOP counts are integers: every comparison below is exact (==), no tolerance.
+@given(cfg=configs(), seq_len=st.integers(1, 16), batch=st.integers(1, 3))
+def test_mfu_flops_match_flop_counter_exactly(cfg, seq_len, batch):
+    f = forward_flops(cfg, seq_len)
+    counted_fwd, counted_bwd = _counted(GPT(cfg), batch, seq_len)
+    assert counted_fwd == batch * f.forward
+    assert counted_bwd == batch * f.backward == 2 * batch * f.forward
+    assert batch * f.model == counted_fwd + counted_bwd
+
+
+@pytest.mark.parametrize("preset, seq_lens", [("tiny", [1, 7, 32]), ("small", [16, 128])])
+@pytest.mark.parametrize("tied", [False, True])
+def test_mfu_flops_match_flop_counter_on_presets(preset, seq_lens, tied):
+    cfg = GPTConfig.preset(preset).with_(attn_impl="math", tie_embeddings=tied)
+    model = GPT(cfg)
+    for T in seq_lens:
+        assert _counted(model, 2, T) == (2 * forward_flops(cfg, T).forward, 2 * forward_flops(cfg, T).backward)
+        model.zero_grad(set_to_none=True)
+
+
+class _Recomputed(nn.Module):
+    """A block run under torch.utils.checkpoint: its forward runs again during backward."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        return checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+
+@given(cfg=configs(), seq_len=st.integers(1, 16), data=st.data())
+def test_mfu_hardware_flops_with_full_recompute_match_flop_counter(cfg, seq_len, data):
+    layers = data.draw(st.integers(0, cfg.n_layer), label="recomputed_layers")
+    model = GPT(cfg)
+    for i in range(layers):
+        model.blocks[i] = _Recomputed(model.blocks[i])
+    f = forward_flops(cfg, seq_len)
+    with set_checkpoint_early_stop(False):  # re-run the whole block, as "full" counts
+        assert sum(_counted(model, 1, seq_len)) == f.hardware("full", recomputed_layers=layers)
+    # torch's default stops recomputing once every saved tensor is back: the block's last
+    # matmul (w_down: its output is not saved for backward) is not redone.
+    w_down = 2 * seq_len * cfg.ffn_dim * cfg.d_model
+    assert sum(_counted(model, 1, seq_len)) == f.hardware("full", recomputed_layers=layers) - layers * w_down
+
+
+def test_mfu_hardware_flops_with_selective_recompute_match_flop_counter(monkeypatch):
+    cfg = GPTConfig.preset("tiny").with_(attn_impl="math")
+    plain = gpt_module.causal_attention
+
+    def recomputed_core(q, k, v, **kwargs):  # the attention core only (Korthikanti et al., sec. 4)
+        return checkpoint(lambda q, k, v: plain(q, k, v, **kwargs), q, k, v, use_reentrant=False)
+
+    monkeypatch.setattr(gpt_module, "causal_attention", recomputed_core)
+    f = forward_flops(cfg, 32)
+    with set_checkpoint_early_stop(False):
+        assert sum(_counted(GPT(cfg), 2, 32)) == 2 * f.hardware("selective")
+    assert f.hardware("selective") - f.model == f.attention  # Q K^T and P V once more
+    # With early stop, P V (whose output backward does not need) is not redone.
+    assert sum(_counted(GPT(cfg), 2, 32)) == 2 * (f.hardware("selective") - f.values)
+
+
+@given(cfg=configs(), seq_len=st.integers(1, 4096))
+def test_mfu_palm_formula_is_exact_with_matmul_params(cfg, seq_len):
+    """6N + 12LHQT is exact when N counts the matmul weights (the head included, tied or not);
+    with N = non-embedding parameters it is off by the norm weights, or by the whole tied head."""
+    a = approximations(cfg, seq_len)
+    assert a["6N + 12LHQT (matmul N)"] == a["exact"]
+    norms = cfg.n_layer * 2 * cfg.d_model + cfg.d_model
+    head = cfg.vocab_size * cfg.d_model
+    missing_head = head if cfg.tie_embeddings else 0
+    assert a["6N + 12LHQT (non-embedding N)"] == a["exact"] + 6 * norms - 6 * missing_head
+    attention = 12 * cfg.n_layer * cfg.d_model * seq_len
+    assert a["6N (non-embedding)"] == a["exact"] + 6 * norms - 6 * missing_head - attention
+    assert a["6N (all params)"] == a["exact"] + 6 * norms + 6 * (0 if cfg.tie_embeddings else head) - attention
+
+
+def test_mfu_causal_counts_half_the_attention_square():
+    cfg = GPTConfig.preset("small")
+    full, causal = forward_flops(cfg, 128), forward_flops(cfg, 128, causal=True)
+    assert causal.attention * 2 * 128 == full.attention * 129  # T(T+1)/2 of T^2 query-key pairs
+    assert causal.mlp == full.mlp and causal.head == full.head
+
+
+def test_mfu_attention_share_grows_with_sequence_length():
+    cfg = GPTConfig.preset("llama-1b")
+    shares = [attention_share(cfg, T) for T in (512, 2048, 8192, 32768, 131072)]
+    assert shares == sorted(shares)
+    C, T = cfg.d_model, 8192
+    assert shares[2] == pytest.approx(12 * C * T * cfg.n_layer / (6 * matmul_params(cfg) + 12 * C * T * cfg.n_layer),
+                                      rel=1e-12)  # float division only
+
+
+def test_mfu_bad_inputs_raise_clear_errors():
+    cfg = GPTConfig.preset("tiny")
+    with pytest.raises(ValueError, match="seq_len"):
+        forward_flops(cfg, 0)
+    with pytest.raises(TypeError, match="GPTConfig"):
+        model_flops_per_token({"d_model": 32}, 8)
+    with pytest.raises(ValueError, match="recompute"):
+        forward_flops(cfg, 8).hardware("sometimes")
+    with pytest.raises(ValueError, match="recomputed_layers"):
+        forward_flops(cfg, 8).hardware("full", recomputed_layers=cfg.n_layer + 1)
+    with pytest.raises(ValueError, match="recompute"):
+        hfu(1000.0, cfg, 1e12, recompute="all")

@@ -43,9 +43,16 @@ from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.optim import build_optimizer, lr_at, set_lr
+from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 from tinyscale.zero.stage3 import Wrap
-from tinyscale.zero.state_dict import gather_optimizer_state, load_master_from_params, load_optimizer_state
+from tinyscale.zero.state_dict import (
+    gather_masters,
+    gather_optimizer_state,
+    load_master_from_params,
+    load_masters,
+    load_optimizer_state,
+)
 
 
 ParamGroups = Callable[[torch.nn.Module], list[dict]]
@@ -54,8 +61,6 @@ ParamGroups = Callable[[torch.nn.Module], list[dict]]
 def check_supported(config: EngineConfig) -> None:
     """Reject what this build cannot do yet, naming the field (before any work is done)."""
     todo = []
-    if config.fp16.enabled or config.bf16.enabled:
-        todo.append("fp16/bf16.enabled (mixed precision is not built yet; give the model the dtype you want)")
     par = config.parallel
     for name in ("tensor", "pipeline", "context"):
         if getattr(par, name) != 1:
@@ -92,22 +97,36 @@ class Engine:
         self.ddp = self.zero = None
         self._before_step_report: MemoryReport | None = None
         zero = config.zero_optimization
+        # Mixed precision (tinyscale.precision): the model computes in fp16/bf16, fp32 masters
+        # and states step; fp16 scales the loss. The masters are taken from the parameters'
+        # full-precision values before they are rounded, so the optimizer is built first.
+        self.compute_dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
+        self.loss_scaler = make_loss_scaler(**config.fp16.model_dump(exclude={"enabled"})) if config.fp16.enabled else None
+        self.skipped_steps = 0
         # DeepSpeed counts reduce_bucket_size in elements, not bytes.
-        bucket_bytes = zero.reduce_bucket_size * self.params[0].element_size()
+        element_size = self.params[0].element_size() if self.compute_dtype is None else 2
+        bucket_bytes = zero.reduce_bucket_size * element_size
         with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
             if zero.stage == 0:
+                if self.compute_dtype is not None:
+                    self.optimizer = MixedPrecisionOptimizer(
+                        groups, lambda g: build_optimizer(g, config.optimizer), dtype=self.compute_dtype,
+                        loss_scaler=self.loss_scaler, process_group=self.dp_group)
+                    self.model.to(self.compute_dtype)  # buffers too (parameters are rounded already)
+                else:
+                    self.optimizer = build_optimizer(groups, config.optimizer)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
                 if self.dp_size > 1:
                     self.ddp = BucketedDDP(self.model, process_group=self.dp_group,
                                            bucket_cap_mb=bucket_bytes / 2**20, overlap=zero.overlap_comm)
-                self.optimizer = build_optimizer(groups, config.optimizer)
             else:
                 # ZeRO: the ranks start identical, then each builds its shards of the state
                 # (stage 3: of the parameters too, and hooks on the model that gather them).
                 if self.dp_size > 1:
                     broadcast_parameters(self.model, self.dp_group)
                 make = lambda groups: build_optimizer(groups, config.optimizer)  # noqa: E731
-                off = {"offload_optimizer": zero.offload_optimizer.device}
+                off = {"offload_optimizer": zero.offload_optimizer.device, "param_dtype": self.compute_dtype,
+                       "loss_scaler": self.loss_scaler}
                 if zero.stage == 1:
                     self.zero = ZeroStage1(groups, make, self.dp_group, **off,
                                            nvme_path=zero.offload_optimizer.nvme_path)
@@ -120,6 +139,8 @@ class Engine:
                                            offload_param=zero.offload_param.device,
                                            param_nvme_path=zero.offload_param.nvme_path)
                 self.optimizer = self.zero.sharded.optimizer
+                if self.compute_dtype is not None:
+                    self.model.to(self.compute_dtype)  # buffers and frozen parameters
         self.step = 0
 
     # --8<-- [start:train-batch]
@@ -147,29 +168,41 @@ class Engine:
                 # Gradients are averaged once per step: by the last micro-batch's backward.
                 with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
                     loss = forward(*(t.to(self.device) for t in chunk))
-                    (loss / len(micro)).backward()
+                    self._scaled(loss / len(micro)).backward()
                 total += loss.detach().double()
             # --8<-- [end:accumulate]
             if self.dp_size > 1:
                 comm.all_reduce(total, group=self.dp_group)
         mean_loss = total.item() / (len(micro) * self.dp_size)
-        if not math.isfinite(mean_loss):  # the same value on every rank, so all raise together
+        # The same value on every rank, so all raise together. fp16: an overflow is the
+        # scaler's business (the step is skipped below), not divergence.
+        if not math.isfinite(mean_loss) and self.loss_scaler is None:
             raise FloatingPointError(f"train_batch: the loss at step {self.step} is {mean_loss}; training diverged")
         self._before_step_report = self.memory_report()  # the step's peak of model states
-        lr = lr_at(self.step, self.config)
+        lr = lr_at(self.step - self.skipped_steps, self.config)  # a skipped step does not advance the schedule
+        skipped = False
         if self.zero is not None:
             self.zero.set_lr(lr)
             with comm.record(self.comm_ledger):
-                self.zero.step(max_norm=self.config.gradient_clipping)
+                skipped = self.zero.step(max_norm=self.config.gradient_clipping)
+        elif self.compute_dtype is not None:
+            set_lr(self.optimizer, lr)
+            with comm.record(self.comm_ledger):  # fp16: the overflow flag's all-reduce
+                skipped = self.optimizer.step(max_norm=self.config.gradient_clipping)
+            self.optimizer.zero_grad(set_to_none=True)
         else:
             if self.config.gradient_clipping > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
             set_lr(self.optimizer, lr)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += int(skipped)
         self.step += 1
         return mean_loss
     # --8<-- [end:train-batch]
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict().
@@ -188,12 +221,21 @@ class Engine:
         model_state = self.full_state_dict()
         if self.zero is not None:
             optimizer_state = gather_optimizer_state(self.zero.sharded, names)
+            if self.compute_dtype is not None:
+                optimizer_state["masters"] = gather_masters(self.zero.sharded, names)
+        elif isinstance(self.optimizer, MixedPrecisionOptimizer):
+            mp = self.optimizer
+            optimizer_state = checkpoint.optimizer_state_by_name(
+                mp.optimizer, {m: names[id(p)] for p, m in zip(mp.params, mp.masters)})
+            optimizer_state["masters"] = {names[id(p)]: m.detach().cpu().clone() for p, m in zip(mp.params, mp.masters)}
         else:
             optimizer_state = checkpoint.optimizer_state_by_name(self.optimizer, {p: names[id(p)] for p in self.params})
+        if self.loss_scaler is not None:
+            optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
         error = None
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                meta = {"step": self.step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                         "dp": self.dp_size, "config": self.config.model_dump(mode="json")}
                 checkpoint.write(path, model_state, optimizer_state, meta)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
@@ -219,12 +261,25 @@ class Engine:
                                  f"unexpected keys {unexpected}")
             if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters
                 load_master_from_params(self.zero.sharded, self.zero.shards.write if stage3 else None)
+        masters = optimizer_state.pop("masters", None)  # mixed precision's fp32 values
+        scaler_state = optimizer_state.pop("loss_scaler", None)
         if self.zero is not None:
             load_optimizer_state(self.zero.sharded, optimizer_state, names)
+            if self.compute_dtype is not None and masters is not None:
+                load_masters(self.zero.sharded, masters, names)
+        elif isinstance(self.optimizer, MixedPrecisionOptimizer):
+            mp = self.optimizer
+            checkpoint.load_optimizer_state_by_name(mp.optimizer, optimizer_state,
+                                                    {names[id(p)]: m for p, m in zip(mp.params, mp.masters)})
+            with torch.no_grad():
+                for p, m in zip(mp.params, mp.masters):
+                    m.copy_(masters[names[id(p)]] if masters is not None else p)  # else: from the rounded values
         else:
             checkpoint.load_optimizer_state_by_name(self.optimizer, optimizer_state,
                                                     {names[id(p)]: p for p in self.params})
-        self.step = meta["step"]
+        if self.loss_scaler is not None and scaler_state is not None:
+            self.loss_scaler.load_state_dict(scaler_state)
+        self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
 
     def memory_report(self, when: str = "now") -> MemoryReport:
         """Bytes this rank holds, by category, counted from the tensors it holds.
@@ -246,7 +301,10 @@ class Engine:
                 extra["parameters"] = self.zero.shards.resident()
         for swap in self._swappers():
             swap.flush()  # writes in flight still hold their memory: let them land first
-        report = report_for(self.model, self.optimizer, self.device, extra)
+        optimizer = self.optimizer
+        if isinstance(optimizer, MixedPrecisionOptimizer):
+            optimizer, extra = optimizer.optimizer, {"master_weights": optimizer.masters}
+        report = report_for(self.model, optimizer, self.device, extra)
         if self.zero is not None:  # the disk tier: what is in files now, not in memory
             swap = self.zero.sharded.swap
             if swap is not None:

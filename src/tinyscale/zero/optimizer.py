@@ -50,10 +50,15 @@ class ShardedOptimizer:
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
                  unit_bytes: int | None = None, reverse_units: bool = False,
                  unit_key: Callable[[torch.Tensor], int] | None = None,
-                 offload: str = "none", nvme_path: str | None = None):
+                 offload: str = "none", nvme_path: str | None = None,
+                 param_dtype: torch.dtype | None = None, loss_scaler=None):
         """`unit_key(p)` (stage 3) cuts each group by module instead of by size: parameters
         with the same key share a unit, units ordered by key. `offload` ("none", "cpu",
-        "nvme"; `offload.py`): where master shards and optimizer states live and the step runs."""
+        "nvme"; `offload.py`): where master shards and optimizer states live and the step runs.
+        `param_dtype` (mixed precision: fp16/bf16): the masters keep the parameters' current
+        (fp32) values, then the parameters are rounded to it and gradients flow in it;
+        `loss_scaler` (fp16; `tinyscale.precision`): overflow is agreed over the group in
+        `full_step`, which then skips on every rank together."""
         if offload not in OFFLOAD_DEVICES:
             raise ValueError(f"offload_optimizer.device={offload!r}: choose one of {OFFLOAD_DEVICES}")
         self.offload = offload
@@ -83,6 +88,13 @@ class ShardedOptimizer:
         where = host_device() if offload != "none" else None
         self.master = [unit.shard(unit.flatten([p.detach() for p in unit.params])).to(where, copy=True)
                        for unit in self.units]
+        self.loss_scaler = loss_scaler
+        if param_dtype is not None:  # masters above hold the full-precision values; round the model's
+            with torch.no_grad():
+                for unit in self.units:
+                    for p in unit.params:
+                        p.data = p.data.to(param_dtype)
+                    unit.dtype = param_dtype  # flat buffers, gathers and gradient shards in this dtype
         self.swap = DiskSwapper(nvme_path) if offload == "nvme" else None
         for i, m in enumerate(self.master) if self.swap else ():
             self.swap.add(f"{i}/master", m)
@@ -108,6 +120,29 @@ class ShardedOptimizer:
             if g is not None:
                 g.mul_(clip_coef.to(g.dtype))
         return total_norm.item()
+
+    # --8<-- [start:full-step]
+    @torch.no_grad()
+    def full_step(self, max_norm: float = 0.0, publish: Callable[[int, torch.Tensor], None] | None = None) -> bool:
+        """Overflow check (fp16), unscale, clip, step, publish; True if the step was skipped.
+
+        Under mixed precision the gradient shards arrive in fp16/bf16 and become fp32 here,
+        the masters' dtype, before anything else looks at them."""
+        scaler = self.loss_scaler
+        if scaler is not None and scaler.found_overflow(self.grad, self.process_group):
+            scaler.update(True)  # every rank got the same answer: all skip and back off together
+            self.grad = [None] * len(self.master)
+            return True
+        self.grad = [None if g is None else g.to(m.dtype) for g, m in zip(self.grad, self.master)]
+        if scaler is not None:
+            scaler.unscale_(self.grad)
+        if max_norm > 0:
+            self.clip_grad_norm_(max_norm)
+        self.step(publish)
+        if scaler is not None:
+            scaler.update(False)
+        return False
+    # --8<-- [end:full-step]
 
     @torch.no_grad()
     def step(self, publish: Callable[[int, torch.Tensor], None] | None = None) -> None:
@@ -165,7 +200,7 @@ class ShardedOptimizer:
             return
         full = unit.empty_flat()
         if self.distributed:
-            comm.all_gather(full, m.to(unit.device), group=self.process_group)
+            comm.all_gather(full, m.to(unit.device, unit.dtype), group=self.process_group)
         else:
             full.copy_(m)
         unit.copy_into_params(full)

@@ -31,10 +31,12 @@ class ZeroStage1:
     """Sharded optimizer over full, replicated parameters and full local gradients."""
 
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
-                 offload_optimizer: str = "none", nvme_path: str | None = None):
+                 offload_optimizer: str = "none", nvme_path: str | None = None,
+                 param_dtype: torch.dtype | None = None, loss_scaler=None):
         # One unit per parameter group: each rank owns 1/N of every group's flat buffer.
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
-                                        offload=offload_optimizer, nvme_path=nvme_path)
+                                        offload=offload_optimizer, nvme_path=nvme_path,
+                                        param_dtype=param_dtype, loss_scaler=loss_scaler)
 
     # --8<-- [start:reduce]
     @torch.no_grad()
@@ -49,11 +51,10 @@ class ZeroStage1:
     def abandon_backward(self) -> None:
         """Nothing to forget: stage 1 communicates only in `step`."""
 
-    def step(self, max_norm: float = 0.0) -> None:
+    def step(self, max_norm: float = 0.0) -> bool:
+        """Reduce, clip, step; returns True if fp16 overflow skipped it (on every rank)."""
         self.reduce_gradients()
-        if max_norm > 0:
-            self.sharded.clip_grad_norm_(max_norm)
-        self.sharded.step()
+        return self.sharded.full_step(max_norm)
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

@@ -33,10 +33,12 @@ class ZeroStage2:
 
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
                  bucket_bytes: int = 500_000_000, overlap: bool = True,
-                 offload_optimizer: str = "none", nvme_path: str | None = None):
+                 offload_optimizer: str = "none", nvme_path: str | None = None,
+                 param_dtype: torch.dtype | None = None, loss_scaler=None):
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         unit_bytes=bucket_bytes, reverse_units=True,
-                                        offload=offload_optimizer, nvme_path=nvme_path)
+                                        offload=offload_optimizer, nvme_path=nvme_path,
+                                        param_dtype=param_dtype, loss_scaler=loss_scaler)
         self.overlap = overlap
         self._where = {p: (u, i) for u, unit in enumerate(self.sharded.units) for i, p in enumerate(unit.params)}
         self._ready: list[set[int]] = [set() for _ in self.sharded.units]
@@ -96,10 +98,9 @@ class ZeroStage2:
         if self._queued:
             self._settle()
 
-    def step(self, max_norm: float = 0.0) -> None:
-        if max_norm > 0:
-            self.sharded.clip_grad_norm_(max_norm)
-        self.sharded.step()
+    def step(self, max_norm: float = 0.0) -> bool:
+        """Clip and step; returns True if fp16 overflow skipped it (on every rank)."""
+        return self.sharded.full_step(max_norm)
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

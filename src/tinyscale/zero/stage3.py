@@ -130,12 +130,14 @@ class ZeroStage3:
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None, *,
                  module: nn.Module, wrap: Wrap = None, prefetch: bool = True,
                  offload_optimizer: str = "none", optimizer_nvme_path: str | None = None,
-                 offload_param: str = "none", param_nvme_path: str | None = None):
+                 offload_param: str = "none", param_nvme_path: str | None = None,
+                 param_dtype: torch.dtype | None = None, loss_scaler=None):
         names = wrapped_module_names(module, wrap)
         owner = assign_units(module, names)
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         unit_key=lambda p: owner[id(p)], offload=offload_optimizer,
-                                        nvme_path=optimizer_nvme_path)
+                                        nvme_path=optimizer_nvme_path, param_dtype=param_dtype,
+                                        loss_scaler=loss_scaler)
         managed = {id(p) for fu in self.sharded.units for p in fu.params}
         if managed != set(owner):
             missing = [n for n, p in module.named_parameters() if id(p) in set(owner) - managed]
@@ -348,10 +350,9 @@ class ZeroStage3:
             for u in range(len(self.units)):
                 self._free(u)
 
-    def step(self, max_norm: float = 0.0) -> None:
-        if max_norm > 0:
-            self.sharded.clip_grad_norm_(max_norm)
-        self.sharded.step(publish=self.shards.write)  # write my shards; nothing is gathered
+    def step(self, max_norm: float = 0.0) -> bool:
+        """Clip and step; returns True if fp16 overflow skipped it (on every rank)."""
+        return self.sharded.full_step(max_norm, publish=self.shards.write)  # my shards; nothing gathered
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

@@ -48,7 +48,7 @@ def gather_optimizer_state(sharded: ShardedOptimizer, names: dict[int, str]) -> 
             per_param: list[dict] = [{} for _ in unit.params]
             for key, value in sharded.optimizer.state.get(master, {}).items():
                 if torch.is_tensor(value) and value.shape == master.shape:
-                    full = torch.empty(unit.shard_numel * sharded.world_size, dtype=value.dtype, device=unit.device)
+                    full = torch.empty(unit.padded_numel, dtype=value.dtype, device=unit.device)
                     if sharded.distributed:
                         comm.all_gather(full, value.to(unit.device), group=sharded.process_group)
                     else:
@@ -85,8 +85,10 @@ def load_optimizer_state(sharded: ShardedOptimizer, saved: dict, names: dict[int
         new = {}
         for key, sample in present[0].items():
             if torch.is_tensor(sample) and sample.dim() > 0:  # shaped like its parameter
-                flat = unit.flatten([e[key].to(unit.device, unit.dtype) if e else None for e in entries])
-                new[key] = unit.shard(flat).to(master.device, sample.dtype, copy=True)
+                # in the state's own dtype (fp32 under mixed precision), not the unit's fp16/bf16
+                flat = torch.zeros(unit.padded_numel, dtype=sample.dtype, device=unit.device)
+                unit.flatten([e[key].to(unit.device) if e else None for e in entries], out=flat)
+                new[key] = unit.shard(flat).to(master.device, copy=True)
             else:
                 new[key] = sample.clone() if torch.is_tensor(sample) else sample
         old = sharded.optimizer.state.get(master, {})
@@ -115,3 +117,30 @@ def load_master_from_params(sharded: ShardedOptimizer, publish=None) -> None:
             master.copy_(shard)
         if publish is not None:
             publish(i, shard)
+
+
+@torch.no_grad()
+def gather_masters(sharded: ShardedOptimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """Full master weights by parameter name (mixed precision: the fp32 values the rounded
+    fp16/bf16 parameters lost); every rank."""
+    out = {}
+    for i, (unit, master) in enumerate(zip(sharded.units, sharded.master)):
+        with _resident(sharded, i, write=False):
+            full = torch.empty(unit.padded_numel, dtype=master.dtype, device=unit.device)
+            if sharded.distributed:
+                comm.all_gather(full, master.to(unit.device), group=sharded.process_group)
+            else:
+                full.copy_(master)
+        for p, view in zip(unit.params, unit.views(full)):
+            out[names[id(p)]] = view.to("cpu", copy=True)
+    return out
+
+
+@torch.no_grad()
+def load_masters(sharded: ShardedOptimizer, masters: dict[str, torch.Tensor], names: dict[int, str]) -> None:
+    """Master shards := this rank's shard of the saved full-precision masters."""
+    for i, (unit, master) in enumerate(zip(sharded.units, sharded.master)):
+        flat = torch.zeros(unit.padded_numel, dtype=master.dtype, device=unit.device)
+        unit.flatten([masters[names[id(p)]].to(unit.device) for p in unit.params], out=flat)
+        with _resident(sharded, i, write=True):
+            master.copy_(unit.shard(flat))

@@ -104,7 +104,7 @@ class _LiveBytes(TorchDispatchMode):
             self.tracked.add(key)
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._freed, key, storage.nbytes())
+            weakref.finalize(storage, self._freed, key, storage.nbytes()).atexit = False
         return out
 
 

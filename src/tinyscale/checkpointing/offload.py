@@ -23,7 +23,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
-    """A leaf that requires grad (a parameter), or a view of one."""
+    """A leaf that requires grad (a parameter, or an input you asked gradients of), or a view of one."""
     base = t if t._base is None else t._base
     return base.is_leaf and base.requires_grad
 

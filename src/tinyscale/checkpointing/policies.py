@@ -29,6 +29,7 @@ would be lost, so that raises.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -38,6 +39,8 @@ from tinyscale.checkpointing.offload import offload_to_host
 from tinyscale.models.gpt import Attention, Block, apply_rope, causal_attention
 
 POLICIES = ("none", "full", "every_k", "selective", "offload")
+# checkpoint() options of a module built directly (apply_policy sets its own per module); read-only.
+_DEFAULT_OPTIONS = MappingProxyType({"use_reentrant": False, "preserve_rng_state": True})
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class CheckpointPolicy:
 class CheckpointedBlock(Block):
     """A GPT block whose whole forward runs under checkpoint(): it saves its input only."""
 
+    _checkpoint_options = _DEFAULT_OPTIONS
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return checkpoint(super().forward, x, cos, sin, **self._checkpoint_options)
 
@@ -100,6 +105,8 @@ class SelectiveAttention(Attention):
     Attention.forward calls the core inline, so this repeats the projections and RoPE
     around it (test_activation_checkpoint_selective_attention_matches_gpt_attention catches
     drift); a `core` submodule in models/gpt.py would let a policy wrap just that."""
+
+    _checkpoint_options = _DEFAULT_OPTIONS
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape

@@ -29,8 +29,8 @@ from tinyscale.checkpointing.api import checkpoint
 # --8<-- [start:segments]
 def checkpoint_in_segments(layers: Sequence[Callable], x: torch.Tensor, *args, segment_size: int,
                            use_reentrant: bool = False, preserve_rng_state: bool = True) -> torch.Tensor:
-    """x -> layers[0](x, *args) -> layers[1](..., *args) -> ..., each run of `segment_size`
-    layers under one checkpoint (the last run not checkpointed)."""
+    """Run `x` through `layer(x, *args)` for each layer in order, each run of `segment_size`
+    consecutive layers under one checkpoint (the last run not checkpointed)."""
     if not isinstance(segment_size, int) or isinstance(segment_size, bool) or segment_size < 1:
         raise ValueError(f"segment_size={segment_size!r}: it must be a positive int (layers per segment)")
 

@@ -144,6 +144,7 @@ def _check(num_params, dp, stage, offload="none", offload_params="none", **nbyte
                          f"parameters), got stage {stage}")
 
 
+# --8<-- [start:placement]
 def _placement(stage, offload, offload_params, param_bytes, grad_bytes, optimizer_bytes):
     """(what, bytes per element, sharded over N_d?, where) for each part of the model states:
     ZeRO in three lines. Stage s shards the first s of (optimizer, gradients, parameters)."""
@@ -152,6 +153,7 @@ def _placement(stage, offload, offload_params, param_bytes, grad_bytes, optimize
         ("gradients", grad_bytes, stage >= 2, "device" if offload == "none" else "host"),
         ("optimizer", optimizer_bytes, stage >= 1, _WHERE[offload]),  # master weights included
     ]
+# --8<-- [end:placement]
 
 
 def model_state_bytes(num_params: float, dp: int, stage: int, *, offload: str = "none",

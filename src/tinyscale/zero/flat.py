@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 
+# --8<-- [start:layout]
 class FlatUnit:
     """Parameters laid out in one padded flat buffer, cut into `world_size` equal shards."""
 
@@ -58,6 +59,7 @@ class FlatUnit:
     def shard_range(self, rank: int | None = None) -> tuple[int, int]:
         r = self.rank if rank is None else rank
         return r * self.shard_numel, (r + 1) * self.shard_numel
+    # --8<-- [end:layout]
 
     def empty_flat(self) -> torch.Tensor:
         return torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)

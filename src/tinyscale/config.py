@@ -148,6 +148,22 @@ class Bf16Config(_Section):
     enabled: bool = False
 
 
+class ActivationCheckpointingConfig(_Section):
+    """tinyscale's own section (DeepSpeed leaves the choice of what to recompute to model
+    code): a policy from `tinyscale.checkpointing.POLICIES` applied to the GPT's blocks."""
+
+    policy: Literal["none", "full", "every_k", "selective", "offload"] = "none"
+    every_k: PositiveInt | None = None  # policy "every_k": checkpoint every k-th block
+    use_reentrant: bool = False
+
+    @model_validator(mode="after")
+    def _every_k_with_its_policy(self):
+        if (self.policy == "every_k") != (self.every_k is not None):
+            raise ValueError("activation_checkpointing.every_k goes with policy 'every_k' (and it needs one): "
+                             f"got policy {self.policy!r}, every_k {self.every_k!r}")
+        return self
+
+
 class ParallelConfig(_Section):
     tensor: PositiveInt = 1
     pipeline: PositiveInt = 1
@@ -178,6 +194,7 @@ class EngineConfig(_Section):
     zero_optimization: ZeroConfig = ZeroConfig()
     fp16: Fp16Config = Fp16Config()
     bf16: Bf16Config = Bf16Config()
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")

@@ -3,13 +3,18 @@
     engine = ts.initialize(model, config)   # inside ts.dist.launch / torchrun, or a plain process
     loss = engine.train_batch(batch)        # the global batch's mean loss, same on every rank
 
+Set-up, in this order (each step needs the one before): the activation-checkpointing
+policy rebuilds the GPT's blocks (`tinyscale.checkpointing.apply_policy`); the optimizer
+takes fp32 masters from the parameters before mixed precision rounds them to fp16/bf16
+(`tinyscale.precision`); then the data-parallel wrapper or ZeRO stage hooks into the model.
+
 What a step does over `dp` data-parallel ranks:
 
 1. take this rank's rows of the global batch and cut them into micro-batches
    (`tinyscale.data.local_micro_batches`: contiguous blocks per rank, contiguous
    micro-batches within a block);
-2. backward ``loss_i / gradient_accumulation_steps`` for each micro-batch, so the local
-   gradient is that of the mean over this rank's rows;
+2. backward ``loss_i / gradient_accumulation_steps`` (times the loss scale under fp16)
+   for each micro-batch, so the local gradient is that of the mean over this rank's rows;
 3. average the gradients over the dp ranks, by ``zero_optimization.stage``:
    0: `tinyscale.data_parallel.BucketedDDP` all-reduces buckets of
    ``reduce_bucket_size`` elements during the last micro-batch's backward (the others run
@@ -19,8 +24,10 @@ What a step does over `dp` data-parallel ranks:
    model all-gather each unit (a block) for its forward and again for its backward, and
    reduce-scatter the unit's gradients as soon as backward is done with it. The mean over
    ranks is the mean over the global batch because every rank holds the same number of rows;
-4. clip by global norm, set this step's learning rate, step (ZeRO: on this rank's shard,
-   then stages 1 and 2 all-gather the parameters; stage 3 keeps them sharded), zero gradients.
+4. fp16: if any rank saw an inf/nan gradient, every rank skips the step and the loss scale
+   backs off (the schedule does not advance); otherwise unscale. Clip by global norm, set
+   this step's learning rate, step (ZeRO: on this rank's shard, then stages 1 and 2
+   all-gather the parameters; stage 3 keeps them sharded), zero gradients.
 
 Every rank ends the step with identical parameters (stage 3: identical shards of them),
 which is what `full_state_dict` returns (stage 3 gathers them for it). Later topics add
@@ -36,6 +43,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
@@ -88,6 +96,9 @@ class Engine:
         self.batch = config.batch(self.dp_size)
         self.device = device()
         self.model = model.to(self.device)
+        ac = config.activation_checkpointing
+        if ac.policy != "none":  # first: it rebuilds blocks, which the wrappers below hook into
+            apply_policy(self.model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("initialize: the model has no parameter that requires grad")

@@ -1,5 +1,9 @@
 """Mixed precision: fp16/bf16 parameters for compute, fp32 master weights, loss scaling for fp16.
 
+Paper: Micikevicius et al., "Mixed Precision Training" (ICLR 2018), sec. 3; the scaler's rule
+and config keys are DeepSpeed's (``fp16: {loss_scale, initial_scale_power, loss_scale_window,
+hysteresis, min_loss_scale}``). Tests: ``pytest -k mixed_precision``.
+
     from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
     opt = MixedPrecisionOptimizer(model.parameters(), lambda groups: torch.optim.AdamW(groups, lr=1e-3),
                                   dtype=torch.float16, loss_scaler=make_loss_scaler(), process_group=dp_group)

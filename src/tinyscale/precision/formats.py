@@ -2,7 +2,8 @@
 
 Paper: Micikevicius et al., "Mixed Precision Training" (ICLR 2018), sec. 3.2, fig. 3 (the
 histogram of activation gradients, most of them below fp16's range). Lesson:
-lessons/04-mixed-precision.md, which runs `cast_report` on the tiny GPT's real gradients.
+lessons/04-mixed-precision.md, which runs `cast_report` on the tiny GPT's real gradients
+(notebooks/04-mixed-precision.ipynb, section 2). Tests: ``pytest -k mixed_precision``.
 
     format   exponent/mantissa bits   smallest subnormal   smallest normal   largest    spacing at 1
     fp32     8 / 23                   1.4e-45              1.2e-38           3.4e38     2^-23

@@ -122,8 +122,7 @@ class Engine:
                 if self.compute_dtype is not None:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, lambda g: build_optimizer(g, config.optimizer), dtype=self.compute_dtype,
-                        loss_scaler=self.loss_scaler, process_group=self.dp_group)
-                    self.model.to(self.compute_dtype)  # buffers too (parameters are rounded already)
+                        loss_scaler=self.loss_scaler, process_group=self.dp_group)  # rounds frozen ones too
                 else:
                     self.optimizer = build_optimizer(groups, config.optimizer)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
@@ -150,8 +149,11 @@ class Engine:
                                            offload_param=zero.offload_param.device,
                                            param_nvme_path=zero.offload_param.nvme_path)
                 self.optimizer = self.zero.sharded.optimizer
-                if self.compute_dtype is not None:
-                    self.model.to(self.compute_dtype)  # buffers and frozen parameters
+                if self.compute_dtype is not None:  # frozen parameters compute in it too; buffers
+                    with torch.no_grad():              # (the GPT's fp32 RoPE tables) stay as they are
+                        for p in self.model.parameters():
+                            if not p.requires_grad and p.is_floating_point():
+                                p.data = p.data.to(self.compute_dtype)
         self.step = 0
 
     # --8<-- [start:train-batch]

@@ -34,9 +34,12 @@ from tinyscale.models import GPT, GPTConfig
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.05}}
 
 
-def engine_config(stage: int, world: int, micro: int = 1, accum: int = 1) -> dict:
-    return {"train_batch_size": micro * accum * world, "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": accum, "optimizer": ADAMW, "zero_optimization": {"stage": stage}}
+def engine_config(stage: int, world: int, micro: int = 1, accum: int = 1, bf16: bool = False) -> dict:
+    config = {"train_batch_size": micro * accum * world, "train_micro_batch_size_per_gpu": micro,
+              "gradient_accumulation_steps": accum, "optimizer": ADAMW, "zero_optimization": {"stage": stage}}
+    if bf16:  # the paper's accounting: bf16 parameters and gradients, fp32 master weights and Adam states
+        config["bf16"] = {"enabled": True}
+    return config
 
 
 def model_and_batches(preset: str, rows: int, steps: int, seq_len: int, dtype=torch.float64, seed: int = 0):
@@ -70,8 +73,9 @@ def _step_traffic(ledger: comm.Ledger) -> dict:
 
 
 def states_and_traffic(stages: list[int], preset: str = "small", steps: int = 2, accum: int = 1,
-                       seq_len: int = 32) -> dict:
-    """Train `steps` steps per stage (AdamW, float64, 1 row per micro-batch) and report:
+                       seq_len: int = 32, bf16: bool = False) -> dict:
+    """Train `steps` steps per stage (AdamW, 1 row per micro-batch; float64, or with `bf16`
+    a float32 model the engine runs in bf16 with fp32 master weights) and report:
 
     memory_report("before_step") of the last step (Adam creates its state in the first
     step, so the second step's snapshot holds everything), memory_report("now") after it,
@@ -81,8 +85,9 @@ def states_and_traffic(stages: list[int], preset: str = "small", steps: int = 2,
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = {}
     for stage in stages:
-        config = engine_config(stage, world, accum=accum)
-        model, batches = model_and_batches(preset, world * accum, steps, seq_len)
+        config = engine_config(stage, world, accum=accum, bf16=bf16)
+        model, batches = model_and_batches(preset, world * accum, steps, seq_len,
+                                           dtype=torch.float32 if bf16 else torch.float64)
         engine = ts.initialize(model, config)
         losses = []
         for batch in batches:

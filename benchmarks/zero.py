@@ -96,7 +96,8 @@ def _build(name: str, cfg: GPTConfig):
             # FSDP2's own overlap in forward relies on CUDA streams (the host runs ahead of
             # the GPU); on CPU its all-gathers block. Ask for what ZeroStage3 does: async
             # all-gathers, and each unit prefetching the next (a private switch in torch 2.13).
-            model._set_unshard_async_op(True)
+            if hasattr(model, "_set_unshard_async_op"):  # absent in other torch versions: prefetch only
+                model._set_unshard_async_op(True)
             units = [model, *model.blocks]
             for unit, after in itertools.pairwise(units):
                 unit.set_modules_to_forward_prefetch([after])

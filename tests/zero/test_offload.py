@@ -4,8 +4,6 @@ float64 reference, the disk bytes in memory_report, and peak RSS measured in fre
 
 from __future__ import annotations
 
-import resource
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -132,6 +130,13 @@ class _Deep(nn.Module):
         return torch.nn.functional.mse_loss(self.layers(x), y)
 
 
+def _peak_rss_kib() -> int:
+    """This process's peak RSS since exec (VmHWM). Not getrusage's ru_maxrss: Linux keeps
+    that across fork and exec, so a spawned rank would report its parent's (pytest's) peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
 def _peak_rss(offload, path):
     """Train a model with ~33 MiB of float64 master + Adam state per rank (2 ranks, stage 2),
     then report this process's peak RSS and what the disk tier swapped."""
@@ -147,7 +152,7 @@ def _peak_rss(offload, path):
         engine.train_batch((x, x.flip(1)))
     report = engine.memory_report("now")
     swap = engine.zero.sharded.swap
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak_kib = _peak_rss_kib()
     swapped = report.bytes("master_weights", "disk") + report.bytes("optimizer_states", "disk")
     return peak_kib * 1024, swapped, swap.peak_resident_bytes if swap else 0
 

@@ -7,7 +7,8 @@ Model FLOPs are the forward and backward matmuls the model needs (`flops.model_f
 however the step is run; hardware FLOPs add what the implementation chose to compute again
 (activation recomputation). MFU compares systems, since recomputing more cannot raise it;
 HFU says how busy the chips were. Both definitions: Chowdhery et al., "PaLM" (2022),
-appendix B; Korthikanti et al., "Reducing Activation Recomputation" (2022), sec. 6.
+appendix B; both are reported by Korthikanti et al., "Reducing Activation Recomputation in
+Large Transformer Models" (2022).
 
 Over many steps, MFU is total model FLOPs / (total seconds x devices x peak): sum the tokens
 and the seconds of every step in the window, then divide once (`WindowedMFU`). nanoGPT's

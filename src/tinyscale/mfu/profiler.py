@@ -170,17 +170,20 @@ class StepProfiler:
             raise RuntimeError(f"phase({name!r}) outside a step: open `with profiler.step():` first")
         if self._open_phase is not None:
             raise RuntimeError(f"phase {name!r} opened inside phase {self._open_phase[0]!r}: phases do not nest")
+        # The clock reads outside the record_function range, so the phase includes the range's
+        # own cost (its first use takes a millisecond or more): a phase is its whole block.
+        start = self._now(f"{name} start")
         stack = contextlib.ExitStack()
         if self.record_functions:
             stack.enter_context(torch.profiler.record_function(f"tinyscale/{name}"))
-        self._open_phase = (name, self._now(f"{name} start"), stack, by_hook)
+        self._open_phase = (name, start, stack, by_hook)
 
     def _end(self, name: str) -> None:
         opened, start, stack, _ = self._open_phase
         assert opened == name, (opened, name)
-        self._step["phases"][name].append((start, self._now(f"{name} end")))
         self._open_phase = None
         stack.close()
+        self._step["phases"][name].append((start, self._now(f"{name} end")))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

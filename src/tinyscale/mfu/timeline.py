@@ -23,8 +23,9 @@ so forward + backward + optimizer + comm_exposed + other = the step time, exactl
 This is the host's view, the one a CPU (gloo) run has. On a GPU, collectives run as kernels on
 their own stream and `wait()` returns as soon as the compute stream is told to wait, so the true
 split there is per kernel: NCCL kernel time not overlapped by compute kernels is exposed (the
-definition Holistic Trace Analysis, github.com/facebookresearch/HolisticTraceAnalysis, uses);
-read it from the torch.profiler trace. Lesson: lessons/06-mfu.md.
+complement of the "communication computation overlap" that Holistic Trace Analysis,
+github.com/facebookresearch/HolisticTraceAnalysis, computes from torch.profiler traces).
+Lesson: lessons/06-mfu.md.
 """
 
 from __future__ import annotations

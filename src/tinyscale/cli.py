@@ -74,6 +74,21 @@ def _write_outputs(run_dir: Path, spec, result: dict, ref: dict | None, summary:
     plt.close(fig)
 
 
+def _utilization(spec, tokens_per_s: float, result: dict) -> dict:
+    """MFU and HFU of the run's throughput (steps after the first), `tinyscale.mfu`'s formulas."""
+    from tinyscale.config import EngineConfig
+    from tinyscale.engine.throughput import recompute_of
+    from tinyscale.mfu import hfu, mfu
+    from tinyscale.models import GPTConfig
+
+    cfg, peak, devices = GPTConfig.preset(spec.model), result["peak_flops"], result["num_devices"]
+    recompute, layers = recompute_of(EngineConfig.load(spec.config), cfg.n_layer)
+    source = "vendor table" if result["backend"] == "nccl" else "measured matmul peak of this CPU"
+    return {"mfu": mfu(tokens_per_s, cfg, peak, num_devices=devices),
+            "hfu": hfu(tokens_per_s, cfg, peak, num_devices=devices, recompute=recompute, recomputed_layers=layers),
+            "peak_flops": peak, "peak_source": source}
+
+
 def _summary_table(spec, result: dict, ref: dict | None) -> tuple[Table, dict]:
     metrics = result["metrics"]
     timed = metrics[1:] or metrics  # the first step pays for warm-up
@@ -105,6 +120,10 @@ def _summary_table(spec, result: dict, ref: dict | None) -> tuple[Table, dict]:
             verdict = ("[green]matches[/green]" if matches else "[red]DIFFERS[/red]") + f" (tol {tol:.1e})"
         table.add_row("max |param - reference|", f"{ref['max_param_diff']:.3e}  {verdict}")
     table.add_row("throughput", f"{tok_s:,.0f} tokens/s ({metrics[-1]['step_time_s'] * 1e3:.0f} ms last step)")
+    if result.get("peak_flops"):
+        summary |= _utilization(spec, tok_s, result)
+        table.add_row("MFU / HFU", f"{summary['mfu']:.2%} / {summary['hfu']:.2%} of {summary['peak_flops'] / 1e9:,.1f} "
+                                   f"GFLOP/s x {result['num_devices']} ({summary['peak_source']})")
     for op, row in result["ledger"].items():
         per_step = "once, at start" if op == "broadcast" else f"{_fmt_bytes(row['bytes'] / spec.steps)}/step"
         table.add_row(f"comm {op}", f"{_fmt_bytes(row['bytes'])} in {row['calls']:,} calls ({per_step})")
@@ -125,9 +144,17 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     if args.config:
         config = EngineConfig.load(args.config).model_dump(exclude_defaults=True)
     torchrun = _under_torchrun()
+    import dataclasses
+
+    import torch
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
     spec = make_spec(args.preset, world_size=world_size, steps=args.steps, config=config,
                      model=args.model, dtype=args.dtype, seed=args.seed)
+    if not torch.cuda.is_available():  # a CPU has no vendor peak: measure one for MFU (~1 s)
+        from tinyscale.mfu import measured_peak
+        from tinyscale.train import DTYPES
+
+        spec = dataclasses.replace(spec, peak_flops=measured_peak("cpu", DTYPES[spec.dtype], max_seconds=1.0))
     if torchrun:
         dist.init(timeout_s=args.timeout)
         result = train_rank(spec)

@@ -72,6 +72,7 @@ class TrainSpec:
     dtype: str = "float32"
     seed: int = 0
     show_progress: bool = True
+    peak_flops: float | None = None  # one device's peak FLOP/s, for MFU (the CLI measures a CPU's)
 
 
 def make_spec(preset: str, *, world_size: int | None = None, steps: int = 50, config: dict | None = None,
@@ -116,7 +117,7 @@ def train_rank(spec: TrainSpec) -> dict | None:
     torch.manual_seed(spec.seed)
     model, batches = build(spec)
     num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 shards them
-    engine = ts.initialize(model, spec.config)
+    engine = ts.initialize(model, spec.config, peak_flops=spec.peak_flops)
     rank = ts.dist.rank()
     tokens_per_step = batches[0][0].numel()
     metrics = []
@@ -132,7 +133,8 @@ def train_rank(spec: TrainSpec) -> dict | None:
             seconds = time.perf_counter() - start
             row = {"step": step, "loss": loss, "lr": engine.optimizer.param_groups[0]["lr"],
                    "step_time_s": seconds, "tokens": tokens_per_step,
-                   "tokens_per_s": tokens_per_step / seconds, "comm_bytes": engine.comm_ledger.bytes()}
+                   "tokens_per_s": tokens_per_step / seconds, "comm_bytes": engine.comm_ledger.bytes(),
+                   "mfu_window": engine.last_step["mfu"], "hfu_window": engine.last_step["hfu"]}
             metrics.append(row)
             progress.update(task, advance=1, stats=f"loss {loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                                                    f"{seconds * 1e3:.0f} ms/step")
@@ -149,6 +151,7 @@ def train_rank(spec: TrainSpec) -> dict | None:
         "state": state,
         "backend": ts.dist.info().backend,
         "num_params": num_params,
+        "peak_flops": engine.throughput.peak, "num_devices": engine.throughput.num_devices,
     }
 
 

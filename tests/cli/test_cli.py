@@ -34,6 +34,9 @@ def test_cli_train_matches_the_reference_and_writes_its_outputs(preset, tmp_path
     assert all({"loss", "reference_loss", "tokens_per_s", "step_time_s"} <= r.keys() for r in rows)
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert "matches" in out and "comm all_reduce" in out
+    # MFU against this CPU's measured matmul peak: a real fraction, the formula's (tests/engine/test_engine_mfu.py)
+    assert 0 < summary["mfu"] == summary["hfu"] < 1 and summary["peak_flops"] > 0 and "MFU / HFU" in out
+    assert all(r["mfu_window"] is not None and 0 < r["mfu_window"] < 1 for r in rows)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -50,6 +51,7 @@ from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint
 from tinyscale.engine.memory import MemoryReport, report_for
+from tinyscale.engine.throughput import Throughput
 from tinyscale.optim import build_optimizer, lr_at, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
@@ -83,7 +85,7 @@ class Engine:
     """Trains `model` with the configured strategy; see the module docstring for one step."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, mesh: ParallelMesh | None = None,
-                 param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None):
+                 param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None, peak_flops: float | None = None):
         check_supported(config)
         self.config = config
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -155,10 +157,16 @@ class Engine:
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
         self.step = 0
+        # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
+        self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
+                                     num_devices=self.dp_size if self.device.type == "cuda" else 1)
+        self.last_step: dict = {}
+        self._clock = time.perf_counter  # tests script it
 
     # --8<-- [start:train-batch]
     def train_batch(self, batch: Sequence[torch.Tensor]) -> float:
         """One optimizer step over the global batch; returns its mean loss (same on every rank)."""
+        start = self._clock()
         batch = tuple(batch)
         rows = batch[0].shape[0]
         if rows != self.batch.train_batch_size:
@@ -211,6 +219,8 @@ class Engine:
             self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += int(skipped)
         self.step += 1
+        self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
+                          **self.throughput.record(batch, self._clock() - start)}
         return mean_loss
     # --8<-- [end:train-batch]
 
@@ -336,7 +346,8 @@ class Engine:
 
 
 def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = None,
-               param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None) -> Engine:
+               param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None,
+               peak_flops: float | None = None) -> Engine:
     """Wrap `model` in an `Engine` for `config` (dict, .json/.yaml path or EngineConfig).
 
     Call on every rank (inside `tinyscale.dist.launch` or torchrun), or in a plain process.
@@ -344,6 +355,9 @@ def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = No
     such as "weight_decay"; not "lr": the schedule sets every group's lr);
     `tinyscale.reference.train` takes the same callable. `zero3_wrap` (stage 3 only) names
     the modules that become units (names, or a predicate on (name, module)); default: every
-    element of every nn.ModuleList (see `tinyscale.zero.stage3`).
+    element of every nn.ModuleList (see `tinyscale.zero.stage3`). `peak_flops`: one device's
+    peak FLOP/s for MFU in `engine.last_step` (default: the vendor table on CUDA; see
+    `tinyscale.engine.throughput`).
     """
-    return Engine(model, EngineConfig.load(config), mesh=mesh, param_groups=param_groups, zero3_wrap=zero3_wrap)
+    return Engine(model, EngineConfig.load(config), mesh=mesh, param_groups=param_groups, zero3_wrap=zero3_wrap,
+                  peak_flops=peak_flops)

@@ -1,0 +1,70 @@
+"""Tokens per second, MFU and HFU of the engine's steps (`tinyscale.mfu` applied to the engine).
+
+    engine = ts.initialize(model, config, peak_flops=measured_peak("cpu"))
+    engine.train_batch(batch); engine.last_step   # {"tokens", "seconds", "tokens_per_s", "mfu", "hfu"}
+
+MFU needs the model's FLOPs per token and one device's peak FLOP/s. FLOPs: exact for the
+tinyscale GPT (`tinyscale.mfu.model_flops_per_token`, from its config and the batch's
+sequence length); other models get tokens/s only. Peak: `peak_flops=` if given, else the
+vendor table for a CUDA device (`tinyscale.mfu.peak_flops`), else none (a CPU has no vendor
+peak: the CLI measures one with `measured_peak`). HFU adds what the activation-checkpointing
+policy recomputes. Both are over a window of steps (`WindowedMFU`: tokens and seconds
+summed, not an average of per-step ratios), so they are right whenever they are read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyscale.config import EngineConfig
+from tinyscale.mfu import WindowedMFU, hardware_flops_per_token, model_flops_per_token, peak_flops
+from tinyscale.models import GPT
+
+
+def recompute_of(config: EngineConfig, n_layer: int) -> tuple[str, int | None]:
+    """(recompute, recomputed_layers) for `tinyscale.mfu.hfu`, from the checkpointing policy."""
+    ac = config.activation_checkpointing
+    if ac.policy == "full":
+        return "full", None
+    if ac.policy == "every_k":
+        return "full", n_layer // ac.every_k  # blocks k, 2k, ...: how many, not which, matters
+    if ac.policy == "selective":
+        return "selective", None
+    return "none", None  # "offload" moves activations, it recomputes nothing
+
+
+class Throughput:
+    """One rank's view of the job's throughput: every rank trains the same global batch in
+    the same wall time, so tokens are the global batch's and the devices are all ranks'."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, *,
+                 peak: float | None = None, num_devices: int = 1, window: int = 20):
+        if peak is None and device.type == "cuda":
+            try:
+                peak = peak_flops(device, next(model.parameters()).dtype)
+            except ValueError:
+                peak = None  # a GPU the table does not know: tokens/s only
+        if peak is not None and not peak > 0:
+            raise ValueError(f"peak_flops={peak!r} must be a positive number of FLOP/s (e.g. measured_peak())")
+        self.model, self.config, self.peak, self.num_devices, self.window = model, config, peak, num_devices, window
+        self.tracker: WindowedMFU | None = None
+        self._seq_len: int | None = None
+
+    def record(self, batch: tuple[torch.Tensor, ...], seconds: float) -> dict:
+        """This step's tokens and time, and the windowed tokens/s, MFU and HFU."""
+        gpt = self.model.config if isinstance(self.model, GPT) else None
+        tokens = batch[0].numel() if gpt is not None else batch[0].shape[0]  # tokens, or rows
+        if self.tracker is None or (gpt is not None and batch[0].shape[1] != self._seq_len):
+            # A new sequence length changes FLOPs per token: start a new window.
+            flops = hflops = 1.0
+            if gpt is not None:
+                self._seq_len = batch[0].shape[1]
+                recompute, layers = recompute_of(self.config, gpt.n_layer)
+                flops = model_flops_per_token(gpt, self._seq_len)
+                hflops = hardware_flops_per_token(gpt, self._seq_len, recompute=recompute, recomputed_layers=layers)
+            self.tracker = WindowedMFU(flops, self.peak or 1.0, window=self.window, num_devices=self.num_devices,
+                                       hardware_flops_per_token=hflops)
+        self.tracker.update(tokens=int(tokens), seconds=seconds)
+        known = gpt is not None and self.peak is not None
+        return {"tokens": int(tokens), "seconds": seconds, "tokens_per_s": self.tracker.tokens_per_second,
+                "mfu": self.tracker.mfu if known else None, "hfu": self.tracker.hfu if known else None}

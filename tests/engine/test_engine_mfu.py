@@ -1,0 +1,58 @@
+"""The engine's MFU and HFU (`pytest -k mfu`): on a scripted clock they equal the formulas
+of `tinyscale.mfu` over the window of steps, and the CLI summary reports them."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import tinyscale as ts
+from tinyscale.data import synthetic_token_batches
+from tinyscale.mfu import hfu, mfu
+from tinyscale.models import GPT, GPTConfig, TinyMLP
+
+PEAK = 3.0e11  # FLOP/s of a pretend device
+
+
+def _engine(ac=None):
+    cfg = GPTConfig(vocab_size=256, max_seq_len=16, n_layer=4, n_head=4, d_model=16, ffn_hidden=40)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    if ac:
+        config["activation_checkpointing"] = ac
+    return cfg, ts.initialize(GPT(cfg, seed=0), config, peak_flops=PEAK)
+
+
+@pytest.mark.parametrize(("ac", "recompute", "layers"), [(None, "none", None), ({"policy": "full"}, "full", None),
+                                                          ({"policy": "every_k", "every_k": 2}, "full", 2),
+                                                          ({"policy": "selective"}, "selective", None)])
+def test_engine_mfu_on_a_scripted_clock_equals_the_formula(ac, recompute, layers):
+    cfg, engine = _engine(ac)
+    durations = [2.0, 1.0, 4.0]
+    ends = itertools.accumulate(durations)
+    engine._clock = iter(t for end, d in zip(ends, durations) for t in (end - d, end)).__next__
+    batches = synthetic_token_batches(num_batches=3, batch_size=2, seq_len=12, seed=0)  # shorter than max
+    for b in batches:
+        engine.train_batch(b)
+    tokens_per_s = 3 * 2 * 12 / sum(durations)  # tokens and seconds summed over the window
+    got = engine.last_step
+    assert got["tokens"] == 24 and got["seconds"] == 4.0 and got["tokens_per_s"] == tokens_per_s
+    # the same quantities through the same arithmetic, associated differently: 1e-12 is
+    # thousands of ulps, and a wrong FLOP count or window would be off by percent
+    assert got["mfu"] == pytest.approx(mfu(tokens_per_s, cfg, PEAK, seq_len=12), rel=1e-12)
+    assert got["hfu"] == pytest.approx(hfu(tokens_per_s, cfg, PEAK, seq_len=12, recompute=recompute,
+                                           recomputed_layers=layers), rel=1e-12)
+    assert (got["hfu"] > got["mfu"]) == (recompute != "none")
+
+
+def test_engine_mfu_is_absent_without_a_peak_or_a_gpt():
+    engine = ts.initialize(TinyMLP(seed=0), {"train_micro_batch_size_per_gpu": 4}, peak_flops=PEAK)
+    engine.train_batch((torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)))
+    assert engine.last_step["mfu"] is None and engine.last_step["tokens"] == 4  # rows, not tokens
+    cfg = GPTConfig(vocab_size=256, max_seq_len=16, n_layer=1, n_head=2, d_model=8, ffn_hidden=16)
+    engine = ts.initialize(GPT(cfg, seed=0), {"train_micro_batch_size_per_gpu": 2})  # a CPU has no table peak
+    engine.train_batch(synthetic_token_batches(num_batches=1, batch_size=2, seq_len=16, seed=0)[0])
+    assert engine.last_step["mfu"] is None and engine.last_step["tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="peak_flops"):
+        ts.initialize(GPT(cfg, seed=0), {"train_micro_batch_size_per_gpu": 2}, peak_flops=-1.0)

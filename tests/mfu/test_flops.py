@@ -158,3 +158,16 @@ def test_mfu_bad_inputs_raise_clear_errors():
         forward_flops(cfg, 8).hardware("full", recomputed_layers=cfg.n_layer + 1)
     with pytest.raises(ValueError, match="recompute"):
         hfu(1000.0, cfg, 1e12, recompute="all")
+
+
+@pytest.mark.parametrize("policy, recompute, layers", [("none", "none", None), ("full", "full", None),
+                                                       ("selective", "selective", None), ("every_k", "full", 1)])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_mfu_hfu_matches_flop_counter_under_the_checkpointing_policies(policy, recompute, layers, reentrant):
+    """The engine's HFU maps a policy to (recompute, layers); tinyscale's own checkpoint
+    re-runs whole regions (no early stop), so the count is the formula's exactly."""
+    from tinyscale.checkpointing import apply_policy
+
+    cfg = GPTConfig.preset("tiny").with_(attn_impl="math")  # 2 layers: every_k=2 recomputes 1
+    model = apply_policy(GPT(cfg), policy, use_reentrant=reentrant, **({"every_k": 2} if policy == "every_k" else {}))
+    assert sum(_counted(model, 2, 32)) == 2 * forward_flops(cfg, 32).hardware(recompute, layers)

@@ -195,6 +195,7 @@ class EngineConfig(_Section):
     fp16: Fp16Config = Fp16Config()
     bf16: Bf16Config = Bf16Config()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    wall_clock_breakdown: bool = False  # profile every step (engine.profiler; tinyscale.mfu)
     parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ import tinyscale as ts
 from tinyscale.data import synthetic_token_batches
 from tinyscale.mfu import hfu, mfu
 from tinyscale.models import GPT, GPTConfig, TinyMLP
+from tinyscale.testing import run_on_ranks
 
 PEAK = 3.0e11  # FLOP/s of a pretend device
 
@@ -56,3 +57,29 @@ def test_engine_mfu_is_absent_without_a_peak_or_a_gpt():
     assert engine.last_step["mfu"] is None and engine.last_step["tokens_per_s"] > 0
     with pytest.raises(ValueError, match="peak_flops"):
         ts.initialize(GPT(cfg, seed=0), {"train_micro_batch_size_per_gpu": 2}, peak_flops=-1.0)
+
+
+def _profiled(stage):
+    import torch.distributed as dist
+
+    cfg = GPTConfig(vocab_size=256, max_seq_len=16, n_layer=2, n_head=4, d_model=16, ffn_hidden=40)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "wall_clock_breakdown": True,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
+    engine = ts.initialize(GPT(cfg, seed=0), config)
+    for b in synthetic_token_batches(num_batches=3, batch_size=4 * dist.get_world_size(), seq_len=16, seed=0):
+        engine.train_batch(b)
+    return engine.last_step, len(engine.profiler.records)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_engine_profile_wall_clock_breakdown_adds_up_to_the_step(stage):
+    for last, steps in run_on_ranks(_profiled, 2, stage):
+        profile = last["profile"]
+        assert steps == 3
+        parts = ("forward", "backward", "optimizer", "comm_exposed", "other")
+        # the categories partition the profiled step (interval arithmetic: equal up to rounding)
+        assert sum(profile[k] for k in parts) == pytest.approx(profile["step"], rel=1e-9)
+        assert all(profile[k] > 0 for k in ("forward", "backward", "optimizer"))
+        assert profile["comm_in_flight"] > 0  # gradients (and stage 3's gathers) crossed ranks
+        # the profiled block is all of train_batch but its argument check: within 5% of it
+        assert profile["step"] == pytest.approx(last["seconds"], rel=0.05)

@@ -52,6 +52,7 @@ from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.throughput import Throughput
+from tinyscale.mfu import StepProfiler
 from tinyscale.optim import build_optimizer, lr_at, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
@@ -162,6 +163,9 @@ class Engine:
                                      num_devices=self.dp_size if self.device.type == "cuda" else 1)
         self.last_step: dict = {}
         self._clock = time.perf_counter  # tests script it
+        # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed
+        # communication per step, `engine.profiler.records` (tinyscale.mfu.StepProfiler).
+        self.profiler = StepProfiler(enabled=config.wall_clock_breakdown, device=self.device)
 
     # --8<-- [start:train-batch]
     def train_batch(self, batch: Sequence[torch.Tensor]) -> float:
@@ -175,6 +179,15 @@ class Engine:
                 f"{self.batch.train_batch_size} (= {self.batch.micro_batch_size} micro x "
                 f"{self.batch.gradient_accumulation_steps} accumulation x {self.dp_size} dp)"
             )
+        with self.profiler.step(tokens=batch[0].numel()):  # wall_clock_breakdown: else a no-op
+            mean_loss, skipped = self._step(batch)
+        self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
+                          **self.throughput.record(batch, self._clock() - start)}
+        if self.profiler.enabled:
+            self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
+        return mean_loss
+
+    def _step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
         self.model.train()
         if self.zero is not None:
             self.zero.abandon_backward()  # in case the previous step's backward raised midway
@@ -182,14 +195,17 @@ class Engine:
                                     micro_batch_size=self.batch.micro_batch_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         forward = self.ddp if self.ddp is not None else self.model
+        phase = self.profiler.phase
         with comm.record(self.comm_ledger):
             # --8<-- [start:accumulate]
             for i, chunk in enumerate(micro):
                 last = i == len(micro) - 1
                 # Gradients are averaged once per step: by the last micro-batch's backward.
                 with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
-                    loss = forward(*(t.to(self.device) for t in chunk))
-                    self._scaled(loss / len(micro)).backward()
+                    with phase("forward"):
+                        loss = forward(*(t.to(self.device) for t in chunk))
+                    with phase("backward"):
+                        self._scaled(loss / len(micro)).backward()
                 total += loss.detach().double()
             # --8<-- [end:accumulate]
             if self.dp_size > 1:
@@ -202,26 +218,23 @@ class Engine:
         self._before_step_report = self.memory_report()  # the step's peak of model states
         lr = lr_at(self.step - self.skipped_steps, self.config)  # a skipped step does not advance the schedule
         skipped = False
-        if self.zero is not None:
-            self.zero.set_lr(lr)
-            with comm.record(self.comm_ledger):
+        with phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
+            if self.zero is not None:
+                self.zero.set_lr(lr)
                 skipped = self.zero.step(max_norm=self.config.gradient_clipping)
-        elif self.compute_dtype is not None:
-            set_lr(self.optimizer, lr)
-            with comm.record(self.comm_ledger):  # fp16: the overflow flag's all-reduce
+            elif self.compute_dtype is not None:
+                set_lr(self.optimizer, lr)
                 skipped = self.optimizer.step(max_norm=self.config.gradient_clipping)
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            if self.config.gradient_clipping > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=True)
+            else:
+                if self.config.gradient_clipping > 0:
+                    torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
+                set_lr(self.optimizer, lr)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += int(skipped)
         self.step += 1
-        self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
-                          **self.throughput.record(batch, self._clock() - start)}
-        return mean_loss
+        return mean_loss, skipped
     # --8<-- [end:train-batch]
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:

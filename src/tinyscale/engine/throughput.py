@@ -41,7 +41,10 @@ class Throughput:
                  peak: float | None = None, num_devices: int = 1, window: int = 20):
         if peak is None and device.type == "cuda":
             try:
-                peak = peak_flops(device, next(model.parameters()).dtype)
+                dtype = next(model.parameters()).dtype
+                if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+                    dtype = "tf32"  # fp32 matmuls run on tensor cores: tf32's peak is the ceiling
+                peak = peak_flops(device, dtype)
             except ValueError:
                 peak = None  # a GPU the table does not know: tokens/s only
         if peak is not None and not peak > 0:

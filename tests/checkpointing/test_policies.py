@@ -160,8 +160,8 @@ def test_activation_checkpoint_policy_needs_a_gpt_and_no_hooks():
 @given(seed=st.integers(0, 2**16), n_kv_head=st.sampled_from([1, 2, 4]), attn=st.sampled_from(["math", "sdpa"]),
        use_reentrant=st.booleans())
 def test_activation_checkpoint_selective_attention_matches_gpt_attention(seed, n_kv_head, attn, use_reentrant):
-    """SelectiveAttention repeats Attention.forward around the core: if models/gpt.py's
-    Attention changes, this fails until the copy follows."""
+    """SelectiveAttention overrides only Attention.core: the whole attention, forward and
+    backward, is bit-identical to the GPT's own, dropout on."""
     model = GPT(tiny(n_kv_head=n_kv_head, attn=attn, dropout=0.3), seed=seed, dtype=torch.float64)
     attn_module, cos, sin = model.blocks[0].attn, model.rope_cos[:7], model.rope_sin[:7]
     selective = _rebuilt_as(SelectiveAttention, attn_module, use_reentrant=use_reentrant, preserve_rng_state=True)

@@ -36,7 +36,7 @@ from torch import nn
 
 from tinyscale.checkpointing.api import checkpoint
 from tinyscale.checkpointing.offload import offload_to_host
-from tinyscale.models.gpt import Attention, Block, apply_rope, causal_attention
+from tinyscale.models.gpt import Attention, Block
 
 POLICIES = ("none", "full", "every_k", "selective", "offload")
 # checkpoint() options of a module built directly (apply_policy sets its own per module); read-only.
@@ -102,24 +102,13 @@ class OffloadedBlock(Block):
 class SelectiveAttention(Attention):
     """Attention whose core (q k^T, mask, softmax, dropout, P v) runs under checkpoint().
 
-    Attention.forward calls the core inline, so this repeats the projections and RoPE
-    around it (test_activation_checkpoint_selective_attention_matches_gpt_attention catches
-    drift); a `core` submodule in models/gpt.py would let a policy wrap just that."""
+    Saved: the core's inputs q, k, v (s b (h + 2 kv) elements); recomputed: the (B, H, T, T)
+    tensors. The projections and RoPE around it keep their activations."""
 
     _checkpoint_options = _DEFAULT_OPTIONS
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
-        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
-        dropout_p = self.dropout if self.training else 0.0
-        # Saved: q, k, v (s b (h + 2 kv) elements). Recomputed: the (B, H, T, T) tensors.
-        out = checkpoint(causal_attention, q, k, v, impl=self.impl, dropout_p=dropout_p,
-                         **self._checkpoint_options)  # (B, H, T, D)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H*D) -> (B, T, C)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().core, q, k, v, **self._checkpoint_options)  # (B, H, T, D)
 # --8<-- [end:modules]
 
 

@@ -99,9 +99,14 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, K, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
-        dropout_p = self.dropout if self.training else 0.0
-        out = causal_attention(q, k, v, impl=self.impl, dropout_p=dropout_p)  # (B, H, T, D)
+        out = self.core(q, k, v)  # (B, H, T, D)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H*D) -> (B, T, C)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core, softmax(q k^T) v with dropout: no parameters, the (B, H, T, T)
+        activations. Its own method so selective recomputation can checkpoint just this."""
+        dropout_p = self.dropout if self.training else 0.0
+        return causal_attention(q, k, v, impl=self.impl, dropout_p=dropout_p)
 
 
 class SwiGLU(nn.Module):

@@ -19,9 +19,8 @@ import contextlib
 
 import torch
 from rich.console import Console
-from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from tinyscale.checkpointing import apply_policy
 from tinyscale.data import synthetic_token_batches
 from tinyscale.mfu import (
     StepProfiler,
@@ -35,19 +34,6 @@ from tinyscale.mfu import (
     table,
 )
 from tinyscale.models import GPT, GPTConfig
-
-
-class Recomputed(nn.Module):
-    """A block under torch's checkpoint, recomputed whole in backward (as "full" counts)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x, cos, sin):
-        with set_checkpoint_early_stop(False):
-            return checkpoint(self.block, x, cos, sin, use_reentrant=False)
-
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,9 +66,7 @@ def main() -> None:
                   + (f", table {table_peak / 1e12:.1f} TFLOP/s (dense; used for MFU)" if table_peak else " (used for MFU)"))
 
     model = GPT(cfg, seed=0, device=device)
-    if args.recompute == "full":
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = Recomputed(block)
+    apply_policy(model, args.recompute)  # "full": every block recomputed whole (tinyscale.checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = synthetic_token_batches(num_batches=args.steps, batch_size=args.rows, seq_len=T, seed=0)
     autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())

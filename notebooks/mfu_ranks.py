@@ -4,7 +4,7 @@ Spawned ranks find a function only by importing it, so what runs on ranks lives 
 module level; the single-process measurements sit beside them to keep the notebook short.
 
 - `cpu_mfu_sweep`: steps/s of the small GPT's training step on this CPU for several batch
-  sizes (and with every block recomputed, `Recomputed`), interleaved with the measured matmul peak, so that
+  sizes (and with every block recomputed: the `full` policy of `tinyscale.checkpointing`), interleaved with the measured matmul peak, so that
   both see the same interference from other jobs;
 - `ddp_profile` (on ranks): BucketedDDP steps under the StepProfiler, with and without
   overlap, returning the profiler's records.
@@ -17,34 +17,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from tinyscale.checkpointing import apply_policy
 from tinyscale.data import synthetic_token_batches
 from tinyscale.data_parallel import BucketedDDP
 from tinyscale.mfu import StepProfiler, measured_peak
 from tinyscale.models import GPT, GPTConfig
-
-
-class Recomputed(nn.Module):
-    """A GPT block run under torch's checkpoint: its whole forward runs again in backward
-    (early stop off, so the count matches `hfu(..., recompute="full")`)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x, cos, sin):
-        with set_checkpoint_early_stop(False):
-            return checkpoint(self.block, x, cos, sin, use_reentrant=False)
-
-
-def with_recompute(model: GPT, policy: str) -> GPT:
-    """policy "full": every block recomputed; "none": the model as it is."""
-    if policy == "full":
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = Recomputed(block)
-    return model
 
 
 def _profiled_step(prof: StepProfiler, model, optimizer, x, y) -> None:
@@ -69,7 +47,7 @@ def cpu_mfu_sweep(variants: list[tuple[int, str]], *, preset: str = "small", seq
     runs = {}
     for rows, policy in variants:
         torch.manual_seed(0)
-        model = with_recompute(GPT(cfg, seed=0), policy)
+        model = apply_policy(GPT(cfg, seed=0), policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x, y = synthetic_token_batches(num_batches=1, batch_size=rows, seq_len=seq_len, seed=0)[0]
         runs[(rows, policy)] = (model, optimizer, x, y, StepProfiler())

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import tinyscale as ts
 from tests.zero.test_zero_stages import OPTIMIZERS, no_decay_on_biases
+from tests.zero.test_zero_stages import _check as check_like_one_process
 from tinyscale.data import synthetic_regression_batches, synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig, TinyMLP
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
@@ -56,15 +57,7 @@ def _train(kind, seed, config, steps, grouped):
 
 
 def _check(kind, seed, config, steps, world, grouped):
-    results = run_on_ranks(_train, world, kind, seed, config, steps, grouped)
-    model, batches = _setup(kind, seed, ts.EngineConfig.load(config).train_batch_size, steps)
-    ref = ts.reference.train(model, batches, config, param_groups=no_decay_on_biases if grouped else None)
-    for losses, state, _, _ in results:
-        assert_losses_close(losses, ref)
-        assert_state_dicts_close(state, model.state_dict(), what="parameters after training")
-    for _, state, _, _ in results[1:]:  # gathered from the same shards: bitwise equal on every rank
-        assert all(torch.equal(state[k], results[0][1][k]) for k in state)
-    return results
+    return check_like_one_process(kind, seed, config, steps, world, grouped, train=_train, setup=_setup)
 
 
 @given(kind=st.sampled_from(sorted(MODELS)), world=st.sampled_from([2, 3, 4]), seed=st.integers(0, 2**16),

@@ -53,14 +53,17 @@ def _train(kind, seed, config, steps, grouped):
     return losses, engine.full_state_dict(), engine.memory_report("before_step"), engine.comm_ledger
 
 
-def _check(kind, seed, config, steps, world, grouped):
-    results = run_on_ranks(_train, world, kind, seed, config, steps, grouped)
-    model, batches = _setup(kind, seed, ts.EngineConfig.load(config).train_batch_size, steps)
+def _check(kind, seed, config, steps, world, grouped, *, train=None, setup=None):
+    """Train on `world` ranks (`train`, default `_train`), compare with one process and across
+    ranks; stage 3's tests pass their own train and setup (model variants, units)."""
+    train, setup = train or _train, setup or _setup
+    results = run_on_ranks(train, world, kind, seed, config, steps, grouped)
+    model, batches = setup(kind, seed, ts.EngineConfig.load(config).train_batch_size, steps)
     ref = ts.reference.train(model, batches, config, param_groups=no_decay_on_biases if grouped else None)
     for losses, state, _, _ in results:
         assert_losses_close(losses, ref)
         assert_state_dicts_close(state, model.state_dict(), what="parameters after training")
-    for _, state, _, _ in results[1:]:  # all-gathered parameters: bitwise equal on every rank
+    for _, state, _, _ in results[1:]:  # gathered from the same shards: bitwise equal on every rank
         assert all(torch.equal(state[k], results[0][1][k]) for k in state)
     return results
 

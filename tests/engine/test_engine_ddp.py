@@ -90,13 +90,15 @@ def _ledger_and_memory(world_size_unused):
     trainable = [p for p in model.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     report = engine.memory_report()
+    grad_bytes += len(trainable) * trainable[0].element_size()  # usage flags, one per parameter, in the last bucket
     return engine.comm_ledger.bytes("all_reduce"), grad_bytes, report.as_dict(), trainable[0].dtype
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_engine_ledger_and_memory_report_count_what_is_held(world_size):
     for allreduce_bytes, grad_bytes, memory, dtype in run_on_ranks(_ledger_and_memory, world_size, world_size):
-        assert allreduce_bytes == grad_bytes + 8  # every gradient once, plus the float64 loss
+        # every gradient once and the usage flags; the float64 loss and a failed-step flag per rank
+        assert allreduce_bytes == grad_bytes + 8 * (1 + world_size)
         model = TinyMLP(dim=8, hidden=16)
         param_bytes = sum(p.numel() * 8 for p in model.parameters())  # tied weight counted once
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -16,11 +16,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tinyscale as ts
-from tests.zero.test_zero_stages import OPTIMIZERS, no_decay_on_biases
+from tests.zero.test_zero_stages import OPTIMIZERS, fragments, no_decay_on_biases
 from tests.zero.test_zero_stages import _check as check_like_one_process
 from tinyscale.data import synthetic_regression_batches, synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig, TinyMLP
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
+from tinyscale.zero import split_into_units
 from tinyscale.zero.stage3 import assign_units, wrapped_module_names
 
 # Model variants: TinyMLP as one root unit, or with `shared` (used twice per forward) and
@@ -139,6 +140,7 @@ def test_zero3_moves_one_and_a_half_times_the_bytes_of_ddp(kind, world):
     psi, padded = sum(sizes), sum(math.ceil(n / world) * world for n in sizes)
     ddp, _ = run_on_ranks(_bus_bytes_per_step, world, kind, 0)[0]
     zero3, calls = run_on_ranks(_bus_bytes_per_step, world, kind, 3)[0]
+    ddp -= 2 * (world - 1) / world * 8 * len(trainable)  # its usage flags (one per parameter, in the last bucket)
     assert ddp == pytest.approx(2 * (world - 1) / world * 8 * psi)
     # all-gather in forward + all-gather in backward + reduce-scatter: 3 x (N-1)/N x padded Psi
     assert zero3 == pytest.approx(3 * (world - 1) / world * 8 * padded)
@@ -154,14 +156,18 @@ def test_zero3_memory_report_equals_the_formula(world):
     # TinyMLP with wrap ["shared", "frozen"]: unit `shared` (256 + 16 elements) and the root
     # (fc_in 128 + 16, out_bias 8); `frozen` (272 elements) stays full on every rank.
     shard = math.ceil(272 / world) + math.ceil(152 / world)  # ceil(numel / N) per unit: padding included
-    expected = {
-        "parameters": 8 * shard + 8 * 272,  # my parameter shards + the frozen layer
-        "gradients": 8 * shard,
-        "master_weights": 8 * shard,
-        "optimizer_states": 2 * 8 * shard + 2 * 4,  # exp_avg + exp_avg_sq, a float32 `step` per unit
-    }
+    m = TinyMLP()
+    units = (split_into_units([m.shared.weight, m.shared.bias], None, world, 0)
+             + split_into_units([m.out_bias, m.fc_in.weight, m.fc_in.bias], None, world, 0))  # named_parameters() order
     # two steps: Adam creates its state lazily in the first, so the second step's snapshot has it all
-    for _, _, memory, _ in run_on_ranks(_train, world, "mlp-wrapped", 0, config, 2, False):
+    for rank, (_, _, memory, _) in enumerate(run_on_ranks(_train, world, "mlp-wrapped", 0, config, 2, False)):
+        elements, pieces = fragments(units, rank)  # the parameter pieces in my shards
+        expected = {
+            "parameters": 8 * shard + 8 * 272,  # my parameter shards + the frozen layer
+            "gradients": 8 * shard,
+            "master_weights": 8 * shard,
+            "optimizer_states": 2 * 8 * elements + 4 * pieces,  # exp_avg + exp_avg_sq, a float32 `step` per piece
+        }
         assert {k: memory[k] for k in expected} == expected
 
 

@@ -82,7 +82,20 @@ def test_zero_gpt_with_padding_matches_single_process_float64(stage, world):
     _check("gpt", 3, _config(stage, 1, 2, world, 1.0, "adamw", bucket=500), 3, world, True)
 
 
-def _expected_memory(stage, world, bucket):
+def fragments(units, rank):
+    """(elements, count) of the parameter pieces inside `rank`'s shards: the optimizer steps
+    one tensor per piece, so padding has no state and every piece has its own `step`."""
+    elements = count = 0
+    for u in units:
+        lo, hi = u.shard_numel * rank, u.shard_numel * (rank + 1)
+        start = 0
+        for p in u.params:
+            inside = max(0, min(hi, start + p.numel()) - max(lo, start))
+            elements, count, start = elements + inside, count + (inside > 0), start + p.numel()
+    return elements, count
+
+
+def _expected_memory(stage, world, bucket, rank):
     """The per-rank model-state bytes of our implementation, from the formulas (float64 = 8 B)."""
     model = TinyMLP()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -90,12 +103,13 @@ def _expected_memory(stage, world, bucket):
     shard = sum(u.shard_numel for u in units)  # sum over units of ceil(numel / N): padding included
     psi = sum(p.numel() for p in model.parameters())  # frozen ones are parameters too
     trainable_psi = sum(p.numel() for p in trainable)
-    step_counters = len(units) * torch.tensor(0.0).element_size()  # Adam's per-tensor `step`
+    elements, pieces = fragments(units, rank)
     return {
         "parameters": 8 * psi,
         "gradients": 8 * trainable_psi if stage == 1 else 8 * shard,  # full local vs shard only
         "master_weights": 8 * shard,
-        "optimizer_states": 2 * 8 * shard + step_counters,  # exp_avg + exp_avg_sq
+        # exp_avg + exp_avg_sq, and Adam's float32 `step` per stepped tensor
+        "optimizer_states": 2 * 8 * elements + pieces * torch.tensor(0.0).element_size(),
     }
 
 
@@ -103,9 +117,9 @@ def _expected_memory(stage, world, bucket):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_zero_memory_report_equals_the_formula(stage, world):
     config = _config(stage, 2, 1, world, 0.0, "adamw", bucket=250)
-    expected = _expected_memory(stage, world, 250)
     # two steps: Adam creates its state lazily in the first, so the second step's snapshot has it all
-    for _, _, report, _ in run_on_ranks(_train, world, "mlp", 0, config, 2, False):
+    for rank, (_, _, report, _) in enumerate(run_on_ranks(_train, world, "mlp", 0, config, 2, False)):
+        expected = _expected_memory(stage, world, 250, rank)
         got = report.as_dict()
         assert {k: got[k] for k in expected} == expected
 
@@ -130,8 +144,9 @@ def test_zero_move_the_same_bytes_as_ddp(world):
         [p for p in TinyMLP().parameters() if p.requires_grad], None if s == 1 else 8 * 250, world, 0, reverse=s == 2))
         for s in (1, 2)}
     ring = 2 * (world - 1) / world
+    flags = 8 * len([p for p in TinyMLP().parameters() if p.requires_grad])  # DDP's usage flags, one per parameter
     ddp, _ = run_on_ranks(_bus_bytes_per_step, world, 0, world)[0]
-    assert ddp == pytest.approx(ring * psi_bytes)
+    assert ddp == pytest.approx(ring * (psi_bytes + flags))
     for stage in (1, 2):
         zero, loss_allreduces = run_on_ranks(_bus_bytes_per_step, world, stage, world)[0]
         # reduce-scatter (N-1)/N + all-gather (N-1)/N of the padded gradient: DDP's 2(N-1)/N,

@@ -44,6 +44,7 @@ class DataParallelBase(nn.Module):
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        # Accepted for torch's signature; unused parameters are always found (see subclasses).
         self.find_unused_parameters = find_unused_parameters
         # Frozen parameters take no part; model.parameters() already lists a tied weight once.
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -116,12 +117,3 @@ class DataParallelBase(nn.Module):
         comm.all_reduce(flags, group=self.process_group)
         return [bool(f) for f in flags.tolist()]
     # --8<-- [end:used-anywhere]
-
-    def _missing_gradients_error(self, missing: list[torch.Tensor]) -> RuntimeError:
-        names = ", ".join(self.names[p] for p in missing)
-        return RuntimeError(
-            f"{type(self).__name__}: parameters got no gradient in this backward: {names}. Every "
-            "rank must all-reduce every gradient; if these are unused on purpose, pass "
-            "find_unused_parameters=True (costs one small extra all-reduce per step), or freeze "
-            "them (requires_grad=False)."
-        )

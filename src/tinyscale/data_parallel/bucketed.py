@@ -80,7 +80,9 @@ class BucketedDDP(DataParallelBase):
 
     def __init__(self, module, process_group=None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, overlap: bool = True):
-        """`overlap=False` holds every launch until backward ends (to measure what overlap buys)."""
+        """`overlap=False` holds every launch until backward ends (to measure what overlap buys).
+        `find_unused_parameters` is accepted for torch's signature and changes nothing: unused
+        parameters are always found, by flags that ride in the last bucket's all-reduce."""
         super().__init__(module, process_group, find_unused_parameters)
         self.overlap = overlap
         if bucket_cap_mb <= 0:
@@ -88,14 +90,19 @@ class BucketedDDP(DataParallelBase):
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.buckets = []
         self._where: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (bucket index, slot)
-        for b, group in enumerate(assign_buckets(self.params, self.bucket_cap_bytes)):
+        groups = assign_buckets(self.params, self.bucket_cap_bytes)
+        for b, group in enumerate(groups):
             offsets, total = [], 0
             for i, p in enumerate(group):
                 offsets.append(total)
                 total += p.numel()
                 self._where[p] = (b, i)
-            self.buckets.append(Bucket(group, offsets, torch.zeros(total, dtype=group[0].dtype,
+            # The last bucket carries one more element per parameter: 1 if it got a gradient
+            # on this rank, so its all-reduce also says which parameters no rank used.
+            extra = len(self.params) if b == len(groups) - 1 else 0
+            self.buckets.append(Bucket(group, offsets, torch.zeros(total + extra, dtype=group[0].dtype,
                                                                    device=group[0].device)))
+        self._flags = self.buckets[-1].buffer[self.buckets[-1].buffer.numel() - len(self.params):]
         self._index = {p: i for i, p in enumerate(self.params)}
         self._next_launch = 0
         self.events: list[tuple[str, int | None, float]] = []  # ("launch", bucket, t) / ("backward_end", None, t)
@@ -111,6 +118,19 @@ class BucketedDDP(DataParallelBase):
             bucket.ready.clear()
         self._next_launch = 0
 
+    @torch.no_grad()
+    def complete_abandoned(self) -> None:
+        """After this rank's forward or backward raised (its step to be dropped): make the
+        all-reduces the other ranks make in their synchronising backward, then forget them.
+
+        Those are every bucket, in order: the ones this rank already launched (if it failed
+        inside that backward) and the rest, which go now with whatever they hold."""
+        start = self._next_launch if self._finish_queued else 0
+        for b in range(start, len(self.buckets)):
+            self._launch(b)
+        self._finish_queued = False
+        self._abandon_backward()
+
     # --8<-- [start:grad_ready]
     @torch.no_grad()
     def _grad_ready(self, param: torch.Tensor) -> None:
@@ -124,6 +144,8 @@ class BucketedDDP(DataParallelBase):
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        if b == len(self.buckets) - 1:  # launched last, when this rank's usage is known
+            self._flags.copy_(torch.tensor([p.grad is not None for p in self.params]))
         bucket.work = comm.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         self.events.append(("launch", b, time.perf_counter()))
         self._next_launch = b + 1
@@ -133,9 +155,6 @@ class BucketedDDP(DataParallelBase):
     @torch.no_grad()
     def _finish_backward(self) -> None:
         self.events.append(("backward_end", None, time.perf_counter()))
-        used = [p.grad is not None for p in self.params]
-        if not self.find_unused_parameters and not all(used):
-            raise self._missing_gradients_error([p for p, u in zip(self.params, used) if not u])
         # Buckets still waiting for a gradient that never came (a parameter unused in this
         # backward): fill in what .grad holds (accumulated earlier, or zero) and launch.
         for b in range(self._next_launch, len(self.buckets)):
@@ -148,8 +167,8 @@ class BucketedDDP(DataParallelBase):
                 else:
                     bucket.slot(i).copy_(p.grad)
             self._launch(b)
-        if self.find_unused_parameters:
-            used = self._used_anywhere(used)
+        self.buckets[-1].work.wait()
+        used = (self._flags > 0).tolist()  # got a gradient on some rank (the flags' sum counts them)
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.buffer.div_(self.world_size)

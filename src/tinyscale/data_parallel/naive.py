@@ -30,11 +30,9 @@ class NaiveDDP(DataParallelBase):
     # --8<-- [start:finish]
     @torch.no_grad()
     def _finish_backward(self) -> None:
-        used = [p.grad is not None for p in self.params]
-        if self.find_unused_parameters:
-            used = self._used_anywhere(used)
-        elif not all(used):
-            raise self._missing_gradients_error([p for p, u in zip(self.params, used) if not u])
+        # Which parameters got a gradient on some rank: one small all-reduce, always (the
+        # naive baseline pays it separately; BucketedDDP folds it into its last bucket).
+        used = self._used_anywhere([p.grad is not None for p in self.params])
         for p, used_somewhere in zip(self.params, used):
             if not used_somewhere:
                 continue  # unused on every rank: no gradient, as in one process

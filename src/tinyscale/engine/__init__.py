@@ -5,7 +5,7 @@
 """
 
 from tinyscale.config import ConfigError, EngineConfig
-from tinyscale.engine.engine import Engine, initialize
+from tinyscale.engine.engine import Engine, StepFailed, initialize
 from tinyscale.engine.memory import MemoryReport
 
-__all__ = ["ConfigError", "Engine", "EngineConfig", "MemoryReport", "initialize"]
+__all__ = ["ConfigError", "Engine", "EngineConfig", "MemoryReport", "StepFailed", "initialize"]

@@ -69,6 +69,10 @@ from tinyscale.zero.state_dict import (
 ParamGroups = Callable[[torch.nn.Module], list[dict]]
 
 
+class StepFailed(RuntimeError):
+    """Another rank's forward or backward raised; every rank dropped the step (retry or skip it)."""
+
+
 def check_supported(config: EngineConfig) -> None:
     """Reject what this build cannot do yet, naming the field (before any work is done)."""
     todo = []
@@ -158,6 +162,7 @@ class Engine:
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
         self.step = 0
+        self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
                                      num_devices=self.dp_size if self.device.type == "cuda" else 1)
@@ -188,54 +193,114 @@ class Engine:
         return mean_loss
 
     def _step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
+        if self._broken is not None:
+            raise RuntimeError(f"train_batch: this engine cannot continue: {self._broken}; start a new "
+                               "engine from the last checkpoint")
         self.model.train()
         if self.zero is not None:
-            self.zero.abandon_backward()  # in case the previous step's backward raised midway
+            self.zero.abandon_backward()  # nothing to forget unless a caller ran backward itself
         micro = local_micro_batches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                     micro_batch_size=self.batch.micro_batch_size)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         forward = self.ddp if self.ddp is not None else self.model
         phase = self.profiler.phase
+        # a dropped step must not have drawn random numbers (dropout): its draws are undone
+        rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None)
+        error, i = None, 0
         with comm.record(self.comm_ledger):
-            # --8<-- [start:accumulate]
-            for i, chunk in enumerate(micro):
-                last = i == len(micro) - 1
-                # Gradients are averaged once per step: by the last micro-batch's backward.
-                with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
-                    with phase("forward"):
-                        loss = forward(*(t.to(self.device) for t in chunk))
-                    with phase("backward"):
-                        self._scaled(loss / len(micro)).backward()
-                total += loss.detach().double()
-            # --8<-- [end:accumulate]
+            try:
+                # --8<-- [start:accumulate]
+                for i, chunk in enumerate(micro):
+                    last = i == len(micro) - 1
+                    # Gradients are averaged once per step: by the last micro-batch's backward.
+                    with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
+                        with phase("forward"):
+                            loss = forward(*(t.to(self.device) for t in chunk))
+                        with phase("backward"):
+                            self._scaled(loss / len(micro)).backward()
+                    total += loss.detach().double()
+                # --8<-- [end:accumulate]
+            except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then it is re-raised
+                error = exc
+                self._complete_abandoned(len(micro) - i)
+            # ZeRO: which parameters got a gradient on this rank rides along with the loss, so
+            # that those no rank used are not stepped (as in one process) at no extra collective;
+            # so does whether this rank's forward or backward raised.
+            used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
+            failed = torch.zeros(self.dp_size, dtype=torch.float64, device=self.device)
+            failed[self.dp_rank] = float(error is not None)
             if self.dp_size > 1:
-                comm.all_reduce(total, group=self.dp_group)
+                sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))
+                comm.all_reduce(sent, group=self.dp_group)
+                total, failed = sent[0], sent[1:1 + self.dp_size]
+                used = None if used is None else sent[1 + self.dp_size:]
+        used = None if used is None else used.cpu() > 0
         mean_loss = total.item() / (len(micro) * self.dp_size)
+        failed_ranks = [r for r, f in enumerate(failed.tolist()) if f]
         # The same value on every rank, so all raise together. fp16: an overflow is the
         # scaler's business (the step is skipped below), not divergence.
-        if not math.isfinite(mean_loss) and self.loss_scaler is None:
-            raise FloatingPointError(f"train_batch: the loss at step {self.step} is {mean_loss}; training diverged")
+        diverged = not math.isfinite(mean_loss) and self.loss_scaler is None
+        if failed_ranks or diverged:
+            self._roll_back(rng)
+        if error is not None:
+            raise error
+        if failed_ranks:
+            raise StepFailed(f"train_batch: step {self.step} raised on dp rank(s) {failed_ranks} (see the error "
+                             "there); every rank dropped the step, so the engine is as it was before it: retry "
+                             "the batch or skip it")
+        if diverged:
+            raise FloatingPointError(f"train_batch: the loss at step {self.step} is {mean_loss}; training diverged "
+                                     "(the step was dropped on every rank)")
         self._before_step_report = self.memory_report()  # the step's peak of model states
         lr = lr_at(self.step - self.skipped_steps, self.config)  # a skipped step does not advance the schedule
         skipped = False
-        with phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
-            if self.zero is not None:
-                self.zero.set_lr(lr)
-                skipped = self.zero.step(max_norm=self.config.gradient_clipping)
-            elif self.compute_dtype is not None:
-                set_lr(self.optimizer, lr)
-                skipped = self.optimizer.step(max_norm=self.config.gradient_clipping)
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
-                if self.config.gradient_clipping > 0:
-                    torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
-                set_lr(self.optimizer, lr)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+        try:
+            with phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
+                if self.zero is not None:
+                    self.zero.set_lr(lr)
+                    skipped = self.zero.step(max_norm=self.config.gradient_clipping, used=used)
+                elif self.compute_dtype is not None:
+                    set_lr(self.optimizer, lr)
+                    skipped = self.optimizer.step(max_norm=self.config.gradient_clipping)
+                    self.optimizer.zero_grad(set_to_none=True)
+                else:
+                    if self.config.gradient_clipping > 0:
+                        torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
+                    set_lr(self.optimizer, lr)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+        except Exception as exc:
+            # Parameters, states or shards may be partly updated: no way back to before the step.
+            self._broken = f"step {self.step} raised in the optimizer step ({type(exc).__name__}: {exc})"
+            raise
         self.skipped_steps += int(skipped)
         self.step += 1
         return mean_loss, skipped
     # --8<-- [end:train-batch]
+
+    def _complete_abandoned(self, micro_batches_left: int) -> None:
+        """This rank's forward or backward raised: make the collectives the other ranks make
+        in the rest of the step (they must not wait for it), then forget this rank's part."""
+        if self.dp_size > 1:
+            if self.ddp is not None:
+                self.ddp.complete_abandoned()
+            elif self.zero is not None:
+                # False only at stage 3 before any micro-batch completed (its sequence of gathers
+                # unknown): then recovery works if every rank raised at the same point (an error
+                # of the model or the batch); a rank failing alone there is not recoverable.
+                self.zero.complete_abandoned(micro_batches_left)
+
+    def _roll_back(self, rng: tuple) -> None:
+        """Drop everything the step made (gradients, usage, random draws): as before it."""
+        for p in self.model.parameters():
+            p.grad = None
+        if self.ddp is not None:
+            self.ddp._abandon_backward()
+        if self.zero is not None:
+            self.zero.abandon_backward()
+        torch.random.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1])
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)

@@ -17,14 +17,20 @@ distinguishes the stages (`stage1.py`: one reduce-scatter per unit after backwar
 `stage2.py`: reduce-scatters launched during backward; `stage3.py`: the same, and its
 step copies the shards into sharded parameters instead: it gathers only when a module runs).
 
-The optimizer is any `torch.optim` optimizer: it sees one tensor per unit and parameter
-group, so per-group hyperparameters (no weight decay on norms) work unchanged. Padding
-elements have zero gradient and zero initial value, and stay zero under SGD and AdamW.
+The optimizer is any `torch.optim` optimizer: it sees one tensor per parameter fragment
+(the part of a parameter inside this rank's shard, a view of the master shard), in its
+parameter group, so per-group hyperparameters (no weight decay on norms) work unchanged,
+padding is never stepped, and a parameter that got no gradient on any rank is skipped
+exactly as torch skips a `None` grad (its state and step count untouched). Which parameters
+got one is agreed once per step: `agree_used` (one all-reduce of a flag per parameter), or
+the engine's loss all-reduce carries the flags (`used_here`), which costs no extra collective.
+Lesson: lessons/02-data-parallel.md, "Unused parameters". Tests: `pytest -k unused`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -88,6 +94,7 @@ class ShardedOptimizer:
         where = host_device() if offload != "none" else None
         self.master = [unit.shard(unit.flatten([p.detach() for p in unit.params])).to(where, copy=True)
                        for unit in self.units]
+        self.fragments: list[list[Fragment]] = [fragments_of(unit, m) for unit, m in zip(self.units, self.master)]
         self.loss_scaler = loss_scaler
         if param_dtype is not None:  # masters above hold the full-precision values; round the model's
             with torch.no_grad():
@@ -100,10 +107,38 @@ class ShardedOptimizer:
             self.swap.add(f"{i}/master", m)
         # Gradient shards exist only between the first reduce-scatter of a step and its end.
         self.grad: list[torch.Tensor | None] = [None] * len(self.master)
+        # The torch optimizer steps one tensor per parameter *fragment*: each parameter's
+        # intersection with this rank's shard, a view of the master shard (FSDP2 shards per
+        # parameter for the same reason). A parameter that got no gradient on any rank gets
+        # grad None, so torch skips exactly it: no decay, no state, no step count, as in one process.
+        self.params = [p for unit in self.units for p in unit.params]  # the order of usage flags
+        self._index = {id(p): k for k, p in enumerate(self.params)}
+        self._used_here = torch.zeros(len(self.params), dtype=torch.bool)
         opt_groups = [{**{k: v for k, v in group.items() if k != "params"},
-                       "params": [m for m, ug in zip(self.master, unit_group) if ug == g]}
-                      for g, group in enumerate(self.param_groups)]
-        self.optimizer = make_optimizer([og for og in opt_groups if og["params"]])
+                       "params": [f.view for frags, ug in zip(self.fragments, unit_group) if ug == g for f in frags]}
+                      for g, group in enumerate(self.param_groups) if group["params"]]
+        self.optimizer = make_optimizer(opt_groups)  # a group may be empty on a rank: torch allows it
+
+    # --8<-- [start:usage]
+    def mark_used(self, param: torch.Tensor) -> None:
+        """The stages' gradient hooks call this: `param` got a gradient on this rank this step."""
+        self._used_here[self._index[id(param)]] = True
+
+    def used_here(self) -> torch.Tensor:
+        """This rank's usage flags (1.0 per parameter that got a gradient this step), float64 so
+        that the engine can send them in its loss all-reduce: the sum counts the ranks that used it."""
+        return self._used_here.to(torch.float64)
+
+    def agree_used(self) -> torch.Tensor:
+        """Which parameters got a gradient on some rank: one small all-reduce (len(params) int32)."""
+        flags = self._used_here.to(self.units[0].device, torch.int32, copy=True)
+        if self.distributed:
+            comm.all_reduce(flags, group=self.process_group)
+        return flags.cpu() > 0
+
+    def forget_usage(self) -> None:
+        self._used_here.zero_()
+    # --8<-- [end:usage]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale every shard's gradient as torch.nn.utils.clip_grad_norm_ would the full gradient."""
@@ -123,11 +158,16 @@ class ShardedOptimizer:
 
     # --8<-- [start:full-step]
     @torch.no_grad()
-    def full_step(self, max_norm: float = 0.0, publish: Callable[[int, torch.Tensor], None] | None = None) -> bool:
+    def full_step(self, max_norm: float = 0.0, publish: Callable[[int, torch.Tensor], None] | None = None,
+                  used: torch.Tensor | None = None) -> bool:
         """Overflow check (fp16), unscale, clip, step, publish; True if the step was skipped.
 
+        `used`: which parameters got a gradient on some rank (bool per `self.params`), if the
+        caller has already agreed it (the engine, in its loss all-reduce); else `agree_used`.
         Under mixed precision the gradient shards arrive in fp16/bf16 and become fp32 here,
         the masters' dtype, before anything else looks at them."""
+        used = self.agree_used() if used is None else used
+        self.forget_usage()
         scaler = self.loss_scaler
         if scaler is not None and scaler.found_overflow(self.grad, self.process_group):
             scaler.update(True)  # every rank got the same answer: all skip and back off together
@@ -138,35 +178,50 @@ class ShardedOptimizer:
             scaler.unscale_(self.grad)
         if max_norm > 0:
             self.clip_grad_norm_(max_norm)
-        self.step(publish)
+        self.step(publish, used)
         if scaler is not None:
             scaler.update(False)
         return False
     # --8<-- [end:full-step]
 
     @torch.no_grad()
-    def step(self, publish: Callable[[int, torch.Tensor], None] | None = None) -> None:
+    def step(self, publish: Callable[[int, torch.Tensor], None] | None = None,
+             used: torch.Tensor | None = None) -> None:
         """Optimizer step on the shards, then all-gather the updated parameters.
 
-        Stage 3 passes `publish(i, master_shard)`, which writes unit i's updated shard into
-        its sharded parameter storage: nothing is gathered, because the next forward gathers
-        each unit when it needs it."""
+        `used` (bool per parameter, the same on every rank; None: all) says which fragments
+        get a gradient; the others are skipped by the torch optimizer. Stage 3 passes
+        `publish(i, master_shard)`, which writes unit i's updated shard into its sharded
+        parameter storage: nothing is gathered, because the next forward gathers each unit
+        when it needs it."""
         if self.swap is None:
-            for m, g in zip(self.master, self.grad):
-                # None for a unit that got no gradient at all: the optimizer skips it.
-                # Offloaded: the gradient shard goes down to the host (a no-op on a CPU run).
-                m.grad = None if g is None else g.to(m.device)
+            for i in range(len(self.units)):
+                self._attach_grads(i, used)
             self.optimizer.step()
             for i in range(len(self.units)):
                 self._publish(i, publish)
         else:
-            self._step_from_disk(publish)
-        for m in self.master:
-            m.grad = None
+            self._step_from_disk(publish, used)
+        for frags in self.fragments:
+            for f in frags:
+                f.view.grad = None
         self.grad = [None] * len(self.master)
 
+    # --8<-- [start:attach]
+    def _attach_grads(self, i: int, used: torch.Tensor | None) -> None:
+        """Each fragment of unit i gets its slice of the gradient shard, or None if its
+        parameter got no gradient anywhere (or the unit none at all)."""
+        g = self.grad[i]
+        # Offloaded: the gradient shard goes down to the host (a no-op on a CPU run).
+        g = None if g is None else g.to(self.master[i].device)
+        for f in self.fragments[i]:
+            stepped = g is not None and (used is None or bool(used[self._index[id(f.param)]]))
+            f.view.grad = g[f.start:f.end] if stepped else None
+    # --8<-- [end:attach]
+
     # --8<-- [start:disk-step]
-    def _step_from_disk(self, publish: Callable[[int, torch.Tensor], None] | None) -> None:
+    def _step_from_disk(self, publish: Callable[[int, torch.Tensor], None] | None,
+                        used: torch.Tensor | None) -> None:
         """One unit at a time: read the next unit's states while stepping this one, write it
         back behind. Stepping a subset is exact: torch optimizers skip params whose grad is None."""
         keys = [self._swap_keys(i) for i in range(len(self.units))]
@@ -177,20 +232,26 @@ class ShardedOptimizer:
             if i + 1 < len(self.master):
                 self.swap.prefetch(keys[i + 1])
             self.swap.swap_in(keys[i])
-            for j, other in enumerate(self.master):
-                other.grad = None if j != i or self.grad[j] is None else self.grad[j].to(m.device)
+            self._attach_grads(i, used)
             self.optimizer.step()
-            for name, t in self.optimizer.state.get(m, {}).items():  # states are born in the first step
-                if t.shape == m.shape and f"{i}/{name}" not in self.swap:
-                    self.swap.add(f"{i}/{name}", t)  # written to its file and freed
+            for f in self.fragments[i]:
+                f.view.grad = None  # the next unit's step must not step this one again
+            self.register_states(i)  # states are born in a fragment's first step
             self._publish(i, publish)
             self.swap.swap_out(self._swap_keys(i))
     # --8<-- [end:disk-step]
 
+    def register_states(self, i: int) -> None:
+        """Disk tier: unit i's fragment states not yet in the swapper go there (written, freed)."""
+        for k, f in enumerate(self.fragments[i]):
+            for name, t in self.optimizer.state.get(f.view, {}).items():
+                if torch.is_tensor(t) and t.dim() > 0 and f"{i}/{k}/{name}" not in self.swap:
+                    self.swap.add(f"{i}/{k}/{name}", t)
+
     def _swap_keys(self, i: int) -> list[str]:
-        m = self.master[i]
-        return [f"{i}/master"] + [f"{i}/{name}" for name, t in self.optimizer.state.get(m, {}).items()
-                                  if f"{i}/{name}" in self.swap]
+        return [f"{i}/master"] + [f"{i}/{k}/{name}" for k, f in enumerate(self.fragments[i])
+                                  for name in self.optimizer.state.get(f.view, {})
+                                  if f"{i}/{k}/{name}" in self.swap]
 
     def _publish(self, i: int, publish: Callable[[int, torch.Tensor], None] | None) -> None:
         """Updated master shard -> the parameters: stage 3's shard, or all-gathered (1 and 2)."""
@@ -224,6 +285,28 @@ class ShardedOptimizer:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+class Fragment(NamedTuple):
+    """One parameter's part of this rank's master shard: `view` = master[start:end]."""
+
+    param: torch.Tensor
+    index: int  # the parameter's position in its unit
+    start: int  # in the shard
+    end: int
+    param_start: int  # where the fragment begins inside the flattened parameter
+    view: torch.Tensor
+
+
+def fragments_of(unit: FlatUnit, master: torch.Tensor) -> list[Fragment]:
+    """The non-empty intersections of unit's parameters with this rank's shard, in order."""
+    lo, hi = unit.shard_range()
+    out = []
+    for j, (p, offset, shape) in enumerate(zip(unit.params, unit.offsets, unit.shapes)):
+        start, end = max(lo, offset), min(hi, offset + shape.numel())
+        if start < end:
+            out.append(Fragment(p, j, start - lo, end - lo, start - offset, master[start - lo: end - lo]))
+    return out
 
 
 class _PendingShard:

@@ -37,6 +37,8 @@ class ZeroStage1:
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         offload=offload_optimizer, nvme_path=nvme_path,
                                         param_dtype=param_dtype, loss_scaler=loss_scaler)
+        for p in self.sharded.params:  # which parameters got a gradient this step (unused ones are not stepped)
+            p.register_post_accumulate_grad_hook(self.sharded.mark_used)
 
     # --8<-- [start:reduce]
     @torch.no_grad()
@@ -49,12 +51,22 @@ class ZeroStage1:
     # --8<-- [end:reduce]
 
     def abandon_backward(self) -> None:
-        """Nothing to forget: stage 1 communicates only in `step`."""
+        """Forget the gradients of a step that raised (stage 1 communicates only in `step`)."""
+        for p in self.sharded.params:
+            p.grad = None
+        self.sharded.forget_usage()
 
-    def step(self, max_norm: float = 0.0) -> bool:
-        """Reduce, clip, step; returns True if fp16 overflow skipped it (on every rank)."""
+    def complete_abandoned(self, micro_batches_left: int) -> bool:
+        """Stage 1 makes no collective during forward or backward: nothing to match."""
+        return True
+
+    def step(self, max_norm: float = 0.0, used: torch.Tensor | None = None) -> bool:
+        """Reduce, clip, step; returns True if fp16 overflow skipped it (on every rank).
+
+        `used`: the parameters that got a gradient on some rank, if already agreed
+        (`ShardedOptimizer.full_step`); those that got none are not stepped."""
         self.reduce_gradients()
-        return self.sharded.full_step(max_norm)
+        return self.sharded.full_step(max_norm, used=used)
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

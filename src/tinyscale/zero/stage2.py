@@ -57,6 +57,7 @@ class ZeroStage2:
             self.events = []
             Variable._execution_engine.queue_callback(self._on_backward_end)
         u, i = self._where[param]
+        self.sharded.mark_used(param)
         self._ready[u].add(i)
         while self.overlap and self._next < len(self._ready) and \
                 len(self._ready[self._next]) == len(self.sharded.units[self._next].params):
@@ -91,16 +92,33 @@ class ZeroStage2:
         self._queued = False
 
     def abandon_backward(self) -> None:
-        """Forget a backward that raised midway (autograd then drops the end callback).
-
-        What was launched was launched on every rank alike: let it land, drop the rest.
-        """
+        """Forget a forward or backward that raised (autograd then drops the end callback):
+        let what was launched land, then drop every gradient of the step, full and sharded."""
         if self._queued:
             self._settle()
+        for unit in self.sharded.units:
+            for p in unit.params:
+                p.grad = None
+        self.sharded.grad = [None] * len(self.sharded.grad)
+        self.sharded.forget_usage()
 
-    def step(self, max_norm: float = 0.0) -> bool:
-        """Clip and step; returns True if fp16 overflow skipped it (on every rank)."""
-        return self.sharded.full_step(max_norm)
+    def complete_abandoned(self, micro_batches_left: int) -> bool:
+        """After this rank's forward or backward raised (its step to be dropped), make the
+        reduce-scatters the other ranks make in the rest of the step: every bucket, in order,
+        in each backward left (the failed one's from where it stopped). Returns True."""
+        if self._queued:  # failed inside a backward: its remaining buckets
+            self._on_backward_end()
+            micro_batches_left -= 1
+        for _ in range(micro_batches_left):
+            self._queued = True
+            self._on_backward_end()
+        self.abandon_backward()
+        return True
+
+    def step(self, max_norm: float = 0.0, used: torch.Tensor | None = None) -> bool:
+        """Clip and step; returns True if fp16 overflow skipped it (on every rank). `used`:
+        see `ZeroStage1.step`."""
+        return self.sharded.full_step(max_norm, used=used)
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

@@ -163,8 +163,14 @@ class ZeroStage3:
         self._prefetch_order: list[int] = []
         self._post_order: list[int] = []
         self._backward_order: list[int] = []
+        self._reduce_order: list[int] = []  # this backward's reduce-scatters, the same on every rank
+        self._next_reduce = 0
         self._pending_grads: list = []
         self._in_backward = False
+        # The collectives of this micro-batch so far, and of the last complete one: a rank whose
+        # forward or backward raised replays the rest so that the other ranks never wait.
+        self._log: list[tuple[str, int]] = []
+        self._last_log: list[tuple[str, int]] | None = None
         for u in self._order:
             self.units[u].module.register_forward_pre_hook(partial(self._before_forward, u))
             self.units[u].module.register_forward_hook(partial(self._after_forward, u))
@@ -188,6 +194,7 @@ class ZeroStage3:
                 unit.sources.append(source)
             else:
                 full.copy_(source)
+        self._log.append(("gather", u))
         self._event(kind, u)
 
     def _materialize(self, u: int) -> None:
@@ -225,7 +232,7 @@ class ZeroStage3:
     # --8<-- [start:hooks]
     def _before_forward(self, u: int, module, args) -> None:
         if u == self.root and not self._in_backward:  # a new forward begins
-            self.events = []
+            self.events, self._log = [], []
             self._prefetch_order, self._order, self._post_order = self._order, [], []
         unit = self.units[u]
         if unit.backward:  # recomputation (checkpointing) inside this unit's backward: gathered
@@ -268,10 +275,18 @@ class ZeroStage3:
     @torch.no_grad()
     def _on_grad(self, u: int, j: int, param: torch.Tensor) -> None:
         self._start_backward()
+        self.sharded.mark_used(param)
         unit = self.units[u]
         unit.ready.add(j)
-        if len(unit.ready) == len(unit.params):  # all uses of every parameter are summed
-            self._reduce(u)
+        # All uses of every parameter are summed: reduce it, and any ready units behind it.
+        # Reduce-scatters go in one order on every rank (reverse forward start, then units no
+        # forward ran): a parameter unused on one rank only must not reorder that rank's.
+        while self._next_reduce < len(self._reduce_order):
+            v = self.units[self._reduce_order[self._next_reduce]]
+            if len(v.ready) < len(v.params):
+                break
+            self._reduce(self._reduce_order[self._next_reduce])
+            self._next_reduce += 1
     # --8<-- [end:hooks]
 
     def _prefetch_next(self, u: int, order: list[int]) -> None:
@@ -287,6 +302,11 @@ class ZeroStage3:
             self._in_backward = True
             reverse = list(reversed(self._post_order))
             self._backward_order = sorted(set(reverse), key=reverse.index)
+            # A unit's gradients are complete when backward reaches its first use: the reverse
+            # of the order forwards started in (the root, started first, completes last).
+            started = list(reversed(self._order))
+            self._reduce_order = started + [u for u, unit in enumerate(self.units) if unit.params and u not in started]
+            self._next_reduce = 0
             Variable._execution_engine.queue_callback(self._on_backward_end)
 
     # --8<-- [start:reduce]
@@ -300,16 +320,18 @@ class ZeroStage3:
             for p in params:
                 p.grad = None  # the flat copy is on the wire
         unit.reduced, unit.backward = True, False
+        if unit.flats:
+            self._log.append(("reduce", u))
         self._event("reduce_scatter", u)
         self._free(u)
 
     @torch.no_grad()
     def _on_backward_end(self) -> None:
         self._event("backward_end", None)
-        for u, unit in enumerate(self.units):  # a gradient that never came counts as zero
-            if unit.params and not unit.reduced:
-                self._reduce(u)
+        for u in self._reduce_order[self._next_reduce:]:  # a gradient that never came counts as zero
+            self._reduce(u)
         self._reset()
+        self._last_log, self._log = self._log, []
     # --8<-- [end:reduce]
 
     def _reset(self) -> None:
@@ -330,6 +352,33 @@ class ZeroStage3:
         sharded gradients of the step that failed. The engine calls it before every step."""
         self._reset()
         self.sharded.grad = [None] * len(self.sharded.grad)
+        self.sharded.forget_usage()
+        self._log = []
+
+    @torch.no_grad()
+    def complete_abandoned(self, micro_batches_left: int) -> bool:
+        """After this rank's forward or backward raised (its step to be dropped), make the
+        collectives the other ranks make in the rest of the step: the rest of the last
+        complete micro-batch's sequence, then all of it per micro-batch left. False if that
+        cannot be known (no micro-batch completed yet, or this one went differently so far)."""
+        done, plan = self._log, self._last_log
+        self.abandon_backward()  # what is in flight lands; units freed
+        if not self.sharded.distributed:
+            return True
+        if plan is None or done != plan[:len(done)]:
+            return False
+        for kind, u in plan[len(done):] + plan * (micro_batches_left - 1):
+            for i in self.units[u].flats:
+                if kind == "reduce":
+                    self.sharded.reduce_scatter_into(i, [None] * len(self.sharded.units[i].params)).wait()
+                    continue
+                full = self.full[i]
+                full.untyped_storage().resize_(full.numel() * full.element_size())
+                comm.all_gather(full, self.shards.source(i), group=self.process_group)
+                self.shards.release(i)
+                full.untyped_storage().resize_(0)
+        self.abandon_backward()  # drop the gradient shards the replay made
+        return True
 
     def _event(self, kind: str, u: int | None) -> None:
         self.events.append((kind, u, time.perf_counter()))
@@ -350,9 +399,10 @@ class ZeroStage3:
             for u in range(len(self.units)):
                 self._free(u)
 
-    def step(self, max_norm: float = 0.0) -> bool:
-        """Clip and step; returns True if fp16 overflow skipped it (on every rank)."""
-        return self.sharded.full_step(max_norm, publish=self.shards.write)  # my shards; nothing gathered
+    def step(self, max_norm: float = 0.0, used: torch.Tensor | None = None) -> bool:
+        """Clip and step; returns True if fp16 overflow skipped it (on every rank). `used`:
+        see `ZeroStage1.step`."""
+        return self.sharded.full_step(max_norm, publish=self.shards.write, used=used)  # my shards; nothing gathered
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

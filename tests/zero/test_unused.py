@@ -166,3 +166,27 @@ def test_unused_parameters_without_the_engine(stage):
     ref_state = reference(len(USES_EXTRA))[1]
     for state in run_on_ranks(_direct, WORLD, stage):
         assert_state_dicts_close(state, ref_state, what="parameters after training")
+
+
+def _mixed(stage, precision):
+    world = dist.get_world_size()
+    # fp16: a small static scale, so that no step overflows and is skipped (those are tested elsewhere)
+    cfg = {**config(stage, world), precision: {"enabled": True, **({"loss_scale": 8.0} if precision == "fp16" else {})}}
+    engine = ts.initialize(UnusedMLP().float(), cfg, **({"zero3_wrap": ["unused"]} if stage == 3 else {}))
+    for x, y in batches()[:3]:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16  # the model computes in it
+        engine.train_batch((x.to(dtype), y.to(dtype)))
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+    from tinyscale.zero.state_dict import gather_masters, gather_optimizer_state
+    return (gather_masters(engine.zero.sharded, names)["unused.weight"],
+            sorted(gather_optimizer_state(engine.zero.sharded, names)["state"]))
+
+
+@pytest.mark.parametrize(("stage", "precision"), [(2, "bf16"), (3, "fp16")], ids=["zero2-bf16", "zero3-fp16"])
+def test_unused_parameters_keep_their_fp32_masters_in_mixed_precision(stage, precision):
+    """The fp32 master of a parameter no rank used is its initial value, bit for bit, and it
+    has no optimizer state; the others do."""
+    initial = UnusedMLP().unused.weight.float()
+    for master, stepped in run_on_ranks(_mixed, WORLD, stage, precision):
+        assert master.dtype == torch.float32 and torch.equal(master, initial)
+        assert "unused.weight" not in stepped and "extra.weight" in stepped and "fc_in.weight" in stepped

@@ -113,7 +113,10 @@ class DataParallelBase(nn.Module):
     def _used_anywhere(self, used_here: list[bool]) -> list[bool]:
         """Which parameters got a gradient on at least one rank (one small all-reduce)."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        flags = torch.tensor(used_here, dtype=torch.int32, device=device)
+        # in the gradients' dtype, as the flags BucketedDDP sends in its last bucket: a sum of
+        # ones (any dtype, even rounded) is positive exactly when some rank used the parameter
+        dtype = self.params[0].dtype if self.params else torch.float32
+        flags = torch.tensor(used_here, dtype=dtype, device=device)
         comm.all_reduce(flags, group=self.process_group)
         return [bool(f) for f in flags.tolist()]
     # --8<-- [end:used-anywhere]

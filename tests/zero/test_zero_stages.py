@@ -99,7 +99,7 @@ def _expected_memory(stage, world, bucket, rank):
     """The per-rank model-state bytes of our implementation, from the formulas (float64 = 8 B)."""
     model = TinyMLP()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    units = split_into_units(trainable, None if stage == 1 else 8 * bucket, world, 0, reverse=stage == 2)
+    units = split_into_units(trainable, 8 * bucket, world, 0, reverse=stage == 2)  # reduce_bucket_size, in elements
     shard = sum(u.shard_numel for u in units)  # sum over units of ceil(numel / N): padding included
     psi = sum(p.numel() for p in model.parameters())  # frozen ones are parameters too
     trainable_psi = sum(p.numel() for p in trainable)
@@ -141,7 +141,7 @@ def _bus_bytes_per_step(stage, world):
 def test_zero_move_the_same_bytes_as_ddp(world):
     psi_bytes = 8 * sum(p.numel() for p in TinyMLP().parameters() if p.requires_grad)
     padded = {s: 8 * sum(u.padded_numel for u in split_into_units(
-        [p for p in TinyMLP().parameters() if p.requires_grad], None if s == 1 else 8 * 250, world, 0, reverse=s == 2))
+        [p for p in TinyMLP().parameters() if p.requires_grad], 8 * 250, world, 0, reverse=s == 2))
         for s in (1, 2)}
     ring = 2 * (world - 1) / world
     flags = 8 * len([p for p in TinyMLP().parameters() if p.requires_grad])  # DDP's usage flags, one per parameter

@@ -17,8 +17,10 @@ What it changes from `naive.py`:
    ones before it). Every rank must issue the same collectives in the same order, and
    gradient readiness can differ between ranks; a fixed launch order keeps them matched.
 
-When backward ends, the wrapper waits for every bucket, divides by the world size and
-copies the averages back into ``.grad``. `events` records when each bucket was launched
+Each bucket is divided by the world size *before* its all-reduce (as torch's DDP does: in
+fp16 a sum of N gradients can overflow where their mean would not; `pytest -k
+overflow_safe_reduce`). When backward ends, the wrapper waits for every bucket and copies
+the averages back into ``.grad``. `events` records when each bucket was launched
 and when backward ended, so a test (and the lesson's timeline) can see the overlap.
 
 Shape legend: each bucket's ``buffer`` is 1-D, holding its parameters' gradients
@@ -146,6 +148,10 @@ class BucketedDDP(DataParallelBase):
         bucket = self.buckets[b]
         if b == len(self.buckets) - 1:  # launched last, when this rank's usage is known
             self._flags.copy_(torch.tensor([p.grad is not None for p in self.params]))
+        # Divide before summing (torch DDP does): in fp16 the sum of N gradients can overflow
+        # where their mean would not. The flags (after the gradients) stay counts.
+        gradients = bucket.offsets[-1] + bucket.params[-1].numel()
+        bucket.buffer[:gradients].div_(self.world_size)
         bucket.work = comm.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         self.events.append(("launch", b, time.perf_counter()))
         self._next_launch = b + 1
@@ -170,8 +176,7 @@ class BucketedDDP(DataParallelBase):
         self.buckets[-1].work.wait()
         used = (self._flags > 0).tolist()  # got a gradient on some rank (the flags' sum counts them)
         for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.buffer.div_(self.world_size)
+            bucket.work.wait()  # the average: each rank sent its gradients divided by N
             for i, p in enumerate(bucket.params):
                 if used[self._index[p]]:
                     p.grad = bucket.slot(i).clone()

@@ -38,6 +38,6 @@ class NaiveDDP(DataParallelBase):
                 continue  # unused on every rank: no gradient, as in one process
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # unused here, used elsewhere: contribute zero
+            p.grad.div_(self.world_size)  # before the sum, as torch DDP: fp16 sums can overflow
             comm.all_reduce(p.grad, group=self.process_group)
-            p.grad.div_(self.world_size)
     # --8<-- [end:finish]

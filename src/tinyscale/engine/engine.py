@@ -144,14 +144,16 @@ class Engine:
                 make = lambda groups: build_optimizer(groups, config.optimizer)  # noqa: E731
                 off = {"offload_optimizer": zero.offload_optimizer.device, "param_dtype": self.compute_dtype,
                        "loss_scaler": self.loss_scaler}
-                if zero.stage == 1:
-                    self.zero = ZeroStage1(groups, make, self.dp_group, **off,
+                if zero.stage == 1:  # reduce-scatters in units of at most reduce_bucket_size
+                    self.zero = ZeroStage1(groups, make, self.dp_group, **off, bucket_bytes=bucket_bytes,
                                            nvme_path=zero.offload_optimizer.nvme_path)
                 elif zero.stage == 2:
                     self.zero = ZeroStage2(groups, make, self.dp_group, bucket_bytes=bucket_bytes,
                                            overlap=zero.overlap_comm, **off, nvme_path=zero.offload_optimizer.nvme_path)
                 else:
+                    # overlap_comm: prefetch, i.e. the next unit's all-gather overlaps this one's compute
                     self.zero = ZeroStage3(groups, make, self.dp_group, module=self.model, wrap=zero3_wrap, **off,
+                                           prefetch=zero.overlap_comm,
                                            optimizer_nvme_path=zero.offload_optimizer.nvme_path,
                                            offload_param=zero.offload_param.device,
                                            param_nvme_path=zero.offload_param.nvme_path)

@@ -274,10 +274,13 @@ class ShardedOptimizer:
         if self.grad[unit_index] is None:
             self.grad[unit_index] = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         if not self.distributed:
-            return _PendingShard(None, flat, flat, self.grad[unit_index], 1)
+            return _PendingShard(None, flat, flat, self.grad[unit_index])
+        # Divide before summing (as torch DDP does): in fp16 the sum of N scaled gradients can
+        # overflow where their mean would not. (A power-of-two N divides exactly either way.)
+        flat.div_(self.world_size)
         out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         work = comm.reduce_scatter(out, flat, group=self.process_group, async_op=async_op)
-        return _PendingShard(work, flat, out, self.grad[unit_index], self.world_size)
+        return _PendingShard(work, flat, out, self.grad[unit_index])
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -310,14 +313,15 @@ def fragments_of(unit: FlatUnit, master: torch.Tensor) -> list[Fragment]:
 
 
 class _PendingShard:
-    """A reduce-scatter in flight; wait() adds the averaged result into the gradient shard."""
+    """A reduce-scatter (of pre-divided gradients) in flight; wait() adds the result, the
+    average, into the gradient shard."""
 
-    def __init__(self, work, flat: torch.Tensor, out: torch.Tensor, target: torch.Tensor, world_size: int):
+    def __init__(self, work, flat: torch.Tensor, out: torch.Tensor, target: torch.Tensor):
         # `flat` is held until the collective is done: its memory must outlive the send.
-        self.work, self.flat, self.out, self.target, self.world_size = work, flat, out, target, world_size
+        self.work, self.flat, self.out, self.target = work, flat, out, target
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-        self.target.add_(self.out, alpha=1.0 / self.world_size)
+        self.target.add_(self.out)
         self.flat = None

@@ -18,6 +18,7 @@ parameter name, so they load into any stage and world size. The lesson: lessons/
 """
 
 from tinyscale.zero.flat import FlatUnit, split_into_units
+from tinyscale.zero.fully_shard import MixedPrecisionPolicy, full_parameters, fully_shard
 from tinyscale.zero.offload import DiskSwapper, ParamShards
 from tinyscale.zero.optimizer import ShardedOptimizer, normalize_param_groups
 from tinyscale.zero.stage1 import ZeroStage1
@@ -25,5 +26,5 @@ from tinyscale.zero.stage2 import ZeroStage2
 from tinyscale.zero.stage3 import ZeroStage3
 from tinyscale.zero.state_dict import gather_optimizer_state, load_optimizer_state
 
-__all__ = ["DiskSwapper", "FlatUnit", "ParamShards", "ShardedOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3",
-           "gather_optimizer_state", "load_optimizer_state", "normalize_param_groups", "split_into_units"]
+__all__ = ["DiskSwapper", "FlatUnit", "MixedPrecisionPolicy", "ParamShards", "ShardedOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3",
+           "full_parameters", "fully_shard", "gather_optimizer_state", "load_optimizer_state", "normalize_param_groups", "split_into_units"]

@@ -107,11 +107,11 @@ def _property_train(kind, seed, config, steps, grouped, uses, fail):
     return losses, engine.full_state_dict()
 
 
-# The main property: every example has a parameter no rank uses, one used by drawn rows (so
+# The main property (stages 1, 2 and 3): every example has a parameter no rank uses, one used by drawn rows (so
 # on some ranks, micro-batches and steps only) and a forward that raises on one or every
 # rank; the GPT brings padding and several units. Each reintroduced bug of issues 10 and 19
 # (unused parameters stepped, a failed step's gradients kept) fails every example.
-@pytest.mark.parametrize("stage", [1, 2], ids=["zero1", "zero2"])
+@pytest.mark.parametrize("stage", [1, 2, 3], ids=["zero1", "zero2", "zero3"])
 @given(world=st.sampled_from([2, 3, 4]), seed=st.integers(0, 2**16), micro=st.integers(1, 2),
        accum=st.integers(1, 3), clip=st.sampled_from([0.0, 0.05]), optimizer=st.sampled_from(sorted(OPTIMIZERS)),
        grouped=st.booleans(), bucket=st.sampled_from([40, 250, 500_000_000]), kind=st.sampled_from(["mlp", "mlp", "gpt"]),
@@ -120,6 +120,10 @@ def _property_train(kind, seed, config, steps, grouped, uses, fail):
 def test_zero_matches_single_process_float64(stage, world, seed, micro, accum, clip, optimizer, grouped, bucket,
                                              kind, uses, fail):
     config = _config(stage, micro, accum, world, clip, optimizer, bucket)
+    if stage == 3 and fail[0] == 0 and fail[2] % accum == 0:
+        # Stage 3 cannot release the other ranks from a failure on one rank in the very first
+        # micro-batch (its sequence of gathers is learnt from a completed one): every rank fails there.
+        fail = (0, "all", 0)
     results = run_on_ranks(_property_train, world, kind, seed, config, 3, grouped, uses, fail)
     model, batches = _property_setup(kind, seed, ts.EngineConfig.load(config).train_batch_size, 3, uses)
     ref = ts.reference.train(model, batches, config, param_groups=no_decay_on_biases if grouped else None)

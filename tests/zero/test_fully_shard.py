@@ -36,8 +36,8 @@ class MLPWithUnused(TinyMLP):
 
 def _setup(kind, seed, rows, steps, dtype=torch.float64):
     if kind == "mlp":
-        model = MLPWithUnused(seed, dtype)
-        return model, synthetic_regression_batches(num_batches=steps, batch_size=rows, dim=8, seed=seed)
+        batches = synthetic_regression_batches(num_batches=steps, batch_size=rows, dim=8, seed=seed)
+        return MLPWithUnused(seed, dtype), [tuple(t.to(dtype) for t in b) for b in batches]
     # d_model 20, 5 heads: sizes that divide neither 2 nor 3 (padding); tied head and embedding
     cfg = GPTConfig(vocab_size=256, max_seq_len=16, n_layer=2, n_head=5, d_model=20, ffn_hidden=36, tie_embeddings=True)
     return GPT(cfg, seed=seed, dtype=dtype), synthetic_token_batches(num_batches=steps, batch_size=rows, seq_len=16,
@@ -52,9 +52,10 @@ def _local_rows(batch, micro, accum):
 
 
 # --8<-- [start:pytorch-way]
-def train_fully_shard(kind, seed, steps, micro, accum, optimizer, impl="ours", mp=None):
+def train_fully_shard(kind, seed, steps, micro, accum, optimizer, impl="ours", mp=None, dtype=torch.float64,
+                      record_grad_max=False):
     """The PyTorch way: wrap, build torch.optim on model.parameters(), loop (on every rank)."""
-    model, batches = _setup(kind, seed, micro * accum * dist.get_world_size(), steps)
+    model, batches = _setup(kind, seed, micro * accum * dist.get_world_size(), steps, dtype)
     if impl == "ours":
         fully_shard(model, mp_policy=MixedPrecisionPolicy(*mp) if mp else None)
     else:  # torch's FSDP2, the same units: each block, then the root
@@ -64,6 +65,7 @@ def train_fully_shard(kind, seed, steps, micro, accum, optimizer, impl="ours", m
         for block in getattr(model, "blocks", []):
             torch_fully_shard(block, mp_policy=policy)
         torch_fully_shard(model, mp_policy=policy)
+    grad_max = _record_grad_max(model) if record_grad_max else None
     opt_class, kwargs = OPTIMIZERS[optimizer]
     opt = opt_class(model.parameters(), **kwargs)
     losses = []
@@ -81,7 +83,20 @@ def train_fully_shard(kind, seed, steps, micro, accum, optimizer, impl="ours", m
         full = full_parameters(model)
     else:
         full = {k: v.full_tensor() for k, v in model.named_parameters()}
-    return losses, {k: v.detach().double().cpu() for k, v in full.items()}
+    params = {k: v.detach().double().cpu() for k, v in full.items()}
+    return (losses, params, grad_max[0]) if record_grad_max else (losses, params)
+
+
+def _record_grad_max(model):
+    """Test instrumentation: the largest |element| of the local gradients handed to the reduce."""
+    state, seen = model._fully_shard, [0.0]
+    on_unit_grads = state.on_unit_grads
+
+    def recording(u, grads):
+        seen[0] = max([seen[0]] + [g.abs().max().item() for g in grads if g is not None])
+        on_unit_grads(u, grads)
+    state.on_unit_grads = recording
+    return seen
 
 
 def _reference(kind, seed, steps, micro, accum, world, optimizer):
@@ -104,3 +119,47 @@ def test_fully_shard_matches_single_process_float64(kind, world, optimizer):
         assert_state_dicts_close(params, expected, what="fully_shard vs one process")
     # each rank's loss is its rows' mean; equal row counts, so their mean is the global mean
     assert_losses_close([sum(step) / world for step in zip(*(losses for losses, _ in results))], expected_losses)
+
+
+# Where the reduction order agrees (two ranks: a + b = b + a, and / 2 is exact; or a float32
+# reduce after identical low-precision backward passes), ours and FSDP2 agree bit for bit.
+EXACT = [("gpt", 2, torch.float32, None), ("gpt", 2, torch.float32, (torch.bfloat16, None)),
+         ("mlp", 2, torch.float32, (torch.float16, None)), ("gpt", 3, torch.float32, (torch.bfloat16, torch.float32))]
+
+
+@pytest.mark.parametrize(("kind", "world", "dtype", "mp"), EXACT)
+def test_fully_shard_agrees_with_torch_fsdp2_bit_for_bit(kind, world, dtype, mp):
+    ours = run_on_ranks(train_fully_shard, world, kind, 3, 3, 1, 2, "adamw", "ours", mp, dtype)
+    theirs = run_on_ranks(train_fully_shard, world, kind, 3, 3, 1, 2, "adamw", "torch", mp, dtype)
+    for (_, a), (_, b) in zip(ours, theirs):
+        assert a.keys() == b.keys()
+        unequal = [k for k in b if not torch.equal(a[k], b[k])]
+        assert not unequal, f"ours and FSDP2 differ in {unequal}"
+
+
+def test_fully_shard_agrees_with_torch_fsdp2_float64():
+    ours = run_on_ranks(train_fully_shard, 3, "gpt", 3, 3, 1, 2, "adamw", "ours")
+    theirs = run_on_ranks(train_fully_shard, 3, "gpt", 3, 3, 1, 2, "adamw", "torch")
+    for (_, a), (_, b) in zip(ours, theirs):
+        assert_state_dicts_close(a, b, what="ours vs FSDP2 (float64: only the order of 3 addends differs)")
+
+
+@pytest.mark.parametrize(("kind", "low"), [("gpt", torch.bfloat16), ("mlp", torch.float16)])
+def test_fully_shard_agrees_with_torch_fsdp2_low_precision_reduce(kind, low):
+    """Three ranks reducing in bf16 / fp16: the two sums may round differently. SGD, whose
+    update is linear in the gradient, so the bound below carries over to the parameters."""
+    mp = (low, None)  # reduce_dtype defaults to param_dtype
+    ours = run_on_ranks(train_fully_shard, 3, kind, 3, 3, 1, 2, "sgd", "ours", mp, torch.float32, True)
+    theirs = run_on_ranks(train_fully_shard, 3, kind, 3, 3, 1, 2, "sgd", "torch", mp, torch.float32)
+    grad_max = max(g for _, _, g in ours)  # G: the largest local gradient element any rank sent
+    # Tolerance from rounding (N = 3 ranks, u = unit roundoff of `low`, accum = 2 reductions a step):
+    # a sum of N addends in any order is within (N - 1) u sum|g_r| <= (N - 1) u N G of the exact sum,
+    # so two orders differ by <= 2 (N - 1) N u G, plus one rounding each of the division: 2 u G.
+    # Per step: accum x that. SGD (lr, momentum 0.9) over 3 steps moves a parameter by lr x
+    # (1 + 1.9 + 2.71) = 5.61 lr per unit of gradient error. Second-order effects (the weights
+    # differing feed back through the next forward) are smaller by a factor ~lr and are neglected.
+    n, u, lr = 3, torch.finfo(low).eps / 2, OPTIMIZERS["sgd"][1]["lr"]
+    tol = 5.61 * lr * 2 * (2 * (n - 1) * n * u * grad_max + 2 * u * grad_max)
+    for (_, a, _), (_, b) in zip(ours, theirs):
+        worst = max((a[k] - b[k]).abs().max().item() for k in b)
+        assert worst <= tol, f"ours vs FSDP2 in {low}: max |diff| {worst:.3e} > derived bound {tol:.3e}"

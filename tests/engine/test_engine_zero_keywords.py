@@ -6,7 +6,6 @@ overlap_comm. Training is the same either way (float64, against the reference)."
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 import tinyscale as ts
 from tinyscale.data import synthetic_regression_batches

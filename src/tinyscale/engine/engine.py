@@ -29,6 +29,14 @@ What a step does over `dp` data-parallel ranks:
    this step's learning rate, step (ZeRO: on this rank's shard, then stages 1 and 2
    all-gather the parameters; stage 3 keeps them sharded), zero gradients.
 
+Parameters no rank used in the step get no gradient and are not stepped (their usage flags
+ride in the loss all-reduce, or in DDP's last bucket). If a forward or backward raises on any
+rank, that rank makes the collectives the others make in the rest of the step, the loss
+all-reduce tells every rank, and all drop the step (gradients, usage, random draws): the
+rank that raised re-raises, the others raise `StepFailed`, and the engine is as before the
+step (tests: `pytest -k failed_step`). An error inside the optimizer step leaves the engine
+refusing further steps, since parameters may be partly updated.
+
 Every rank ends the step with identical parameters (stage 3: identical shards of them),
 which is what `full_state_dict` returns (stage 3 gathers them for it). Later topics add
 strategies (tensor and pipeline parallel) behind the same methods.

@@ -47,6 +47,14 @@ parameters B Psi/N + gradients B Psi/N + K Psi/N = (2B + K) Psi / N, Psi padded 
 FlatUnit; plus frozen parameters; plus, while running, the root unit (used at both ends of
 the forward), the unit in use and at most one prefetched unit.
 
+**Order.** Reduce-scatters go in one order on every rank (reverse of the order forwards
+started, then units no forward ran), so a parameter unused on some ranks only cannot
+reorder them; its unit then waits for backward's end. A wrapped module must run on every
+rank or on none (its all-gather is a collective, as in FSDP). A rank whose forward or
+backward raised replays the rest of the last complete micro-batch's collectives
+(`complete_abandoned`) so that the others finish the step; before any micro-batch has
+completed that sequence is unknown, and only a failure on every rank alike is recoverable.
+
 Communication per micro-batch: all-gather in forward (Psi) + all-gather in backward (Psi)
 + reduce-scatter of gradients (Psi) = 3 Psi, each (N-1)/N Psi bus bytes per rank: 1.5x
 DDP's all-reduce (2 Psi). A module called twice in one forward is gathered twice.

@@ -25,6 +25,7 @@ from tinyscale.zero.stage1 import ZeroStage1
 from tinyscale.zero.stage2 import ZeroStage2
 from tinyscale.zero.stage3 import ZeroStage3
 from tinyscale.zero.state_dict import gather_optimizer_state, load_optimizer_state
+from tinyscale.zero.zero_optimizer import ZeroOptimizer
 
-__all__ = ["DiskSwapper", "FlatUnit", "MixedPrecisionPolicy", "ParamShards", "ShardedOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3",
+__all__ = ["DiskSwapper", "FlatUnit", "MixedPrecisionPolicy", "ParamShards", "ShardedOptimizer", "ZeroOptimizer", "ZeroStage1", "ZeroStage2", "ZeroStage3",
            "full_parameters", "fully_shard", "gather_optimizer_state", "load_optimizer_state", "normalize_param_groups", "split_into_units"]

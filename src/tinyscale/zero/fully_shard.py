@@ -47,7 +47,8 @@ pre ~ sqrt(N), so an fp16 sum cannot overflow), then cast to the shard's dtype f
 
 **Limits.** Every rank must run the same modules and use each module's outputs (the
 gathers are collectives); recomputation (activation checkpointing) is not supported on
-this path (the engine's stage 3 supports it). Communication per step is stage 3's 3 Psi.
+this path (the engine's stage 3 supports it). The collectives are stage 3's: an all-gather
+per unit call in forward and again in backward, a reduce-scatter per unit per backward.
 """
 
 from __future__ import annotations

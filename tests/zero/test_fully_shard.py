@@ -163,3 +163,33 @@ def test_fully_shard_agrees_with_torch_fsdp2_low_precision_reduce(kind, low):
     for (_, a, _), (_, b) in zip(ours, theirs):
         worst = max((a[k] - b[k]).abs().max().item() for k in b)
         assert worst <= tol, f"ours vs FSDP2 in {low}: max |diff| {worst:.3e} > derived bound {tol:.3e}"
+
+
+def test_fully_shard_grads_accumulate_and_unused_stay_none_in_one_process():
+    """No process group (a group of one): the shards are the flattened parameters, their
+    .grad the sum over backward calls, and a parameter no forward used keeps .grad None."""
+    model, batches = _setup("mlp", 1, 4, 2)
+    reference, _ = _setup("mlp", 1, 4, 2)
+    fully_shard(model)
+    shards = dict(model.named_parameters())
+    assert all(s.dim() == 1 for s in shards.values()) and shards.keys() == dict(reference.named_parameters()).keys()
+    for batch in batches:  # two backward calls, no zero_grad between them
+        model(*batch).backward()
+        reference(*batch).backward()
+    for name, p in reference.named_parameters():
+        if p.grad is None:  # the unused layer (and the frozen one): no gradient, as in torch
+            assert shards[name].grad is None, name
+        else:
+            torch.testing.assert_close(shards[name].grad, p.grad.reshape(-1), rtol=0, atol=0)  # same ops: exact
+    assert shards["unused.weight"].grad is None and shards["fc_in.weight"].grad is not None
+
+
+def test_fully_shard_rejects_bad_input():
+    model, _ = _setup("mlp", 0, 2, 1)
+    with pytest.raises(ValueError, match="not sharded by tinyscale.zero.fully_shard"):
+        full_parameters(model)
+    fully_shard(model)
+    with pytest.raises(ValueError, match="already sharded"):
+        fully_shard(model)
+    with pytest.raises(ValueError, match="has no parameters"):
+        fully_shard(nn.ReLU())

@@ -116,3 +116,9 @@ def test_zero_optimizer_api_state_dict_loads_at_another_world_size():
     ref_opt.step()
     for _, p, _ in resumed:
         assert_state_dicts_close(p, dict(ref_model.named_parameters()), what="resumed at 2 ranks vs one process")
+
+
+def test_zero_optimizer_api_rejects_an_optimizer_instance():
+    model, _ = _setup("gpt", 0, 1, 1)
+    with pytest.raises(TypeError, match="optimizer_class must be a torch.optim.Optimizer subclass"):
+        ZeroOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1), lr=0.1)

@@ -193,3 +193,28 @@ def test_fully_shard_rejects_bad_input():
         fully_shard(model)
     with pytest.raises(ValueError, match="has no parameters"):
         fully_shard(nn.ReLU())
+
+
+def _ledger_one_step(kind):
+    from tinyscale.dist import comm
+
+    model, batches = _setup(kind, 0, dist.get_world_size(), 1)
+    fully_shard(model)
+    with comm.record() as ledger:
+        model(*_local_rows(batches[0], 1, 1)[0]).backward()
+    return ledger.calls("all_gather"), ledger.bytes("all_gather"), ledger.calls("reduce_scatter"), \
+        ledger.bytes("reduce_scatter"), ledger.calls()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fully_shard_communication_per_micro_batch_matches_the_count(world):
+    """Per unit: an all-gather in forward and again in backward, then one reduce-scatter of
+    the gradients plus one usage count per parameter (float64: 8 bytes an element)."""
+    model, _ = _setup("gpt", 0, 1, 1)
+    gathers, gather_bytes, reduces, reduce_bytes, calls = run_on_ranks(_ledger_one_step, world, "gpt")[0]
+    blocks = [[p.numel() for p in block.parameters()] for block in model.blocks]
+    units = blocks + [[p.numel() for n, p in model.named_parameters() if not n.startswith("blocks.")]]
+    padded = [sum(-(-n // world) * world for n in unit) for unit in units]  # each parameter padded to N
+    assert (gathers, reduces, calls) == (2 * len(units), len(units), 3 * len(units))
+    assert gather_bytes == 2 * 8 * sum(padded)
+    assert reduce_bytes == 8 * sum(pad + world * len(unit) for pad, unit in zip(padded, units))

@@ -122,3 +122,51 @@ def test_zero_optimizer_api_rejects_an_optimizer_instance():
     model, _ = _setup("gpt", 0, 1, 1)
     with pytest.raises(TypeError, match="optimizer_class must be a torch.optim.Optimizer subclass"):
         ZeroOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1), lr=0.1)
+
+
+def _ledger_of_step():
+    from tinyscale.dist import comm
+
+    model, batches = _setup("mlp", 0, dist.get_world_size(), 1)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, reduce_grads=True, lr=0.1)
+    model(*_local_rows(batches[0], 1, 1)[0]).backward()
+    with comm.record() as ledger:
+        opt.step()
+    return [(r.op, r.bytes) for r in ledger.rows], [opt.owner[id(p)] for p in model.parameters()]
+
+
+def test_zero_optimizer_api_step_communication_matches_the_count():
+    """reduce_grads=True on 3 ranks: one all-reduce of usage flags (fp32, one per trainable
+    parameter), a reduce of each used gradient to its owner, a broadcast of each trainable
+    parameter from its owner (float64: 8 bytes an element); the unused layer is not reduced."""
+    rows, owners = run_on_ranks(_ledger_of_step, 3)[0]
+    model, _ = _setup("mlp", 0, 1, 1)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    used = [p for n, p in trainable if not n.startswith("unused.")]
+    assert rows[0] == ("all_reduce", 4 * len(trainable))
+    assert [r for r in rows if r[0] == "reduce"] == [("reduce", 8 * p.numel()) for p in used]
+    assert [r for r in rows if r[0] == "broadcast"] == [("broadcast", 8 * p.numel()) for _, p in trainable]
+    assert len(rows) == 1 + len(used) + len(trainable)
+    loads = [sum(p.numel() for p, o in zip(model.parameters(), owners) if o == r) for r in range(3)]
+    assert max(loads) - min(loads) <= max(p.numel() for p in model.parameters())  # greedy: within one parameter
+
+
+def test_zero_optimizer_api_add_param_group_and_state_dict_in_one_process():
+    """No process group: ZeroOptimizer steps as the plain optimizer does, a group added later
+    included, and their state_dicts are interchangeable."""
+    model, batches = _setup("gpt", 2, 2, 2)
+    reference, _ = _setup("gpt", 2, 2, 2)
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    opt = ZeroOptimizer(params[:3], torch.optim.AdamW, lr=1e-2, weight_decay=0.05)
+    opt.add_param_group({"params": params[3:], "lr": 5e-3})
+    ref = torch.optim.AdamW(ref_params[:3], lr=1e-2, weight_decay=0.05)
+    ref.add_param_group({"params": ref_params[3:], "lr": 5e-3})
+    for batch in batches:
+        for m, o in ((model, opt), (reference, ref)):
+            m(*batch).backward()
+            o.step()
+            o.zero_grad()
+    assert_state_dicts_close(dict(model.named_parameters()), dict(reference.named_parameters()), rtol=0, atol=0,
+                             what="ZeroOptimizer in one process vs AdamW")  # the same ops on one process: exact
+    assert opt.state_dict()["param_groups"] == ref.state_dict()["param_groups"]
+    opt.load_state_dict(ref.state_dict())

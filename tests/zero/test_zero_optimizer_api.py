@@ -20,7 +20,8 @@ from tinyscale.zero import ZeroOptimizer
 def train_zero_optimizer(kind, seed, steps, micro, accum, optimizer, impl, start=0, resume=None, stop=None):
     """The PyTorch way, on every rank: (DDP,) an optimizer over model.parameters(), a loop.
     impl: "ddp" (ours under torch DDP), "torch" (ZeroRedundancyOptimizer under DDP) or
-    "reduce" (ours without DDP, reduce_grads=True; test_fully_shard's "mlp" has an unused
+    "reduce" (ours without DDP, reduce_grads=True), "stage2" (that, reduced during backward;
+    test_fully_shard's "mlp" has an unused
     layer, which torch DDP would refuse). `resume`: (params, optimizer state) after `start` steps;
     `stop`: train batches[start:stop] only (the data depend on `steps`, so it stays the same)."""
     model, batches = _setup(kind, seed, micro * accum * dist.get_world_size(), steps)
@@ -35,7 +36,8 @@ def train_zero_optimizer(kind, seed, steps, micro, accum, optimizer, impl, start
         opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=opt_class, **kwargs)
     else:
         wrapped = DDP(model) if impl == "ddp" else model
-        opt = ZeroOptimizer(wrapped.parameters(), opt_class, reduce_grads=impl == "reduce", **kwargs)
+        opt = ZeroOptimizer(wrapped.parameters(), opt_class, reduce_grads=impl != "ddp",
+                            stage=2 if impl == "stage2" else 1, **kwargs)
     if resume is not None:
         opt.load_state_dict(resume[1])
     losses = []
@@ -69,7 +71,8 @@ def _global_losses(results, world):
 
 @pytest.mark.parametrize(("kind", "world", "optimizer", "impl", "accum"), [
     ("gpt", 2, "adamw", "ddp", 1), ("gpt", 3, "sgd", "ddp", 1),
-    ("mlp", 2, "sgd", "reduce", 2), ("mlp", 3, "adamw", "reduce", 2), ("gpt", 3, "adamw", "reduce", 1)])
+    ("mlp", 2, "sgd", "reduce", 2), ("mlp", 3, "adamw", "reduce", 2), ("gpt", 3, "adamw", "reduce", 1),
+    ("mlp", 3, "adamw", "stage2", 2), ("gpt", 2, "sgd", "stage2", 2)])
 def test_zero_optimizer_api_matches_single_process_float64(kind, world, optimizer, impl, accum):
     """Tied weights (both models), a frozen and an unused layer (mlp), uneven partitions."""
     results = run_on_ranks(train_zero_optimizer, world, kind, 5, 3, 1, accum, optimizer, impl)
@@ -170,3 +173,27 @@ def test_zero_optimizer_api_add_param_group_and_state_dict_in_one_process():
                              what="ZeroOptimizer in one process vs AdamW")  # the same ops on one process: exact
     assert opt.state_dict()["param_groups"] == ref.state_dict()["param_groups"]
     opt.load_state_dict(ref.state_dict())
+
+
+def _ledger_of_stage2_backward():
+    from tinyscale.dist import comm
+
+    model, batches = _setup("mlp", 0, dist.get_world_size(), 1)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, reduce_grads=True, stage=2, lr=0.1)
+    with comm.record() as ledger:
+        model(*_local_rows(batches[0], 1, 1)[0]).backward()
+    local = [n for n, p in model.named_parameters() if p.grad is not None]
+    with comm.record() as at_step:
+        opt.step()
+    return [r.op for r in ledger.rows], local, [r.op for r in at_step.rows]
+
+
+def test_zero_optimizer_api_stage2_reduces_during_backward():
+    """Stage 2: every trainable gradient is reduced to its owner inside backward (the unused
+    layer's as zeros, in the fixed order) and dropped there; step adds one usage all-reduce."""
+    in_backward, kept, at_step = run_on_ranks(_ledger_of_stage2_backward, 2)[0]
+    model, _ = _setup("mlp", 0, 1, 1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert in_backward == ["reduce"] * len(trainable)
+    assert kept == []  # no full gradient outlives its reduce
+    assert at_step == ["all_reduce"] + ["broadcast"] * len(trainable)

@@ -4,6 +4,7 @@
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
     loss.backward(); opt.step(); opt.zero_grad()                 # step my parameters, broadcast them
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, reduce_grads=True, lr=1e-3)  # no DDP
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, reduce_grads=True, stage=2, lr=1e-3)
 
 Rajbhandari et al., "ZeRO" (2020), sec. 5.1 (P_os); the interface is PyTorch's
 `ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`. Lesson: lessons/03-zero.md,
@@ -22,6 +23,14 @@ other ranks never need the sum), with one all-reduce of usage flags first so tha
 parameter no rank used keeps `.grad` None and is not stepped (weight decay leaves it alone,
 as torch does). Either way each owner steps, then broadcasts each of its parameters.
 
+**Stage 2** (`stage=2`, with `reduce_grads=True`): the same reduces, issued during backward
+as each parameter's gradient is complete (a post-accumulate-grad hook), in one fixed order
+on every rank (reverse registration order; a parameter waits for those before it, and
+those no backward reached are sent as zeros when backward ends), so that a parameter used
+on some ranks only cannot reorder the collectives. After its reduce a gradient is dropped
+on every rank but its owner, which sums it over micro-batches apart from `.grad`: the full
+gradients of the model never exist at once. Usage counts are all-reduced once, at `step()`.
+
 **State dict.** `state_dict()` is a collective: every rank sends its states (serialized,
 through `comm.broadcast`) and every rank returns the whole state in the format of a plain
 `optimizer_class` on the same parameters (state by global parameter index, groups listing
@@ -33,8 +42,11 @@ from __future__ import annotations
 
 import io
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 
 from tinyscale.dist import comm
 
@@ -43,11 +55,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """Optimizer state sharded over ranks by whole parameters (ZeRO stage 1)."""
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], *, process_group=None,
-                 reduce_grads: bool = False, **defaults):
+                 reduce_grads: bool = False, stage: int = 1, **defaults):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer subclass, "
                             f"got {optimizer_class!r} (pass the class, e.g. torch.optim.AdamW, not an instance)")
-        self.group = process_group
+        if stage not in (1, 2) or (stage == 2 and not reduce_grads):
+            raise ValueError(f"ZeroOptimizer: stage={stage!r} is invalid: use stage=1, or stage=2 with "
+                             f"reduce_grads=True (stage 2 reduces gradients itself, during backward)")
+        self.group, self.stage = process_group, stage
         self.distributed = dist.is_initialized()
         self.world = dist.get_world_size(process_group) if self.distributed else 1
         self.rank = dist.get_rank(process_group) if self.distributed else 0
@@ -62,6 +77,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
+        if stage == 2:
+            self._init_stage2()
 
     # --8<-- [start:partition]
     def add_param_group(self, param_group: dict) -> None:
@@ -90,7 +107,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for g in self.param_groups for p in g["params"]]
-        if self.reduce_grads and self.world > 1:
+        if self.stage == 2:
+            self._finish_stage2()
+        elif self.reduce_grads and self.world > 1:
             self._reduce_to_owners([p for p in params if p.requires_grad])
         for group, local in zip(self.param_groups, self.optim.param_groups):
             local.update({k: v for k, v in group.items() if k != "params"})  # an LR scheduler's changes
@@ -113,6 +132,58 @@ class ZeroOptimizer(torch.optim.Optimizer):
             comm.reduce(grad, dst=self._global_rank(owner), group=self.group)
             p.grad = grad if owner == self.rank else None
     # --8<-- [end:step]
+
+    # --8<-- [start:stage2]
+    def _init_stage2(self) -> None:
+        self.order = [p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
+        self.summed = [None] * len(self.order)  # the owner's reduced gradients, over micro-batches
+        self.uses = torch.zeros(len(self.order))  # backward passes that gave each a gradient here
+        self.ready, self.next, self.in_backward = set(), 0, False
+        for i, p in enumerate(self.order):
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
+
+    @torch.no_grad()
+    def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        self.ready.add(i)
+        while self.next < len(self.order) and self.next in self.ready:  # the fixed order
+            self._reduce_one(self.next)
+            self.next += 1
+
+    @torch.no_grad()
+    def _on_backward_end(self) -> None:
+        while self.next < len(self.order):  # no gradient here this backward: zeros
+            self._reduce_one(self.next)
+            self.next += 1
+        self.ready, self.next, self.in_backward = set(), 0, False
+
+    def _reduce_one(self, i: int) -> None:
+        p = self.order[i]
+        self.uses[i] += p.grad is not None
+        grad = p.grad / self.world if p.grad is not None else torch.zeros_like(p)  # divide before the sum
+        owner = self.owner[id(p)]
+        if self.world > 1:
+            comm.reduce(grad, dst=self._global_rank(owner), group=self.group)
+        if owner == self.rank:
+            self.summed[i] = grad if self.summed[i] is None else self.summed[i] + grad
+        p.grad = None  # reduced: the local gradient is no longer needed anywhere
+
+    def _finish_stage2(self) -> None:
+        """Step-time: which parameters any rank used (one all-reduce); give owners their sums."""
+        uses = self.uses.clone()
+        if self.world > 1:
+            comm.all_reduce(uses, group=self.group)
+        for i, p in enumerate(self.order):
+            p.grad = self.summed[i] if uses[i] > 0 and self.owner[id(p)] == self.rank else None
+        self.summed, self.uses = [None] * len(self.order), torch.zeros(len(self.order))
+    # --8<-- [end:stage2]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.stage == 2:  # gradients reduced but not stepped are dropped too
+            self.summed, self.uses = [None] * len(self.order), torch.zeros(len(self.order))
+        super().zero_grad(set_to_none)
 
     def _index(self) -> dict[int, int]:
         return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}

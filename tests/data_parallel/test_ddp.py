@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tinyscale as ts
+from tests.zero.test_unused import UnusedMLP
 from tinyscale.data import local_micro_batches, synthetic_regression_batches, synthetic_token_batches
 from tinyscale.data_parallel import IMPLEMENTATIONS, BucketedDDP
 from tinyscale.dist import comm
@@ -44,7 +45,15 @@ def wrap(impl: str, model, bucket_cap_mb=None, **kwargs):
     return cls(model, **kwargs)
 
 
-def _model_and_batches(kind, seed, rows, steps):
+def _model_and_batches(kind, seed, rows, steps, uses=None):
+    if kind == "mlp-unused":  # a layer no forward uses, and one used by the rows in uses[step]
+        batches = []
+        for step, (x, y) in enumerate(synthetic_regression_batches(num_batches=steps, batch_size=rows, dim=8,
+                                                                   seed=seed)):
+            x = x.clamp(-3, 3)
+            x[[r % rows for r in uses[step]], 0] = 10.0  # these rows use UnusedMLP.extra
+            batches.append((x, y))
+        return UnusedMLP(seed=seed), batches
     if kind == "mlp":
         return (TinyMLP(seed=seed),
                 synthetic_regression_batches(num_batches=steps, batch_size=rows, dim=8, seed=seed))
@@ -52,10 +61,11 @@ def _model_and_batches(kind, seed, rows, steps):
             synthetic_token_batches(num_batches=steps, batch_size=rows, seq_len=16, seed=seed))
 
 
-def train_data_parallel(impl, kind, seed, micro, accum, steps, bucket_cap_mb, sync_last=True, optimizer="sgd"):
+def train_data_parallel(impl, kind, seed, micro, accum, steps, bucket_cap_mb, sync_last=True, optimizer="sgd",
+                        uses=None):
     """Run on every rank: the plain training loop a DDP user writes."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    model, batches = _model_and_batches(kind, seed, micro * accum * world, steps)
+    model, batches = _model_and_batches(kind, seed, micro * accum * world, steps, uses)
     ddp = wrap(impl, model, bucket_cap_mb)
     config = ts.EngineConfig.load({"optimizer": OPTIMIZERS[optimizer], "train_micro_batch_size_per_gpu": micro})
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], config.optimizer)
@@ -77,8 +87,8 @@ def train_data_parallel(impl, kind, seed, micro, accum, steps, bucket_cap_mb, sy
     return losses, ts.testing.state_dict_cpu(model), ledger.calls("all_reduce"), getattr(ddp, "events", None)
 
 
-def _reference(kind, seed, rows, steps, optimizer="sgd"):
-    model, batches = _model_and_batches(kind, seed, rows, steps)
+def _reference(kind, seed, rows, steps, optimizer="sgd", uses=None):
+    model, batches = _model_and_batches(kind, seed, rows, steps, uses)
     config = {"optimizer": OPTIMIZERS[optimizer], "train_batch_size": rows}
     return ts.reference.train(model, batches, config), model.state_dict()
 
@@ -86,11 +96,15 @@ def _reference(kind, seed, rows, steps, optimizer="sgd"):
 @pytest.mark.parametrize("impl", DDP)
 @given(world_size=st.sampled_from([2, 3, 4]), seed=st.integers(0, 2**16), micro=st.integers(1, 2),
        accum=st.integers(1, 3), bucket_cap_mb=st.sampled_from([1e-4, 2.2e-3, 25.0]),
-       optimizer=st.sampled_from(sorted(OPTIMIZERS)))
-def test_ddp_matches_single_process_float64(impl, world_size, seed, micro, accum, bucket_cap_mb, optimizer):
-    results = run_on_ranks(train_data_parallel, world_size, impl, "mlp", seed, micro, accum, 3, bucket_cap_mb,
-                           True, optimizer)
-    ref_losses, ref_state = _reference("mlp", seed, micro * accum * world_size, 3, optimizer)
+       optimizer=st.sampled_from(sorted(OPTIMIZERS)),
+       uses=st.lists(st.sets(st.integers(0, 23), max_size=2), min_size=3, max_size=3))
+def test_ddp_matches_single_process_float64(impl, world_size, seed, micro, accum, bucket_cap_mb, optimizer, uses):
+    # Ours: every example has a layer no rank uses and one used by drawn rows (some ranks,
+    # micro-batches, steps), with no flag; torch's DDP would need find_unused_parameters.
+    kind = "mlp" if impl == IMPLEMENTATIONS["torch"] else "mlp-unused"
+    results = run_on_ranks(train_data_parallel, world_size, impl, kind, seed, micro, accum, 3, bucket_cap_mb,
+                           True, optimizer, uses)
+    ref_losses, ref_state = _reference(kind, seed, micro * accum * world_size, 3, optimizer, uses)
     for losses, state, _, _ in results:
         assert_losses_close(losses, ref_losses)
         assert_state_dicts_close(state, ref_state, what="parameters after 3 steps")

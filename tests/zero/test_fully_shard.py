@@ -218,3 +218,38 @@ def test_fully_shard_communication_per_micro_batch_matches_the_count(world):
     assert (gathers, reduces, calls) == (2 * len(units), len(units), 3 * len(units))
     assert gather_bytes == 2 * 8 * sum(padded)
     assert reduce_bytes == 8 * sum(pad + world * len(unit) for pad, unit in zip(padded, units))
+
+
+def _train_rank_dependent_usage(api):
+    """test_unused's UnusedMLP and batches: `extra` is used on one rank, in one micro-batch,
+    on every rank or nowhere, step by step; `unused` never. AdamW with weight decay 0.1."""
+    from tests.zero.test_unused import ACCUM, MICRO, UnusedMLP, batches
+    from tinyscale.zero import ZeroOptimizer
+
+    model = UnusedMLP()
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
+    if api == "fully_shard":
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), **kwargs)
+    else:
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, reduce_grads=True, stage=int(api[-1]), **kwargs)
+    for batch in batches():
+        for x, y in _local_rows(batch, MICRO, ACCUM):
+            (model(x, y) / ACCUM).backward()
+        opt.step()
+        opt.zero_grad()
+    full = full_parameters(model) if api == "fully_shard" else dict(model.named_parameters())
+    return {k: v.detach().clone() for k, v in full.items()}
+
+
+@pytest.mark.parametrize("api", ["fully_shard", "zero_optimizer_api-stage1", "zero_optimizer_api-stage2"])
+def test_fully_shard_and_zero_optimizer_api_with_rank_dependent_usage_match_single_process(api):
+    """A parameter used on some ranks only contributes zero there; one used nowhere is not
+    stepped (no decay): float64, 3 ranks, equal to one process (test_unused's reference)."""
+    from tests.zero.test_unused import USES_EXTRA, WORLD
+    from tests.zero.test_unused import reference as unused_reference
+
+    _, expected, _ = unused_reference(len(USES_EXTRA))
+    for params in run_on_ranks(_train_rank_dependent_usage, WORLD, api):
+        assert_state_dicts_close(params, {k: v for k, v in expected.items() if k in params},
+                                 what=f"{api} with rank-dependent usage vs one process")

@@ -15,6 +15,11 @@ Offload (`offload.py`) moves master shards, optimizer states and the step to the
 (ZeRO-Offload) or into files with read-ahead threads (ZeRO-Infinity), and stage 3's
 parameter shards likewise. Checkpoints (`state_dict.py`) gather the sharded state by
 parameter name, so they load into any stage and world size. The lesson: lessons/03-zero.md.
+
+The PyTorch way, beside the engine's: `fully_shard(model)` (stage 3; then any torch.optim
+optimizer on `model.parameters()`, the shards; `full_parameters(model)` gathers them) and
+`ZeroOptimizer(params, optimizer_class, **defaults)` (stages 1 and 2, like torch's
+ZeroRedundancyOptimizer). Tests: `pytest -k fully_shard`, `pytest -k zero_optimizer_api`.
 """
 
 from tinyscale.zero.flat import FlatUnit, split_into_units

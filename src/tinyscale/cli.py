@@ -1,6 +1,6 @@
 """`tinyscale`: the command line.
 
-    tinyscale train --preset ddp --world-size 4 [--steps 50] [--config FILE] [--dtype float64]
+    tinyscale train --preset ddp --world-size 4 [--steps 20] [--config FILE] [--dtype float64]
     tinyscale estimate --params 7.5e9 [--dp 1 4 16 64] [--zero 3] [--offload cpu]
     tinyscale info
 
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train the GPT on N ranks and compare with one process")
     t.add_argument("--preset", default="ddp", choices=sorted(PRESETS), help="layout and recipe (default: ddp)")
     t.add_argument("--world-size", type=int, default=None, help="ranks to spawn (default: the preset's)")
-    t.add_argument("--steps", type=int, default=50, help="optimizer steps (default: 50)")
+    t.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20: the demo, with its single-process proof, in about a minute on 2 cores)")
     t.add_argument("--config", help="engine config (.json/.yaml, DeepSpeed keys) replacing the preset's")
     t.add_argument("--model", choices=[m for m in MODEL_PRESETS if m in ("tiny", "small")],
                    help="GPT preset (default: the preset's)")

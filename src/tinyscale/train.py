@@ -75,7 +75,7 @@ class TrainSpec:
     peak_flops: float | None = None  # one device's peak FLOP/s, for MFU (the CLI measures a CPU's)
 
 
-def make_spec(preset: str, *, world_size: int | None = None, steps: int = 50, config: dict | None = None,
+def make_spec(preset: str, *, world_size: int | None = None, steps: int = 20, config: dict | None = None,
               model: str | None = None, dtype: str | None = None, seed: int = 0) -> TrainSpec:
     """Validate everything before any process starts: preset, sizes, dtype and the config."""
     if preset not in PRESETS:
@@ -158,26 +158,32 @@ def train_rank(spec: TrainSpec) -> dict | None:
 def compare_with_reference(spec: TrainSpec, result: dict, show_progress: bool = True) -> dict:
     """Train fresh models in this process on the same batches; compare losses and parameters.
 
-    Two single-process runs: the reference (micro-batches as configured) and a control that
-    takes each global batch in one piece. Their only difference is the order in which the
-    same numbers are summed, so their distance is the rounding noise floor of this run.
-    Training amplifies rounding (in float64, ~1e-16 after one step grows to ~1e-9 after 50
-    steps of this model): a fixed tolerance would be wrong for long runs, a noise floor
-    measured on the same run is not.
+    Two single-process runs of `ts.reference.train`: the reference takes each global batch
+    in one piece (one forward and backward over all its rows: no ranks, no micro-batches,
+    nothing in common with the layout under test but the maths), and a control takes it in
+    two halves with accumulation. Their only difference is the order in which the same
+    numbers are summed, so their distance is the rounding noise floor of this run. Training
+    amplifies rounding (in float64, ~1e-16 after one step grows with the steps): a fixed
+    tolerance would be wrong for long runs, a noise floor measured on the same run is not.
+    Whole-batch passes are also the fast way to train one process: several times faster on
+    a CPU than the configured micro-batches of a few rows each.
     """
     model, batches = build(spec)
     control, _ = build(spec)
     rows = batches[0][0].shape[0]
     one_piece = {**spec.config, "train_batch_size": rows, "train_micro_batch_size_per_gpu": rows,
                  "gradient_accumulation_steps": 1}
+    # Two halves (or, for an odd batch, one row per micro-batch): another summation order.
+    halves = rows // 2 if rows % 2 == 0 else 1
+    two_halves = {**one_piece, "train_micro_batch_size_per_gpu": halves, "gradient_accumulation_steps": rows // halves}
     with _progress("reference x1") as progress:
         task = progress.add_task("ref", total=2 * spec.steps, stats="", visible=show_progress)
 
         def on_step(step: int, loss: float) -> None:
             progress.update(task, advance=1, stats=f"loss {loss:.4f}")
 
-        losses = ts.reference.train(model, batches, spec.config, on_step=on_step)
-        ts.reference.train(control, batches, one_piece, on_step=on_step)
+        losses = ts.reference.train(model, batches, one_piece, on_step=on_step)
+        ts.reference.train(control, batches, two_halves, on_step=on_step)
     ours = [m["loss"] for m in result["metrics"]]
     return {
         "losses": losses,

@@ -1,0 +1,83 @@
+"""Matmul throughput swept over dtypes and shapes on this device, beside the published peaks.
+
+Answers OPT-6 (lesson 06, "What makes a matmul fast"): the same square matmul in each
+dtype, at sizes that are multiples of 64 and at odd sizes just beside them, timed as
+`tinyscale.mfu.measured_peak` times one (best of a few repeats: on a shared machine the
+slower repeats measure the neighbours), as FLOP/s = 2 m n k / seconds. On CUDA the fp32
+rows run twice, with TF32 off and on. The vendor peaks come from `tinyscale.mfu`'s table.
+
+    .venv/bin/python benchmarks/matmul_sweep.py [--device cuda] [--sizes 512 1024 2048]
+
+Tests: `pytest -k matmul_sweep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from tinyscale.mfu.peak import PEAK_TFLOPS, device_key
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """An (m x k) @ (k x n) product: m n k multiply-adds, 2 m n k FLOPs."""
+    return 2 * m * n * k
+
+
+def time_matmul(n: int, dtype: torch.dtype, device: torch.device, *, repeats: int = 5,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Best FLOP/s of an n x n x n matmul over `repeats` timed calls (after one warm-up)."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(repeats):
+        sync()
+        start = clock()
+        torch.mm(a, b)
+        sync()
+        best = max(best, matmul_flops(n, n, n) / max(clock() - start, 1e-12))
+    return best
+
+
+def sweep(sizes: list[int], dtypes: list[str], device: torch.device, repeats: int = 5) -> list[dict]:
+    """One row per (dtype, size): the aligned size and the odd sizes n - 1 and n + 1."""
+    rows = []
+    for name in dtypes:
+        tf32 = name == "tf32"
+        dtype = torch.float32 if tf32 else getattr(torch, name)
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        for n in sizes:
+            for size in (n - 1, n, n + 1):
+                rows.append({"dtype": name, "n": size, "aligned": size % 64 == 0,
+                             "flops": time_matmul(size, dtype, device, repeats=repeats)})
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtypes = ["float64", "float32", "bfloat16"] + (["tf32", "float16"] if device.type == "cuda" else [])
+    rows = sweep(args.sizes, dtypes, device, args.repeats)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    key = device_key(name) if device.type == "cuda" else None
+    print(f"device: {name}; published dense peaks (TFLOP/s): {PEAK_TFLOPS.get(key, 'none for a CPU')}")
+    print(f"{'dtype':9s} {'n':>6s} {'aligned':>8s} {'TFLOP/s':>9s}")
+    for r in rows:
+        print(f"{r['dtype']:9s} {r['n']:6d} {str(r['aligned']):>8s} {r['flops'] / 1e12:9.4f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

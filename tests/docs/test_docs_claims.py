@@ -176,3 +176,11 @@ def test_docs_claims_fail_on_a_pytorch_comparison_no_test_makes(fake):
     _edit(fake / "docs/index.md", "one: GradScaler.", "one: GradScaler, the PowerSGD hook.")
     assert claims.check_pytorch_comparisons(fake) == [
         "docs/index.md claims a comparison with PowerSGD; no test uses powerSGD_hook"]
+
+
+def test_docs_claims_allow_a_build_output_only_where_gitignore_names_it(fake):
+    # `make docs` creates docs/assets/vendor/; a clean checkout (where `make test` runs) lacks it
+    _edit(fake / "lessons/00-setup.md", "`src/real.py`", "`src/real.py` and `docs/assets/vendor/`")
+    assert claims.check_paths(fake) == ["docs/assets/vendor/ does not exist (mentioned in lessons/00-setup.md)"]
+    (fake / ".gitignore").write_text("__pycache__/\ndocs/assets/vendor/\n")
+    assert claims.check_paths(fake) == []

@@ -19,11 +19,11 @@ same names; the exact step indexing is ours and stated here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
-from tinyscale.config import EngineConfig, OptimizerConfig
+from tinyscale.config import ConfigError, EngineConfig, OptimizerConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
@@ -66,3 +66,59 @@ def lr_at(step: int, config: EngineConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+# --8<-- [start:custom-optimizer]
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def optimizer_factory(config: EngineConfig, optimizer: OptimizerFactory | None = None) -> OptimizerFactory:
+    """What builds the optimizer over a list of parameter groups: the config's `optimizer`
+    section, or the caller's own (`ts.initialize(..., optimizer=...)`): a `torch.optim.Optimizer`
+    subclass (built with its defaults) or any callable `groups -> Optimizer` (e.g.
+    `functools.partial(Lion, lr=3e-4)`). The engine calls it once per rank; under ZeRO over
+    this rank's flat pieces of the parameters, under mixed precision over fp32 masters.
+
+    The contract a custom optimizer keeps (torch's own optimizers all do):
+    - it steps only parameters whose `.grad` is not None (a parameter no rank used is skipped);
+    - `param_groups[i]["lr"]` is its learning rate, read at every step (a config `scheduler`
+      writes it before each step);
+    - its state lives in `optimizer.state[param]` (checkpoints save it by parameter name);
+    - under ZeRO stages 1-3 its update is elementwise: an element's new value depends only on
+      that element's gradient, state and the group's hyperparameters, because each rank
+      steps 1-D pieces of parameters. SGD, Adam(W), Lion, Adagrad and RMSprop are; LAMB and
+      LARS (a trust ratio from the whole tensor's norm), Adafactor (factored row/column
+      moments), Shampoo and Muon (whole-matrix preconditioners) are not, and would silently
+      compute something else on pieces. A state tensor not shaped like its piece is refused
+      (`check_elementwise_state`); a per-tensor norm cannot be detected, so it is on you.
+    """
+    if optimizer is None:
+        return lambda groups: build_optimizer(groups, config.optimizer)
+    if "optimizer" in config.model_fields_set:
+        raise ConfigError("config field 'optimizer' and initialize(optimizer=...) are both given: the "
+                          "optimizer is built from one of them; remove the config's 'optimizer' section")
+    if not callable(optimizer):
+        raise TypeError(f"initialize(optimizer=...) takes a torch.optim.Optimizer subclass or a callable "
+                        f"groups -> Optimizer, got {type(optimizer).__name__}")
+
+    def make(groups: list) -> torch.optim.Optimizer:
+        built = optimizer(groups)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"initialize(optimizer=...): {optimizer!r} returned {type(built).__name__}, "
+                            "not a torch.optim.Optimizer")
+        return built
+    return make
+
+
+def check_elementwise_state(optimizer: torch.optim.Optimizer) -> None:
+    """Under ZeRO each state tensor must be shaped like the piece it belongs to (or be a
+    0-d scalar such as Adam's `step`); anything else cannot be sharded, saved or resumed."""
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
+                raise ValueError(
+                    f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for a parameter "
+                    f"piece of shape {tuple(p.shape)}: ZeRO shards optimizer state elementwise, so it needs an "
+                    "optimizer whose update is elementwise (see tinyscale.optim.optimizer_factory); use "
+                    "zero_optimization.stage 0 for this optimizer")
+# --8<-- [end:custom-optimizer]

@@ -28,7 +28,7 @@ import torch
 
 from tinyscale.config import EngineConfig
 from tinyscale.data import micro_batches
-from tinyscale.optim import build_optimizer, lr_at, set_lr
+from tinyscale.optim import OptimizerFactory, lr_at, optimizer_factory, set_lr
 
 Batch = Sequence[torch.Tensor]
 
@@ -47,7 +47,7 @@ def _micro_batch_size(config: EngineConfig, rows: int) -> int:
 
 # --8<-- [start:train-step]
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
-               config: EngineConfig, step: int) -> float:
+               config: EngineConfig, step: int, schedule_lr: bool = True) -> float:
     """One optimizer step on one global batch; returns its mean loss."""
     device = next(model.parameters()).device
     batch = tuple(t.to(device) for t in batch)
@@ -63,7 +63,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if config.gradient_clipping > 0:
         torch.nn.utils.clip_grad_norm_(params, config.gradient_clipping)
-    set_lr(optimizer, lr_at(step, config))
+    if schedule_lr:  # False: a caller's own optimizer with no config scheduler keeps its lr
+        set_lr(optimizer, lr_at(step, config))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return mean_loss
@@ -72,22 +73,25 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 def train(model: torch.nn.Module, batches: Iterable[Batch], config,
           on_step: Callable[[int, float], None] | None = None,
-          param_groups: Callable[[torch.nn.Module], list[dict]] | None = None) -> list[float]:
+          param_groups: Callable[[torch.nn.Module], list[dict]] | None = None,
+          optimizer: OptimizerFactory | None = None) -> list[float]:
     """Train `model` in this process on each global batch in turn; return the per-step losses.
 
     `config` is a dict, a path to a .json/.yaml file, or an `EngineConfig`; `on_step(step,
     loss)` is called after every step (progress bars use it); `param_groups(model)` may
-    return torch-style parameter groups with their own hyperparameters.
+    return torch-style parameter groups with their own hyperparameters; `optimizer` is a
+    caller's own optimizer, as `ts.initialize` takes it (`tinyscale.optim.optimizer_factory`).
     """
     config = EngineConfig.load(config)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("reference.train: the model has no parameter that requires grad")
-    optimizer = build_optimizer(param_groups(model) if param_groups is not None else params, config.optimizer)
+    schedule_lr = optimizer is None or config.scheduler is not None
+    optimizer = optimizer_factory(config, optimizer)(param_groups(model) if param_groups is not None else params)
     model.train()
     losses = []
     for step, batch in enumerate(batches):
-        losses.append(train_step(model, optimizer, batch, config, step))
+        losses.append(train_step(model, optimizer, batch, config, step, schedule_lr))
         if on_step is not None:
             on_step(step, losses[-1])
     return losses

@@ -61,7 +61,7 @@ from tinyscale.engine import checkpoint
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
-from tinyscale.optim import build_optimizer, lr_at, set_lr
+from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 from tinyscale.zero.stage3 import Wrap
@@ -98,9 +98,13 @@ class Engine:
     """Trains `model` with the configured strategy; see the module docstring for one step."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, mesh: ParallelMesh | None = None,
-                 param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None, peak_flops: float | None = None):
+                 param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None, peak_flops: float | None = None,
+                 optimizer: OptimizerFactory | None = None):
         check_supported(config)
         self.config = config
+        make = optimizer_factory(config, optimizer)  # the config's optimizer, or the caller's own
+        # A caller's optimizer keeps its own learning rate unless the config has a schedule.
+        self._schedules_lr = optimizer is None or config.scheduler is not None
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1 and mesh is None:
             mesh = ParallelMesh(dp=world)
@@ -136,10 +140,10 @@ class Engine:
             if zero.stage == 0:
                 if self.compute_dtype is not None:
                     self.optimizer = MixedPrecisionOptimizer(
-                        groups, lambda g: build_optimizer(g, config.optimizer), dtype=self.compute_dtype,
+                        groups, make, dtype=self.compute_dtype,
                         loss_scaler=self.loss_scaler, process_group=self.dp_group)  # rounds frozen ones too
                 else:
-                    self.optimizer = build_optimizer(groups, config.optimizer)
+                    self.optimizer = make(groups)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
                 if self.dp_size > 1:
                     self.ddp = BucketedDDP(self.model, process_group=self.dp_group,
@@ -149,7 +153,6 @@ class Engine:
                 # (stage 3: of the parameters too, and hooks on the model that gather them).
                 if self.dp_size > 1:
                     broadcast_parameters(self.model, self.dp_group)
-                make = lambda groups: build_optimizer(groups, config.optimizer)  # noqa: E731
                 off = {"offload_optimizer": zero.offload_optimizer.device, "param_dtype": self.compute_dtype,
                        "loss_scaler": self.loss_scaler}
                 if zero.stage == 1:  # reduce-scatters in units of at most reduce_bucket_size
@@ -262,21 +265,27 @@ class Engine:
             raise FloatingPointError(f"train_batch: the loss at step {self.step} is {mean_loss}; training diverged "
                                      "(the step was dropped on every rank)")
         self._before_step_report = self.memory_report()  # the step's peak of model states
-        lr = lr_at(self.step - self.skipped_steps, self.config)  # a skipped step does not advance the schedule
+        # a skipped step does not advance the schedule
+        lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None
         skipped = False
         try:
             with phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
                 if self.zero is not None:
-                    self.zero.set_lr(lr)
+                    if lr is not None:
+                        self.zero.set_lr(lr)
                     skipped = self.zero.step(max_norm=self.config.gradient_clipping, used=used)
+                    if self.step == self.skipped_steps:  # the first step taken: the states now exist
+                        check_elementwise_state(self.optimizer)
                 elif self.compute_dtype is not None:
-                    set_lr(self.optimizer, lr)
+                    if lr is not None:
+                        set_lr(self.optimizer, lr)
                     skipped = self.optimizer.step(max_norm=self.config.gradient_clipping)
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
                     if self.config.gradient_clipping > 0:
                         torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
-                    set_lr(self.optimizer, lr)
+                    if lr is not None:
+                        set_lr(self.optimizer, lr)
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
         except Exception as exc:
@@ -435,7 +444,7 @@ class Engine:
 
 def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = None,
                param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None,
-               peak_flops: float | None = None) -> Engine:
+               peak_flops: float | None = None, optimizer: OptimizerFactory | None = None) -> Engine:
     """Wrap `model` in an `Engine` for `config` (dict, .json/.yaml path or EngineConfig).
 
     Call on every rank (inside `tinyscale.dist.launch` or torchrun), or in a plain process.
@@ -445,7 +454,9 @@ def initialize(model: torch.nn.Module, config, *, mesh: ParallelMesh | None = No
     the modules that become units (names, or a predicate on (name, module)); default: every
     element of every nn.ModuleList (see `tinyscale.zero.stage3`). `peak_flops`: one device's
     peak FLOP/s for MFU in `engine.last_step` (default: the vendor table on CUDA; see
-    `tinyscale.engine.throughput`).
+    `tinyscale.engine.throughput`). `optimizer`: your own optimizer instead of the config's
+    `optimizer` section: a `torch.optim.Optimizer` subclass or a callable `groups -> Optimizer`;
+    the contract it keeps is in `tinyscale.optim.optimizer_factory`.
     """
     return Engine(model, EngineConfig.load(config), mesh=mesh, param_groups=param_groups, zero3_wrap=zero3_wrap,
-                  peak_flops=peak_flops)
+                  peak_flops=peak_flops, optimizer=optimizer)

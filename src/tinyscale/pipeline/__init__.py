@@ -1,0 +1,24 @@
+"""Pipeline parallelism: stage partitioning, schedules as data, a simulator and a renderer.
+
+- `schedules.py`: AFAB (GPipe), 1F1B, interleaved 1F1B and ZB-H1 as pure functions returning
+  each rank's list of `Action`s, and `add_communication`, the one lowering pass adding sends
+  and receives.
+- `simulator.py`: runs any lowered schedule on unit or given costs; checks dependencies,
+  detects deadlock, measures makespan, bubble fraction and peak in-flight micro-batches.
+- `render.py`: a schedule as a text table or a matplotlib Gantt chart.
+- `partition.py`: which GPT layers go to which stage (and chunk).
+
+The tests: `pytest tests/pipeline` (keys pp_simulator, pp_afab, pp_1f1b, pp_interleaved,
+pp_zero_bubble, pp_partition).
+"""
+
+from tinyscale.pipeline.schedules import (
+    Action,
+    add_communication,
+    afab,
+    format_schedule,
+    interleaved_1f1b,
+    one_f_one_b,
+    stage_ranks,
+    zb_h1,
+)

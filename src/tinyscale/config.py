@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, field_validator,
+                      model_validator)
 
 
 class ConfigError(ValueError):
@@ -34,16 +35,30 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-PositiveInt = Annotated[int, Field(gt=0)]
+def _a_number(value: Any) -> Any:
+    # Strict types: JSON's `true` or `"8"` where a number belongs is a mistake, not a 1 or an 8.
+    # An int where a float belongs is plain JSON (`"lr": 1`) and stays accepted, and so does an
+    # integral float where an int belongs (`"reduce_bucket_size": 5e8`, as DeepSpeed's configs write it).
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not the boolean {value!r}")
+    if isinstance(value, str):
+        raise ValueError(f"must be a number, not the string {value!r}; write the number without quotes")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_a_number)]
+Float = Annotated[float, BeforeValidator(_a_number)]
+Bool = Annotated[bool, Strict()]  # only true/false: not 1, not "yes"
+PositiveInt = Annotated[Int, Field(gt=0)]
 
 
 class OptimizerParams(_Section):
-    lr: float = Field(1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    momentum: float = Field(0.0, ge=0, lt=1)  # SGD only
-    nesterov: bool = False  # SGD only
+    lr: Float = Field(1e-3, gt=0)
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(1e-8, gt=0)
+    weight_decay: Float = Field(0.0, ge=0)
+    momentum: Float = Field(0.0, ge=0, lt=1)  # SGD only
+    nesterov: Bool = False  # SGD only
 
     @field_validator("betas")
     @classmethod
@@ -78,12 +93,12 @@ class SchedulerParams(_Section):
     then hold (WarmupLR), decay linearly to 0 (WarmupDecayLR) or follow a cosine down to
     ``cos_min_ratio`` x the peak (WarmupCosineLR) at ``total_num_steps``."""
 
-    warmup_min_lr: float = Field(0.0, ge=0)
-    warmup_max_lr: float | None = Field(None, gt=0)
-    warmup_num_steps: int = Field(0, ge=0)
+    warmup_min_lr: Float = Field(0.0, ge=0)
+    warmup_max_lr: Float | None = Field(None, gt=0)
+    warmup_num_steps: Int = Field(0, ge=0)
     warmup_type: Literal["linear", "log"] = "linear"
     total_num_steps: PositiveInt | None = None
-    cos_min_ratio: float = Field(0.0, ge=0, le=1)
+    cos_min_ratio: Float = Field(0.0, ge=0, le=1)
 
 
 class SchedulerConfig(_Section):
@@ -107,13 +122,13 @@ class SchedulerConfig(_Section):
 class OffloadConfig(_Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: Bool = False
 
 
 class ZeroConfig(_Section):
-    stage: int = Field(0, ge=0, le=3)
+    stage: Int = Field(0, ge=0, le=3)
     reduce_bucket_size: PositiveInt = 500_000_000  # elements per gradient bucket (DeepSpeed's unit)
-    overlap_comm: bool = True
+    overlap_comm: Bool = True
     offload_optimizer: OffloadConfig = OffloadConfig()
     offload_param: OffloadConfig = OffloadConfig()
 
@@ -136,16 +151,16 @@ class ZeroConfig(_Section):
 
 
 class Fp16Config(_Section):
-    enabled: bool = False
-    loss_scale: float = Field(0.0, ge=0)  # 0 = dynamic
-    initial_scale_power: int = Field(16, ge=0, le=64)
+    enabled: Bool = False
+    loss_scale: Float = Field(0.0, ge=0)  # 0 = dynamic
+    initial_scale_power: Int = Field(16, ge=0, le=64)
     loss_scale_window: PositiveInt = 1000
     hysteresis: PositiveInt = 2
-    min_loss_scale: float = Field(1.0, gt=0)
+    min_loss_scale: Float = Field(1.0, gt=0)
 
 
 class Bf16Config(_Section):
-    enabled: bool = False
+    enabled: Bool = False
 
 
 class ActivationCheckpointingConfig(_Section):
@@ -154,7 +169,7 @@ class ActivationCheckpointingConfig(_Section):
 
     policy: Literal["none", "full", "every_k", "selective", "offload"] = "none"
     every_k: PositiveInt | None = None  # policy "every_k": checkpoint every k-th block
-    use_reentrant: bool = False
+    use_reentrant: Bool = False
 
     @model_validator(mode="after")
     def _every_k_with_its_policy(self):
@@ -168,7 +183,7 @@ class ParallelConfig(_Section):
     tensor: PositiveInt = 1
     pipeline: PositiveInt = 1
     context: PositiveInt = 1
-    sequence_parallel: bool = False
+    sequence_parallel: Bool = False
     pipeline_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
     virtual_stages: PositiveInt = 1
     context_algorithm: Literal["ring", "ulysses"] = "ring"
@@ -190,12 +205,12 @@ class EngineConfig(_Section):
     gradient_accumulation_steps: PositiveInt | None = None
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig | None = None
-    gradient_clipping: float = Field(0.0, ge=0)  # max global gradient norm; 0 = off
+    gradient_clipping: Float = Field(0.0, ge=0)  # max global gradient norm; 0 = off
     zero_optimization: ZeroConfig = ZeroConfig()
     fp16: Fp16Config = Fp16Config()
     bf16: Bf16Config = Bf16Config()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
-    wall_clock_breakdown: bool = False  # profile every step (engine.profiler; tinyscale.mfu)
+    wall_clock_breakdown: Bool = False  # profile every step (engine.profiler; tinyscale.mfu)
     parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
@@ -256,16 +271,39 @@ class EngineConfig(_Section):
 
 
 def _read_file(path: Path) -> dict:
+    """The dict a .json/.yaml file holds; every failure is a `ConfigError` naming the file (and,
+    for a syntax error, the line and column the parser stopped at)."""
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give the path of a .json or .yaml file in it")
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        raise ConfigError(f"config file {path}: use a .json, .yaml or .yml file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
     if path.suffix == ".json":
-        return json.loads(text)
-    if path.suffix in (".yaml", ".yml"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path}, line {exc.lineno}, column {exc.colno}: invalid JSON: "
+                              f"{exc.msg}") from None
+    else:
         import yaml
 
-        return yaml.safe_load(text) or {}
-    raise ConfigError(f"config file {path}: use a .json, .yaml or .yml file")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(f"config file {path}{where}: invalid YAML: {problem}") from None
+        data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a mapping of config keys "
+                          "(e.g. {\"train_batch_size\": 8})")
+    return data
 
 
 def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -291,5 +329,6 @@ def _explain(err: ValidationError, raw: dict) -> str:
             lines.append(f"config field '{where}': unknown key{fix}")
         else:
             got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-            lines.append(f"config field '{where}': {e['msg']}{got}")
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"config field '{where}': {msg}{got}")
     return "invalid config:\n  " + "\n  ".join(lines)

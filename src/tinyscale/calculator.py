@@ -1,0 +1,129 @@
+"""The memory calculator: per-GPU bytes by category and communication per step, for one layout.
+
+The site's calculator (docs/calculator.md) runs `docs/assets/calculator.js`, a line-by-line
+port of `estimate` below; `pytest -k calculator` checks that the two agree on a grid of
+inputs (in node, and in the built page in Chromium). Pure arithmetic on top of two topics'
+formulas, composed here as `tinyscale estimate` composes them:
+
+    model states   tinyscale.zero.estimate.model_state_bytes (ZeRO's section 5)
+    activations    tinyscale.checkpointing.formula.block_saved_bytes (our block, per policy)
+    dp comm        tinyscale.zero.estimate.comm_bytes_per_rank (ring collectives, section 7)
+
+Tensor, pipeline and context parallelism are not built yet: their parts are the standard
+formulas (formula only, topic planned; `PLANNED` names them), checked by no measurement:
+    parameters per rank    Psi / (tp pp)            Megatron-LM: each rank holds 1/tp of every
+                                                    matrix of its pp stage (norms, embedding: even)
+    ZeRO's N_d             dp cp                    cp ranks hold the same parameters, so ZeRO
+                                                    shards over them too (Megatron, DeepSpeed-Ulysses)
+    activations            ceil(L/pp) x in-flight x A / (tp cp)
+        A = block_saved_bytes(b, s, policy); sequence parallel splits every activation over tp
+        (Korthikanti et al. 2022, section 4.2.2), cp splits the tokens; in-flight micro-batches
+        are 1 without pp, min(pp, m) on 1F1B's first stage. Backward of one block brings its
+        full activations back (recomputed or fetched from the host): + (A_none - A) / (tp cp).
+    tp comm   per layer, per micro-batch: 4 all-reduces of (s/cp) b h elements (6 when "full"
+              recomputes the forward), ring: 2 (tp-1)/tp of that each, at activation bytes
+    pp comm   per micro-batch: one activation sent forward, one gradient back: 2 (s/cp) b h p
+    cp comm   ring attention, per layer, per micro-batch: K and V chunks passed cp-1 times
+              forward, K, V, dK, dV backward (and K, V again when "full" recomputes):
+              (2 + 4 [+ 2]) (cp-1) (s/cp) b (kv/tp) p
+Not counted: the embedding, final norm, logits and loss activations, temporary buffers
+(gradient buckets, stage 3's gathered parameters), allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tinyscale.checkpointing.formula import block_saved_bytes
+from tinyscale.models.config import PRESETS, GPTConfig
+from tinyscale.zero.estimate import comm_bytes_per_rank, model_state_bytes
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OPTIMIZERS = ("adamw", "sgd_momentum", "sgd")
+POLICIES = ("none", "full", "selective", "offload")
+STATES_PER_PARAM = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}  # momentum, variance
+PLANNED = ("tp", "pp", "cp")  # formula only: the topics are not built yet
+SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden", "tie_embeddings",
+                "dropout", "attn_impl")
+DEFAULTS = dict(model="gpt2-124m", dtype="bf16", optimizer="adamw", dp=8, tp=1, pp=1, cp=1,
+                zero_stage=1, offload="none", offload_params="none", micro_batch=4, seq_len=1024,
+                num_microbatches=1, checkpointing="none")
+
+
+def model_config(inputs: dict) -> GPTConfig:
+    """The GPT the inputs name: a preset, or "custom" with the shape fields given."""
+    name = inputs["model"]
+    if name == "custom":
+        shape = {k: inputs[k] for k in SHAPE_FIELDS if inputs.get(k) is not None}
+        return GPTConfig(max_seq_len=max(1, int(inputs["seq_len"])), **shape)
+    return GPTConfig.preset(name)
+
+
+def _int_at_least(inputs: dict, field: str, low: int) -> int:
+    value = inputs[field]
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{field}={value!r}: give an int >= {low}")
+    return value
+
+
+def _bytes_per_element(dtype: str, optimizer: str) -> dict[str, float]:
+    """ZeRO's 2 + 2 + K: mixed precision keeps fp32 master weights (4) in the optimizer's K."""
+    states = 4 * STATES_PER_PARAM[optimizer]  # fp32 momentum / variance
+    if dtype == "fp32":
+        return dict(param_bytes=4, grad_bytes=4, optimizer_bytes=states, master_bytes=0)
+    return dict(param_bytes=2, grad_bytes=2, optimizer_bytes=4 + states, master_bytes=4)
+
+
+def _add(values) -> float:
+    """Left to right, as JavaScript adds (Python 3.12's sum() compensates rounding; JS does not)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
+
+
+def estimate(inputs: dict) -> dict:
+    """Per-GPU bytes (device, host, disk) by category and bytes sent per step, by kind."""
+    x = {**DEFAULTS, **inputs}
+    for field, allowed in (("dtype", DTYPES), ("optimizer", OPTIMIZERS), ("checkpointing", POLICIES)):
+        if x[field] not in allowed:
+            raise ValueError(f"{field}={x[field]!r}: use one of {tuple(allowed)}")
+    dp, tp, pp, cp = (_int_at_least(x, k, 1) for k in ("dp", "tp", "pp", "cp"))
+    b, s, m = (_int_at_least(x, k, 1) for k in ("micro_batch", "seq_len", "num_microbatches"))
+    cfg = model_config(x)
+    if cfg.n_head % tp or cfg.kv_heads % tp:
+        raise ValueError(f"tp={tp}: it must divide n_head={cfg.n_head} and the K/V heads={cfg.kv_heads}")
+    if pp > cfg.n_layer:
+        raise ValueError(f"pp={pp}: at most n_layer={cfg.n_layer} stages (one layer each)")
+    if s % cp:
+        raise ValueError(f"cp={cp}: it must divide seq_len={s} (each cp rank takes s/cp tokens)")
+    num_params = cfg.num_params()
+    per_element = _bytes_per_element(x["dtype"], x["optimizer"])
+    states = model_state_bytes(num_params / (tp * pp), dp * cp, x["zero_stage"], offload=x["offload"],
+                               offload_params=x["offload_params"], **per_element)
+    dtype, policy, p = DTYPES[x["dtype"]], x["checkpointing"], 2 if x["dtype"] != "fp32" else 4
+    kept = block_saved_bytes(cfg, b, s, dtype, policy)
+    full = block_saved_bytes(cfg, b, s, dtype, "none")
+    layers = math.ceil(cfg.n_layer / pp)
+    in_flight = 1 if pp == 1 else min(pp, m)
+    activations = (layers * in_flight * kept + (full - kept)) / (tp * cp)
+    places = {}
+    for loc in ("device", "host", "disk"):
+        row = {k: getattr(getattr(states, loc), k)
+               for k in ("parameters", "gradients", "master_weights", "optimizer_states")}
+        row["activations"] = activations if loc == "device" else 0.0
+        row["total"] = _add(row.values())
+        places[loc] = row
+    tokens = s / cp * b  # tokens per rank per micro-batch
+    recompute = policy == "full"
+    comm = {
+        "dp": comm_bytes_per_rank(num_params / (tp * pp), x["zero_stage"], dp * cp,
+                                  per_element["grad_bytes"], num_microbatches=m),
+        "tp": (6 if recompute else 4) * 2 * (tp - 1) / tp * tokens * cfg.d_model * p * layers * m,
+        "pp": 0.0 if pp == 1 else 2 * tokens * cfg.d_model * p * m,
+        "cp": (8 if recompute else 6) * (cp - 1) * tokens * cfg.kv_dim / tp * p * layers * m,
+    }
+    comm["total"] = _add(comm.values())
+    return {"num_params": num_params, "params_per_rank": num_params / (tp * pp), **places, "comm": comm}

@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or disk (nvme): ZeRO-Offload, stages 2 and 3")
     e.add_argument("--offload-params", choices=OFFLOAD_TARGETS, default="none",
                    help="the parameter shard to host memory or disk: ZeRO-Infinity, stage 3")
+    from tinyscale.course import quiz
+
+    quiz.add_parser(sub)
     return parser
 
 
@@ -314,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     args = build_parser().parse_args(argv)
     try:
-        return {"train": cmd_train, "info": cmd_info, "estimate": cmd_estimate}[args.command](args, console)
+        from tinyscale.course.quiz import cmd_quiz
+
+        commands = {"train": cmd_train, "info": cmd_info, "estimate": cmd_estimate, "quiz": cmd_quiz}
+        return commands[args.command](args, console)
     except ValueError as err:  # bad input: say what and how to fix it, no traceback
         console.print(f"[red]error:[/red] {err}")
         return 2

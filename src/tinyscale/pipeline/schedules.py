@@ -12,7 +12,7 @@ read like its: `0F3` is stage 0's forward of micro-batch 3.
 | `afab` | GPipe, Huang et al. 2019: all forwards, then all backwards | (p-1)/(m+p-1) |
 | `one_f_one_b` | PipeDream-Flush / Megatron (Narayanan et al. 2021, sec. 2.2.1) | (p-1)/(m+p-1) |
 | `interleaved_1f1b` | Megatron's interleaved schedule (Narayanan et al. 2021, sec. 2.2.2) | (p-1)/(v m+p-1) |
-| `zb_h1` | ZB-H1, Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", sec. 2.1) | (p-1)/(3m+p-1), F=B=W=1 |
+| `zb_h1` | ZB-H1, Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", sec. 2.1) | (p-1)/(3m+p-1), F=B=W=1, m>=p |
 
 Names: p = `num_stages` pipeline ranks, m = `num_microbatches`, v = `virtual_stages` (model
 chunks per rank). The model is cut into p*v stages; stage s lives on rank s % p as its chunk
@@ -106,7 +106,11 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int
     chunk 0, then the same p through chunk 1, ..., then the next p micro-batches; backwards
     walk the chunks in reverse. Rank r runs 2(p-r-1) + (v-1)p forwards before its first
     backward (capped at m v), then alternates, then drains. The rounds of p are why m must be
-    a multiple of p. The bubble shrinks v times, at v times the point-to-point messages."""
+    a multiple of p. The bubble shrinks v times, at v times the point-to-point messages.
+
+    With free communication p-r-1 warm-up forwards would give the same bubble with less
+    memory; the p-r-1 extra ones keep the rank busy while messages are in flight (try
+    `simulate(..., latency=...)` on both)."""
     _check_sizes(num_stages, num_microbatches)
     p, m, v = num_stages, num_microbatches, virtual_stages
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -147,7 +151,9 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     B starts as early as it can; each W is deferred by s micro-batches, W(i - s) right after
     B(i), and the deferred W's fill the cool-down, where 1F1B's stages wait. So every stage
     holds at most min(p, m) micro-batches (F done, W not yet), 1F1B's peak on stage 0, and
-    with F = B = W the bubble is (p-1)/(3m+p-1), a third of 1F1B's idle time."""
+    with F = B = W and m >= p the bubble is (p-1)/(3m+p-1): a third of the idle time of 1F1B
+    (whose backward is BW = B + W). With fewer micro-batches than stages there are too few W's
+    to fill the cool-down, and the bubble is larger, though still below 1F1B's."""
     _check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     schedule = []
@@ -171,11 +177,16 @@ def stage_ranks(schedule: Schedule) -> dict[int, int]:
     """Which rank runs each stage, read from where its compute actions are; a stage found on
     two ranks is an error (its weights live in one place)."""
     where: dict[int, int] = {}
+    first: dict[int, Action] = {}
     for rank, actions in enumerate(schedule):
         for action in actions:
-            if action.is_compute and where.setdefault(action.stage, rank) != rank:
-                raise ValueError(f"stage {action.stage} has actions on ranks {where[action.stage]} "
-                                 f"and {rank} ({action}): a stage's actions belong to one rank")
+            if not action.is_compute:
+                continue
+            if where.setdefault(action.stage, rank) != rank:
+                raise ValueError(f"stage {action.stage} has compute on rank {where[action.stage]} "
+                                 f"({first[action.stage]}) and on rank {rank} ({action}): "
+                                 "a stage's actions belong to one rank")
+            first.setdefault(action.stage, action)
     return where
 
 

@@ -149,7 +149,8 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
     import torch
     world_size = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
     spec = make_spec(args.preset, world_size=world_size, steps=args.steps, config=config,
-                     model=args.model, dtype=args.dtype, seed=args.seed)
+                     model=args.model, dtype=args.dtype, seed=args.seed, save_dir=args.save_dir,
+                     save_every=args.save_every, resume=args.resume)
     if not torch.cuda.is_available():  # a CPU has no vendor peak: measure one for MFU (~1 s)
         from tinyscale.mfu import measured_peak
         from tinyscale.train import DTYPES
@@ -293,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--run-dir", help="where to write metrics.jsonl, summary.json, loss.png")
     t.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
+    t.add_argument("--save-dir", help="checkpoint directory, written at the end (and every --save-every steps)")
+    t.add_argument("--save-every", type=int, default=0, help="also save every N steps (default: only at the end)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from --save-dir's checkpoint: its step, its next batch, its random state")
     t.add_argument("--timeout", type=float, default=3600, help="seconds before a stuck run is stopped")
     sub.add_parser("info", help="this machine, the backend tinyscale picks, and the corpus")
     e = sub.add_parser("estimate", help="ZeRO's model-state memory per device and communication per step")

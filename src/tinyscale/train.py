@@ -73,10 +73,14 @@ class TrainSpec:
     seed: int = 0
     show_progress: bool = True
     peak_flops: float | None = None  # one device's peak FLOP/s, for MFU (the CLI measures a CPU's)
+    save_dir: str | None = None  # checkpoint directory: written at the end and every save_every steps
+    save_every: int = 0
+    resume: bool = False  # continue from save_dir's checkpoint (its step, batch and random state)
 
 
 def make_spec(preset: str, *, world_size: int | None = None, steps: int = 20, config: dict | None = None,
-              model: str | None = None, dtype: str | None = None, seed: int = 0) -> TrainSpec:
+              model: str | None = None, dtype: str | None = None, seed: int = 0, save_dir: str | None = None,
+              save_every: int = 0, resume: bool = False) -> TrainSpec:
     """Validate everything before any process starts: preset, sizes, dtype and the config."""
     if preset not in PRESETS:
         raise ValueError(f"--preset {preset!r} is unknown; choose one of {sorted(PRESETS)}")
@@ -94,7 +98,25 @@ def make_spec(preset: str, *, world_size: int | None = None, steps: int = 20, co
     ts.engine.engine.check_supported(engine_config)
     engine_config.batch(world_size)  # the batch identity must hold for this world size
     GPTConfig.preset(model or p["model"])
-    return TrainSpec(preset, world_size, steps, config, model or p["model"], dtype, seed)
+    if save_every < 0 or (save_every or resume) and not save_dir:
+        raise ValueError("--save-every and --resume need --save-dir (and --save-every must be positive)")
+    if resume:
+        _check_resumable(save_dir, seed, steps)
+    return TrainSpec(preset, world_size, steps, config, model or p["model"], dtype, seed,
+                     save_dir=save_dir, save_every=save_every, resume=resume)
+
+
+def _check_resumable(save_dir: str, seed: int, steps: int) -> None:
+    """The checkpoint's data position must lie inside this run's batches (meta.json only)."""
+    from tinyscale.engine.checkpoint_io import live_version, read_meta
+
+    client = read_meta(live_version(save_dir)).get("client_state", {})
+    if client.get("seed") != seed:
+        raise ValueError(f"--resume: {save_dir} was written by a run with --seed {client.get('seed')}, this one has "
+                         f"--seed {seed}: its batches would differ; pass --seed {client.get('seed')}")
+    if client.get("data_position", 0) >= steps:
+        raise ValueError(f"--resume: {save_dir} is at batch {client.get('data_position')}, and --steps {steps} "
+                         "leaves nothing to train: pass a larger --steps")
 
 
 def build(spec: TrainSpec) -> tuple[GPT, list]:
@@ -118,6 +140,9 @@ def train_rank(spec: TrainSpec) -> dict | None:
     model, batches = build(spec)
     num_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 shards them
     engine = ts.initialize(model, spec.config, peak_flops=spec.peak_flops)
+    # The data position: batch i is the same in every run with this seed (sample_batches), so
+    # a resumed run continues at the saved index; the checkpoint restores the random state.
+    start = engine.load_checkpoint(spec.save_dir)["data_position"] if spec.resume else 0
     rank = ts.dist.rank()
     tokens_per_step = batches[0][0].numel()
     metrics = []
@@ -125,9 +150,9 @@ def train_rank(spec: TrainSpec) -> dict | None:
     show = spec.show_progress and rank == 0
     if show:
         progress.start()
-    task = progress.add_task("train", total=spec.steps, stats="")
+    task = progress.add_task("train", total=spec.steps, stats="", completed=start)
     try:
-        for step, batch in enumerate(batches):
+        for step, batch in enumerate(batches[start:], start):
             start = time.perf_counter()
             loss = engine.train_batch(batch)
             seconds = time.perf_counter() - start
@@ -138,6 +163,8 @@ def train_rank(spec: TrainSpec) -> dict | None:
             metrics.append(row)
             progress.update(task, advance=1, stats=f"loss {loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                                                    f"{seconds * 1e3:.0f} ms/step")
+            if spec.save_dir and (step + 1 == spec.steps or spec.save_every and (step + 1) % spec.save_every == 0):
+                engine.save_checkpoint(spec.save_dir, client_state={"data_position": step + 1, "seed": spec.seed})
     finally:
         if show:
             progress.stop()
@@ -185,6 +212,7 @@ def compare_with_reference(spec: TrainSpec, result: dict, show_progress: bool = 
         losses = ts.reference.train(model, batches, one_piece, on_step=on_step)
         ts.reference.train(control, batches, two_halves, on_step=on_step)
     ours = [m["loss"] for m in result["metrics"]]
+    losses = losses[result["metrics"][0]["step"]:]  # a resumed run's metrics start at its first step
     return {
         "losses": losses,
         "max_loss_diff": max(abs(a - b) for a, b in zip(ours, losses)),

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import tinyscale as ts
 from tinyscale.data import synthetic_regression_batches
-from tinyscale.engine import checkpoint
+from tinyscale.engine import checkpoint, checkpoint_io
 from tinyscale.models import TinyMLP
 from tinyscale.testing import assert_state_dicts_close, run_on_ranks
 
@@ -113,7 +113,7 @@ def test_checkpoint_interrupted_write_keeps_the_previous_one(tmp_path, monkeypat
 def test_checkpoint_corruption_and_mismatch_are_clear_errors(tmp_path):
     engine = ts.initialize(TinyMLP(seed=0), CONFIG)
     engine.save_checkpoint(tmp_path / "ckpt")
-    with open(tmp_path / "ckpt" / "model.pt", "r+b") as f:
+    with open(checkpoint_io.live_version(tmp_path / "ckpt") / "model.pt", "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xfe")
     with pytest.raises(ValueError, match="model.pt is corrupt"):

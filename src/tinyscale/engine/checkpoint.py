@@ -1,41 +1,38 @@
-"""Saving and resuming training: atomic writes, checksums, and a layout-free format.
+"""What a training checkpoint holds, in a layout-free form, and the checks on loading it.
 
-A checkpoint is a directory:
+A checkpoint's live version (`tinyscale.engine.checkpoint_io`: versions, fsync, an atomic
+pointer; checksums on load) holds:
 
-    path/model.pt       full parameters and buffers, keyed like model.state_dict()
-    path/optimizer.pt   per-parameter optimizer state keyed by parameter NAME, plus hyperparameters
-    path/meta.json      engine step, world layout it was written from, SHA-256 of the two files
+    model.pt       full parameters and buffers, keyed like model.state_dict()
+    optimizer.pt   per-parameter optimizer state keyed by parameter NAME, hyperparameters,
+                   mixed precision's fp32 masters and the loss scaler's state
+    rng.pt         every rank's random number generators (torch CPU, CUDA where present,
+                   Python's `random`, numpy's), keyed by rank: dropout draws resume exactly
+    meta.json      step, skipped steps (the LR schedule's position), the config, the
+                   optimizer's class, the caller's `client_state` (the CLI's data position),
+                   the world it was written from, and the files' SHA-256
 
 Keys are parameter names, never positions or shard indices, so a checkpoint written by one
 layout (2 data-parallel ranks) loads into another (3 ranks, or one process): the format
 knows nothing of how the state was split. Strategies that shard state gather it into this
-form on save and cut their own shards from it on load.
-
-Writes are atomic: everything goes into a temporary sibling directory that is renamed
-into place only when complete, so an interrupted save leaves the previous checkpoint
-intact. Loads verify the checksums before touching the model.
+form on save and cut their own shards from it on load. Random states are per rank, so they
+are the one part that depends on the layout: see `restore_rng`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
-import tempfile
+import random
+import sys
 from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 1
+from tinyscale.engine import checkpoint_io
+from tinyscale.engine.checkpoint_io import CheckpointError, CheckpointNotFound
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+__all__ = ["CheckpointError", "CheckpointNotFound", "check_compatible", "config_changes", "read", "restore_rng",
+           "rng_state", "write"]
 
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) -> dict:
@@ -54,7 +51,7 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, saved: dict,
     ours = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     theirs = [g["params"] for g in saved["param_groups"]]
     if ours != theirs:
-        raise ValueError(
+        raise CheckpointError(
             "load_checkpoint: the checkpoint's optimizer covers different parameters than this "
             f"engine's (saved groups {theirs}, here {ours}); was it written for another model, or "
             "with other parameters frozen?"
@@ -67,44 +64,113 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, saved: dict,
     })
 
 
-def write(path: str | os.PathLike, model_state: dict, optimizer_state: dict, meta: dict) -> None:
-    """Write a checkpoint directory atomically (call on one rank)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        torch.save(model_state, tmp / "model.pt")
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        meta = {**meta, "format_version": FORMAT_VERSION,
-                "sha256": {name: _sha256(tmp / name) for name in ("model.pt", "optimizer.pt")}}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        # Swap in: the old checkpoint survives until the new one is complete.
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+# --8<-- [start:rng]
+def rng_state(device: torch.device) -> dict:
+    """This process's random generators: what dropout (and a user's own draws) will draw next."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    np = sys.modules.get("numpy")  # only if something imported it; saved as tensors (weights_only)
+    if np is not None:
+        kind, key, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"kind": kind, "key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    return state
 
 
-def read(path: str | os.PathLike) -> tuple[dict, dict, dict]:
-    """Read and verify a checkpoint directory: (model_state, optimizer_state, meta)."""
-    path = Path(path)
-    meta_path = path / "meta.json"
-    if not meta_path.exists():
-        raise FileNotFoundError(f"load_checkpoint: {path} is not a checkpoint (no meta.json)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"load_checkpoint: {path} has format {meta.get('format_version')}, "
-                         f"this tinyscale reads {FORMAT_VERSION}")
-    for name, digest in meta["sha256"].items():
-        actual = _sha256(path / name)
-        if actual != digest:
-            raise ValueError(f"load_checkpoint: {path / name} is corrupt (SHA-256 {actual[:12]}..., "
-                             f"expected {digest[:12]}...); restore it or use an earlier checkpoint")
-    model_state = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
-    optimizer_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    return model_state, optimizer_state, meta
+def _set_rng(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        s = state["numpy"]
+        np.random.set_state((s["kind"], s["key"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["gauss"]))
+
+
+def restore_rng(saved: dict | None, rank: int, world_size: int, device: torch.device) -> str | None:
+    """Set this rank's generators from a checkpoint's rng.pt; return a warning if not exact.
+
+    Rank r takes saved rank r's state. A rank the checkpoint has no state for (loading on
+    more ranks than saved) seeds every generator from a hash of saved rank 0's torch state
+    and r: deterministic, distinct per rank, but not what any uninterrupted run would draw.
+    Whenever the world size differs, which rows a rank draws dropout masks for differs too,
+    so exactness is promised only for the same world size; everything else (parameters,
+    optimizer state, schedule, loss scale) resumes exactly in any layout."""
+    if saved is None:
+        return "the checkpoint holds no random state (written by an older tinyscale): random draws restart"
+    states = saved["ranks"]
+    if rank in states:
+        _set_rng(states[rank], device)
+    else:
+        digest = hashlib.sha256(states[0]["torch"].numpy().tobytes() + rank.to_bytes(4, "little")).digest()
+        seed = int.from_bytes(digest[:8], "little") >> 1  # torch seeds are at most 2**63 - 1 here
+        torch.manual_seed(seed)  # CPU and every CUDA device
+        random.seed(seed)
+        np = sys.modules.get("numpy")
+        if np is not None:
+            np.random.seed(seed % 2**32)
+    if saved["world_size"] != world_size:
+        return (f"the checkpoint was written by {saved['world_size']} ranks and is loaded on {world_size}: ranks "
+                f"below {min(world_size, saved['world_size'])} take their saved random state, the others one "
+                "derived from it, so dropout masks will not match an uninterrupted run (all else resumes exactly)")
+    return None
+# --8<-- [end:rng]
+
+
+def check_compatible(path, meta: dict, model_state: dict, ours: dict[str, torch.Size], optimizer: str) -> None:
+    """Refuse a checkpoint this engine cannot continue: another optimizer class, other
+    parameter names, other shapes. Every difference is named at once."""
+    problems = []
+    saved_optimizer = meta.get("optimizer_class")
+    if saved_optimizer is not None and saved_optimizer != optimizer:
+        problems.append(f"optimizer: the checkpoint holds {saved_optimizer}'s state, this engine steps with "
+                        f"{optimizer}; configure {saved_optimizer} (or start a new run without the checkpoint)")
+    missing = [k for k in ours if k not in model_state]
+    unexpected = [k for k in model_state if k not in ours]
+    if missing:
+        problems.append(f"this model has {missing} which the checkpoint lacks")
+    if unexpected:
+        problems.append(f"the checkpoint has {unexpected} which this model lacks")
+    shapes = [f"{k}: saved {tuple(v.shape)}, here {tuple(ours[k])}" for k, v in model_state.items()
+              if k in ours and tuple(v.shape) != tuple(ours[k])]
+    if shapes:
+        problems.append("shapes differ: " + "; ".join(shapes))
+    if problems:
+        raise CheckpointError(f"load_checkpoint: {path} does not fit this engine:\n  " + "\n  ".join(problems))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(saved: dict | None, now: dict) -> list[str]:
+    """'field: saved -> now' for every config field that differs (the new value is used)."""
+    if saved is None:
+        return []
+    old, new = _flatten(saved), _flatten(now)
+    return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def write(path, model_state: dict, optimizer_state: dict, meta: dict, rng: dict | None = None) -> Path:
+    """Write a checkpoint (call on one rank): crash-safe, see `tinyscale.engine.checkpoint_io`."""
+    files = {"model.pt": model_state, "optimizer.pt": optimizer_state}
+    if rng is not None:
+        files["rng.pt"] = rng
+    return checkpoint_io.write(path, files, meta)
+
+
+def read(path) -> tuple[dict, dict, dict]:
+    """Read and verify a checkpoint: (model_state, optimizer_state, meta); meta["rng"] holds
+    rng.pt's content (None if the checkpoint has none)."""
+    files, meta = checkpoint_io.read(path)
+    meta["rng"] = files.get("rng.pt")
+    return files["model.pt"], files["optimizer.pt"], meta

@@ -45,6 +45,7 @@ strategies (tensor and pipeline parallel) behind the same methods.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -56,8 +57,10 @@ from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
+from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint
+from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
@@ -332,32 +335,38 @@ class Engine:
         with gathered:
             return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
-    def save_checkpoint(self, path) -> None:
-        """Write the full model and optimizer state to directory `path` (atomic; call on every rank).
+    def save_checkpoint(self, path, client_state: dict | None = None) -> None:
+        """Write everything an exact resume needs to directory `path` (call on every rank).
 
-        ZeRO: every rank takes part in gathering the state by parameter name (the format is
-        the same for every stage and world size; `tinyscale.zero.state_dict`), rank 0 writes."""
+        Parameters, optimizer state, loss scaler, step and schedule position, every rank's
+        random state, and `client_state` (JSON: e.g. the data position) returned by
+        `load_checkpoint`. ZeRO: every rank takes part in gathering the state by parameter
+        name (the format is the same for every stage and world size;
+        `tinyscale.zero.state_dict`); rank 0 writes, crash-safe (`tinyscale.engine.checkpoint_io`)."""
+        client_state = {} if client_state is None else client_state
+        try:
+            json.dumps(client_state)
+        except TypeError as exc:
+            raise ValueError(f"save_checkpoint: client_state must be JSON (numbers, strings, lists, dicts): {exc}") \
+                from None
         names = {id(p): n for n, p in self.model.named_parameters()}
         model_state = self.full_state_dict()
-        if self.zero is not None:
-            optimizer_state = gather_optimizer_state(self.zero.sharded, names)
-            if self.compute_dtype is not None:
-                optimizer_state["masters"] = gather_masters(self.zero.sharded, names)
-        elif isinstance(self.optimizer, MixedPrecisionOptimizer):
-            mp = self.optimizer
-            optimizer_state = checkpoint.optimizer_state_by_name(
-                mp.optimizer, {m: names[id(p)] for p, m in zip(mp.params, mp.masters)})
-            optimizer_state["masters"] = {names[id(p)]: m.detach().cpu().clone() for p, m in zip(mp.params, mp.masters)}
-        else:
-            optimizer_state = checkpoint.optimizer_state_by_name(self.optimizer, {p: names[id(p)] for p in self.params})
+        optimizer_state = self._optimizer_state_by_name(names)
         if self.loss_scaler is not None:
             optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        rng = [checkpoint.rng_state(self.device)]
+        if world > 1:  # every rank's generators, to rank 0 (a few KB each)
+            rng = [None] * world
+            dist.all_gather_object(rng, checkpoint.rng_state(self.device))
         error = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if rank == 0:
             try:
-                meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                        "dp": self.dp_size, "config": self.config.model_dump(mode="json")}
-                checkpoint.write(path, model_state, optimizer_state, meta)
+                meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": world, "dp": self.dp_size,
+                        "optimizer_class": type(self._torch_optimizer()).__name__,
+                        "config": self.config.model_dump(mode="json"), "client_state": client_state}
+                checkpoint.write(path, model_state, optimizer_state, meta,
+                                 rng={"world_size": world, "ranks": dict(enumerate(rng))})
             except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
                 error = exc
         if dist.is_initialized():
@@ -369,20 +378,59 @@ class Engine:
         if error is not None:
             raise error
 
-    def load_checkpoint(self, path) -> None:
-        """Resume from directory `path`, written by any layout; continues bit-for-bit (call on every rank)."""
-        model_state, optimizer_state, meta = checkpoint.read(path)
-        names = {id(p): n for n, p in self.model.named_parameters()}
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizer.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizer) else self.optimizer
+
+    def _optimizer_state_by_name(self, names: dict[int, str]) -> dict:
+        if self.zero is not None:
+            optimizer_state = gather_optimizer_state(self.zero.sharded, names)
+            if self.compute_dtype is not None:
+                optimizer_state["masters"] = gather_masters(self.zero.sharded, names)
+        elif isinstance(self.optimizer, MixedPrecisionOptimizer):
+            mp = self.optimizer
+            optimizer_state = checkpoint.optimizer_state_by_name(
+                mp.optimizer, {m: names[id(p)] for p, m in zip(mp.params, mp.masters)})
+            optimizer_state["masters"] = {names[id(p)]: m.detach().cpu().clone() for p, m in zip(mp.params, mp.masters)}
+        else:
+            optimizer_state = checkpoint.optimizer_state_by_name(self.optimizer, {p: names[id(p)] for p in self.params})
+        return optimizer_state
+
+    def load_checkpoint(self, path) -> dict:
+        """Resume from directory `path`, written by any layout (call on every rank); returns the
+        `client_state` it was saved with.
+
+        In the same world size it continues bit-for-bit, random draws included; in another,
+        all but the random draws do (`checkpoint.restore_rng`). Refused with the differences
+        named (`CheckpointError`) if the file is damaged, or holds another optimizer's
+        state, other parameter names or shapes. The new config wins over the saved one:
+        hyperparameters (lr, weight decay, betas, ...) are this engine's, and rank 0 logs what
+        changed."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         stage3 = isinstance(self.zero, ZeroStage3)
+        with self.zero.gathered() if stage3 else contextlib.nullcontext():  # full shapes
+            shapes = {k: v.shape for k, v in self.model.state_dict().items()}
+        error = None
+        try:
+            model_state, optimizer_state, meta = checkpoint.read(path)
+            checkpoint.check_compatible(path, meta, model_state, shapes, type(self._torch_optimizer()).__name__)
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it below: none waits in a gather
+            error = exc
+        if dist.is_initialized():
+            bad = torch.tensor([float(error is not None)], device=self.device)
+            comm.all_reduce(bad)
+            if bad.item() and error is None:
+                raise CheckpointError(f"load_checkpoint: another rank could not load {path}; see its error")
+        if error is not None:
+            raise error
+        names = {id(p): n for n, p in self.model.named_parameters()}
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
-            missing, unexpected = self.model.load_state_dict(model_state, strict=False)
-            if missing or unexpected:
-                raise ValueError(f"load_checkpoint: {path} does not fit this model: missing keys {missing}, "
-                                 f"unexpected keys {unexpected}")
+            self.model.load_state_dict(model_state)
             if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters
                 load_master_from_params(self.zero.sharded, self.zero.shards.write if stage3 else None)
         masters = optimizer_state.pop("masters", None)  # mixed precision's fp32 values
         scaler_state = optimizer_state.pop("loss_scaler", None)
+        # The new config's hyperparameters win over the saved param_groups.
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self._torch_optimizer().param_groups]
         if self.zero is not None:
             load_optimizer_state(self.zero.sharded, optimizer_state, names)
             if self.compute_dtype is not None and masters is not None:
@@ -397,9 +445,21 @@ class Engine:
         else:
             checkpoint.load_optimizer_state_by_name(self.optimizer, optimizer_state,
                                                     {names[id(p)]: p for p in self.params})
+        for group, ours in zip(self._torch_optimizer().param_groups, hyper):
+            group.update(ours)
         if self.loss_scaler is not None and scaler_state is not None:
             self.loss_scaler.load_state_dict(scaler_state)
         self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
+        warning = checkpoint.restore_rng(meta["rng"], rank, world, self.device)
+        changes = checkpoint.config_changes(meta.get("config"), self.config.model_dump(mode="json"))
+        if rank == 0 and (changes or warning):
+            log = get_logger("tinyscale.checkpoint")
+            if changes:
+                log.info("load_checkpoint %s: the config differs from the checkpoint's; using the new values: %s",
+                         path, "; ".join(changes))
+            if warning:
+                log.warning("load_checkpoint %s: %s", path, warning)
+        return meta.get("client_state", {})
 
     def memory_report(self, when: str = "now") -> MemoryReport:
         """Bytes this rank holds, by category, counted from the tensors it holds.

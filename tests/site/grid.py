@@ -3,6 +3,7 @@
 `calculator_grid(n)` draws n layouts (a seeded sample of every input the page takes, some
 of them impossible on purpose) plus custom models that reach every branch of the
 activation formula; `run_node` runs docs/assets/calculator.js's `estimate` on them.
+`require` and `unavailable`: a missing tool skips a test locally and fails it under CI.
 """
 
 from __future__ import annotations
@@ -44,14 +45,18 @@ def calculator_grid(n: int, seed: int = 0) -> list[dict]:
     return grid
 
 
+def unavailable(message: str):
+    """Something a test needs is missing: skip locally, fail under CI (CI=true)."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message + " (CI=true: these tests must run)")
+    pytest.skip(message)
+
+
 def require(tool: str, install: str) -> str:
-    """The tool's path; without it, skip locally and fail under CI (CI=true), naming the fix."""
+    """The tool's path (a name on PATH or an absolute path); `unavailable` without it."""
     path = shutil.which(tool) or (tool if os.path.isabs(tool) and os.access(tool, os.X_OK) else None)
     if path is None:
-        message = f"{tool} is not installed: {install}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message + " (CI=true: these tests must run)")
-        pytest.skip(message)
+        unavailable(f"{tool} is not installed: {install}")
     return path
 
 

@@ -12,6 +12,7 @@ The tests: `pytest tests/pipeline` (keys pp_simulator, pp_afab, pp_1f1b, pp_inte
 pp_zero_bubble, pp_partition).
 """
 
+from tinyscale.pipeline.partition import StageLayers, balanced_split, partition_gpt, stages_on_rank
 from tinyscale.pipeline.schedules import (
     Action,
     add_communication,
@@ -22,3 +23,4 @@ from tinyscale.pipeline.schedules import (
     stage_ranks,
     zb_h1,
 )
+from tinyscale.pipeline.simulator import ScheduleError, Simulation, simulate

@@ -74,6 +74,11 @@ def _matching_send(a: Action) -> Action:
     return Action(a.stage - 1, SEND_F, a.microbatch) if a.kind == RECV_F else Action(a.stage + 1, SEND_B, a.microbatch)
 
 
+def _matching_receive(a: Action) -> Action:
+    """The receive a send feeds: stage s's SEND_F goes to s+1, its SEND_B to s-1."""
+    return Action(a.stage + 1, RECV_F, a.microbatch) if a.kind == SEND_F else Action(a.stage - 1, RECV_B, a.microbatch)
+
+
 def _check_layout(schedule: Schedule) -> tuple[dict[int, int], int, set[int]]:
     """Stage -> rank, the number of stages and the micro-batches; every action once, on its rank."""
     try:
@@ -190,9 +195,9 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
     if blocked:
         waits = "; ".join(f"rank {r} waits at {a} for {_matching_send(a)}" for r, a in blocked)
         raise ScheduleError(f"deadlock: {waits}")
-    for a in all_actions:
+    for a in (a for actions in schedule for a in actions):
         if a.kind in (SEND_F, SEND_B):
-            recv = Action(a.stage + 1, RECV_F, a.microbatch) if a.kind == SEND_F else Action(a.stage - 1, RECV_B, a.microbatch)
+            recv = _matching_receive(a)
             if recv not in done:
                 raise ScheduleError(f"{a} is never received: no rank runs {recv}")
     for s in range(num_stages):

@@ -187,7 +187,7 @@ def sequence_parallel_body():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sp_norm_column_row_match_dense(world):
+def test_sp_sequence_parallel_norm_column_row_match_dense(world):
     for fails in run_on_ranks(sequence_parallel_body, world):
         assert not fails, "\n".join(fails)
 
@@ -216,7 +216,8 @@ def embedding_body(sequence_parallel: bool):
     return fails
 
 
-@pytest.mark.parametrize(("world", "sequence_parallel"), [(2, True), (3, False), (4, False), (4, True)])
+@pytest.mark.parametrize(("world", "sequence_parallel"), [
+    pytest.param(w, sp, id=f"{w}-{'sequence_parallel' if sp else 'no_sp'}") for w, sp in [(2, True), (3, False), (4, False), (4, True)]])
 def test_vocab_parallel_embedding_matches_dense(world, sequence_parallel):
     for fails in run_on_ranks(embedding_body, world, sequence_parallel):
         assert not fails, "\n".join(fails)

@@ -28,11 +28,17 @@ formulas (formula only, topic planned; `PLANNED` names them), checked by no meas
               (2 + 4 [+ 2]) (cp-1) (s/cp) b (kv/tp) p
 Not counted: the embedding, final norm, logits and loss activations, temporary buffers
 (gradient buckets, stage 3's gathered parameters), allocator fragmentation.
+
+From a shell, with the page's inputs as flags (JSON out, bytes):
+    python -m tinyscale.calculator --model llama-1b --dp 8 --tp 2 --zero-stage 3 --checkpointing full
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 
 import torch
 
@@ -127,3 +133,26 @@ def estimate(inputs: dict) -> dict:
     }
     comm["total"] = _add(comm.values())
     return {"num_params": num_params, "params_per_rank": num_params / (tp * pp), **places, "comm": comm}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The page's calculator from a shell: one flag per input, the estimate as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m tinyscale.calculator", description=main.__doc__)
+    for name, default in DEFAULTS.items():
+        kind = int if isinstance(default, int) else str
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
+    for name in SHAPE_FIELDS:  # custom models only (--model custom)
+        kind = {"tie_embeddings": lambda s: s.lower() in ("1", "true", "yes"), "dropout": float,
+                "attn_impl": str}.get(name, int)
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    inputs = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    try:
+        print(json.dumps(estimate(inputs), indent=1))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

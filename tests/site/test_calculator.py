@@ -10,6 +10,8 @@ tests/site/test_site_browser.py. Run: `pytest -k calculator`.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -67,3 +69,18 @@ def test_calculator_rejects_impossible_layouts_by_name():
                        (dict(zero_stage=1, offload="cpu"), "offload="), (dict(dtype="fp8"), "dtype=")):
         with pytest.raises(ValueError, match=field):
             estimate(bad)
+
+
+def test_calculator_from_a_shell_prints_the_estimate(capsys):
+    from tinyscale.calculator import main
+
+    argv = ["--model", "custom", "--n-layer", "3", "--d-model", "96", "--n-head", "6", "--n-kv-head", "2",
+            "--attn-impl", "math", "--dropout", "0.1", "--tie-embeddings", "true", "--dp", "4",
+            "--zero-stage", "2", "--offload", "cpu", "--checkpointing", "selective", "--num-microbatches", "3"]
+    assert main(argv) == 0
+    want = estimate(dict(model="custom", n_layer=3, d_model=96, n_head=6, n_kv_head=2, attn_impl="math",
+                         dropout=0.1, tie_embeddings=True, dp=4, zero_stage=2, offload="cpu",
+                         checkpointing="selective", num_microbatches=3))
+    assert json.loads(capsys.readouterr().out) == want
+    assert main(["--tp", "5"]) == 2
+    assert "tp=5" in capsys.readouterr().err

@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, ValidationError,
+                      field_validator, model_validator)
+
+from tinyscale.config_deepspeed import screen
+from tinyscale.deepspeed_keys import KEYS
 
 
 class ConfigError(ValueError):
@@ -59,6 +62,8 @@ class OptimizerParams(_Section):
     weight_decay: Float = Field(0.0, ge=0)
     momentum: Float = Field(0.0, ge=0, lt=1)  # SGD only
     nesterov: Bool = False  # SGD only
+    # Adam only. DeepSpeed's "Adam" decouples weight decay (AdamW) unless this is false.
+    adam_w_mode: Bool = True
 
     @field_validator("betas")
     @classmethod
@@ -81,6 +86,8 @@ class OptimizerConfig(_Section):
     @model_validator(mode="after")
     def _sgd_only_fields(self) -> OptimizerConfig:
         p = self.params
+        if self.type != "Adam" and "adam_w_mode" in p.model_fields_set:
+            raise ValueError(f"params.adam_w_mode applies to type Adam only, not {self.type}; remove it")
         if self.type != "SGD" and (p.momentum or p.nesterov):
             raise ValueError(f"params.momentum/nesterov apply to SGD only, not {self.type}; remove them")
         if self.type == "SGD" and p.nesterov and p.momentum == 0:
@@ -89,21 +96,54 @@ class OptimizerConfig(_Section):
 
 
 class SchedulerParams(_Section):
-    """Warm up from ``warmup_min_lr`` to ``warmup_max_lr`` (default: the optimizer's lr),
-    then hold (WarmupLR), decay linearly to 0 (WarmupDecayLR) or follow a cosine down to
-    ``cos_min_ratio`` x the peak (WarmupCosineLR) at ``total_num_steps``."""
+    """DeepSpeed's scheduler keys and defaults (`tinyscale.optim.lr_at` has the formulas).
 
-    warmup_min_lr: Float = Field(0.0, ge=0)
+    WarmupLR and WarmupDecayLR warm up from ``warmup_min_lr`` (0) to ``warmup_max_lr`` (0.001,
+    not the optimizer's lr: ``"auto"`` means the optimizer's lr), then hold (WarmupLR) or decay
+    linearly back to ``warmup_min_lr`` at ``total_num_steps`` (WarmupDecayLR). WarmupCosineLR
+    scales the optimizer's lr instead: warm-up from ``warmup_min_ratio`` (0) x lr to lr, then a
+    cosine down to ``cos_min_ratio`` (0.0001) x lr. All three warm up over ``warmup_num_steps``
+    (1000) steps, logarithmically unless ``warmup_type`` is "linear"."""
+
+    warmup_min_lr: Float | None = Field(None, ge=0)  # None: the type's default (set by SchedulerConfig)
     warmup_max_lr: Float | None = Field(None, gt=0)
-    warmup_num_steps: Int = Field(0, ge=0)
-    warmup_type: Literal["linear", "log"] = "linear"
+    warmup_num_steps: Int = Field(1000, ge=0)
+    warmup_type: Literal["linear", "log"] = "log"
     total_num_steps: PositiveInt | None = None
-    cos_min_ratio: Float = Field(0.0, ge=0, le=1)
+    warmup_min_ratio: Float | None = Field(None, ge=0, le=1)
+    cos_min_ratio: Float | None = Field(None, ge=0, le=1)
+
+
+# The keys each DeepSpeed scheduler type takes beyond the warm-up's, with DeepSpeed's defaults;
+# a key of another type is refused, as DeepSpeed's constructor refuses it.
+_SCHEDULER_OWN_KEYS = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001},
+    "WarmupDecayLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001},
+    "WarmupCosineLR": {"warmup_min_ratio": 0.0, "cos_min_ratio": 0.0001},
+}
 
 
 class SchedulerConfig(_Section):
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = "WarmupLR"
     params: SchedulerParams = SchedulerParams()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_of_the_type(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("type", "WarmupLR") not in _SCHEDULER_OWN_KEYS:
+            return data  # field validation names the bad type
+        kind = data.get("type", "WarmupLR")
+        params = dict(data.get("params") or {}) if isinstance(data.get("params", {}), dict) else data["params"]
+        if isinstance(params, dict):
+            own = _SCHEDULER_OWN_KEYS[kind]
+            foreign = sorted(k for other in _SCHEDULER_OWN_KEYS.values() for k in other
+                             if k in params and k not in own)
+            if foreign:
+                raise ValueError(f"params.{', params.'.join(foreign)} do not belong to {kind} (DeepSpeed's {kind} "
+                                 f"takes {', '.join(own)}); remove them or change the type")
+            for key, default in own.items():
+                params.setdefault(key, default)
+        return {**data, "params": params}
 
     @model_validator(mode="after")
     def _needs_total(self) -> SchedulerConfig:
@@ -116,6 +156,9 @@ class SchedulerConfig(_Section):
                     f"params.total_num_steps ({p.total_num_steps}) is less than "
                     f"params.warmup_num_steps ({p.warmup_num_steps})"
                 )
+        if self.type != "WarmupCosineLR" and p.warmup_max_lr < p.warmup_min_lr:
+            raise ValueError(f"params.warmup_max_lr ({p.warmup_max_lr}) is below params.warmup_min_lr "
+                             f"({p.warmup_min_lr})")
         return self
 
 
@@ -157,6 +200,10 @@ class Fp16Config(_Section):
     loss_scale_window: PositiveInt = 1000
     hysteresis: PositiveInt = 2
     min_loss_scale: Float = Field(1.0, gt=0)
+    consecutive_hysteresis: Bool = False  # a clean step restores the whole hysteresis (DeepSpeed's meaning)
+    # An overflow at min_loss_scale raises (DeepSpeed's ZeRO optimizers do; its stage-0 fp16
+    # optimizer skips instead): there the gradients overflow unscaled, so training has diverged.
+    raise_error_at_min_scale: Bool = True
 
 
 class Bf16Config(_Section):
@@ -211,7 +258,9 @@ class EngineConfig(_Section):
     bf16: Bf16Config = Bf16Config()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     wall_clock_breakdown: Bool = False  # profile every step (engine.profiler; tinyscale.mfu)
+    steps_per_print: PositiveInt = 10  # log progress every this many steps (logger tinyscale.engine, INFO)
     parallel: ParallelConfig = ParallelConfig()
+    _notes: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
@@ -232,10 +281,21 @@ class EngineConfig(_Section):
             config = _read_file(Path(config))
         if not isinstance(config, dict):
             raise ConfigError(f"config must be a dict, a .json/.yaml path or an EngineConfig, got {type(config).__name__}")
+        # DeepSpeed's vocabulary first: "auto" resolved, keys noted or refused (tinyscale.deepspeed_keys)
+        config, notes, refused = screen(config)
         try:
-            return cls.model_validate(config)
+            loaded = cls.model_validate(config)
         except ValidationError as err:
-            raise ConfigError(_explain(err, config)) from None
+            refused += _explain(err, config)
+        if refused:
+            raise ConfigError("invalid config:\n  " + "\n  ".join(refused))
+        loaded._notes = tuple(notes)
+        return loaded
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """DeepSpeed keys that were accepted but have no effect here, each with the reason."""
+        return self._notes
 
     # --8<-- [start:batch-identity]
     def batch(self, dp: int) -> BatchLayout:
@@ -318,17 +378,19 @@ def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _explain(err: ValidationError, raw: dict) -> str:
+def _explain(err: ValidationError, raw: dict) -> list[str]:
     lines = []
     for e in err.errors():
         loc = tuple(e["loc"])
         where = ".".join(str(p) for p in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
-            hint = difflib.get_close_matches(str(loc[-1]), _known_keys(EngineConfig, loc), n=1)
+            section = ".".join(str(part) for part in loc[:-1])  # DeepSpeed's keys of it are candidates too
+            deepspeed = [k.path.rsplit(".", 1)[-1] for k in KEYS if (k.path.rpartition(".")[0]) == section]
+            hint = difflib.get_close_matches(str(loc[-1]), _known_keys(EngineConfig, loc) + deepspeed, n=1)
             fix = f"; did you mean '{hint[0]}'?" if hint else "; remove it"
             lines.append(f"config field '{where}': unknown key{fix}")
         else:
             got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"config field '{where}': {msg}{got}")
-    return "invalid config:\n  " + "\n  ".join(lines)
+    return lines

@@ -9,11 +9,13 @@ used by optimizer step `step` (0-based). With warm-up over W steps from lr_min t
     linear warm-up   lr = lr_min + (lr_max - lr_min) * step / W            (step < W)
     log warm-up      lr = lr_min + (lr_max - lr_min) * log(step + 1) / log(W + 1)
     WarmupLR         lr = lr_max                                           (step >= W)
-    WarmupDecayLR    lr = lr_max * (T - step) / (T - W), floored at 0      (step >= W)
+    WarmupDecayLR    lr = lr_min + (lr_max - lr_min) * (T - step) / (T - W), floored at lr_min
     WarmupCosineLR   lr = lr_max * (c + (1 - c) * (1 + cos(pi * p)) / 2),  p = (step - W) / (T - W)
 
-(T = total_num_steps, c = cos_min_ratio). The shapes follow DeepSpeed's schedulers of the
-same names; the exact step indexing is ours and stated here.
+(T = total_num_steps, c = cos_min_ratio; lr_min, lr_max = warmup_min_lr, warmup_max_lr, except
+for WarmupCosineLR: warmup_min_ratio x lr and the optimizer's lr). The shapes, keys and
+defaults are DeepSpeed's (`tinyscale.config.SchedulerParams`); the exact step indexing is ours
+and stated here.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfi
     params = list(params)
     if config.type == "AdamW":
         return torch.optim.AdamW(params, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
+    if config.type == "Adam" and p.adam_w_mode and p.weight_decay:  # DeepSpeed's Adam: decoupled decay
+        return torch.optim.AdamW(params, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
     if config.type == "Adam":
         return torch.optim.Adam(params, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay)
     return torch.optim.SGD(params, lr=p.lr, momentum=p.momentum, nesterov=p.nesterov, weight_decay=p.weight_decay)
@@ -44,21 +48,24 @@ def lr_at(step: int, config: EngineConfig) -> float:
     if sched is None:
         return base
     p = sched.params
-    peak = p.warmup_max_lr if p.warmup_max_lr is not None else base
+    if sched.type == "WarmupCosineLR":  # ratios of the optimizer's lr
+        low, peak = p.warmup_min_ratio * base, base
+    else:
+        low, peak = p.warmup_min_lr, p.warmup_max_lr
     warmup = p.warmup_num_steps
     if step < warmup:
         if p.warmup_type == "linear":
             frac = step / warmup
         else:
             frac = math.log(step + 1) / math.log(warmup + 1)
-        return p.warmup_min_lr + (peak - p.warmup_min_lr) * frac
+        return low + (peak - low) * frac
     if sched.type == "WarmupLR":
         return peak
     total = p.total_num_steps
     span = max(1, total - warmup)
     progress = min(1.0, (step - warmup) / span)
     if sched.type == "WarmupDecayLR":
-        return peak * max(0.0, 1.0 - progress)
+        return low + (peak - low) * max(0.0, 1.0 - progress)
     c = p.cos_min_ratio
     return peak * (c + (1 - c) * 0.5 * (1 + math.cos(math.pi * progress)))
 

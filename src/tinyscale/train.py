@@ -33,7 +33,7 @@ _COMMON = {
     "gradient_accumulation_steps": 2,
     "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.01}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 10, "warmup_type": "linear"}},
 }
 # float64 by default: these presets exist to show that a layout trains exactly like one
 # process, and in float64 "exactly" is visible (differences ~1e-13, not ~1e-4).

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ import torch.distributed as dist
 
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.config_deepspeed import log_notes, runtime_notes
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
@@ -93,6 +95,10 @@ def check_supported(config: EngineConfig) -> None:
             todo.append(f"parallel.{name}={getattr(par, name)} (not built yet; use 1)")
     if par.sequence_parallel:
         todo.append("parallel.sequence_parallel (not built yet; use false)")
+    for name, topic in (("pipeline_schedule", "pipeline"), ("virtual_stages", "pipeline"),
+                        ("context_algorithm", "context")):
+        if name in par.model_fields_set:  # a setting of an unbuilt topic would silently do nothing
+            todo.append(f"parallel.{name} ({topic} parallelism is not built yet; remove it)")
     if todo:
         raise ConfigError("not supported by this engine yet:\n  " + "\n  ".join(todo))
 
@@ -117,6 +123,9 @@ class Engine:
         self.dp_size = mesh.size("dp") if mesh is not None else 1
         self.batch = config.batch(self.dp_size)
         self.device = device()
+        # DeepSpeed keys accepted with no effect here: said once, with the reason (rank 0).
+        self.config_notes = (*config.notes, *runtime_notes(config, has_gpu=self.device.type == "cuda"))
+        log_notes(self.config_notes)
         self.model = model.to(self.device)
         ac = config.activation_checkpointing
         if ac.policy != "none":  # first: it rebuilds blocks, which the wrappers below hook into
@@ -206,7 +215,19 @@ class Engine:
                           **self.throughput.record(batch, self._clock() - start)}
         if self.profiler.enabled:
             self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
+        if self.step % self.config.steps_per_print == 0:  # DeepSpeed's progress line
+            self._print_progress(mean_loss, skipped)
         return mean_loss
+
+    def _print_progress(self, mean_loss: float, skipped: bool) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        line = f"step {self.step}: loss {mean_loss:.6g}"
+        if self._schedules_lr:  # the lr this step used (a skipped step used the next one's)
+            line += f", lr {lr_at(self.step - 1 - self.skipped_steps + int(skipped), self.config):.6g}"
+        if self.loss_scaler is not None:
+            line += f", loss scale {self.loss_scaler.scale:g}, skipped steps {self.skipped_steps}"
+        logging.getLogger("tinyscale.engine").info(line)
 
     def _step(self, batch: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
         if self._broken is not None:

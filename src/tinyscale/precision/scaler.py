@@ -193,7 +193,7 @@ class DynamicLossScaler(LossScaler):
 
 def make_loss_scaler(loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
                      hysteresis: int = 2, min_loss_scale: float = 1.0,
-                     consecutive_hysteresis: bool = False) -> LossScaler:
+                     consecutive_hysteresis: bool = False, raise_error_at_min_scale: bool = True) -> LossScaler:
     """The scaler DeepSpeed's ``fp16`` section describes: loss_scale 0 -> dynamic, > 0 -> static.
 
     Takes the section's keys by name: ``make_loss_scaler(**config.fp16.model_dump(exclude={"enabled"}))``.
@@ -202,4 +202,4 @@ def make_loss_scaler(loss_scale: float = 0.0, initial_scale_power: int = 16, los
     if loss_scale > 0:
         return StaticLossScaler(loss_scale)
     return DynamicLossScaler(initial_scale_power, loss_scale_window, hysteresis, min_loss_scale,
-                             consecutive_hysteresis)
+                             consecutive_hysteresis, raise_at_min_scale=raise_error_at_min_scale)

@@ -1,0 +1,264 @@
+"""DeepSpeed's configuration vocabulary: every documented key, and what tinyscale does with it.
+
+A DeepSpeed config loads here as it is written. Each key DeepSpeed documents is, in the table
+below (`KEYS`, shown on the site as docs/deepspeed-config.md):
+
+- **honoured**: a field of `tinyscale.config.EngineConfig`, with DeepSpeed's meaning;
+- **noted**: accepted, no effect here; the reason is logged once at start-up (rank 0);
+- **refused**: a `ConfigError` saying what DeepSpeed does with it and why tinyscale does not.
+
+Many keys are honoured for some values and not others: ``"reduce_scatter": true`` describes
+what tinyscale always does, ``false`` asks for something it does not build. `Key.same` names
+the values that mean what tinyscale does; those are accepted silently, any other is treated
+as the key's `kind` says. ``"auto"``, as Hugging Face's integration writes it, is resolved by
+`resolve_auto` where a value can be derived, and refused naming what to set where it cannot.
+Misspelt keys are not in the table and still get "unknown key; did you mean ...".
+
+Tests: ``pytest -k deepspeed_config`` (tests/engine/test_deepspeed_config.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Same = Callable[[Any, dict], bool]  # (value, the section holding it) -> means what tinyscale does
+
+
+def _is(*values: Any) -> Same:
+    return lambda v, _: any(v == x and type(v) is not bool or v is x for x in values)
+
+
+def _disabled(v: Any, _: dict) -> bool:  # a whole section with "enabled": false, or false itself
+    return v is False or v is None or (isinstance(v, dict) and v.get("enabled", False) is False)
+
+
+def _never(v: Any, _: dict) -> bool:
+    return False
+
+
+def _allgather_in_our_units(v: Any, zero: dict) -> bool:
+    # DeepSpeed reads allgather_bucket_size at stages 1 and 2 only; ours all-gather per reduce unit.
+    return zero.get("stage", 0) in (0, 3) or v == zero.get("reduce_bucket_size", 500_000_000)
+
+
+@dataclass(frozen=True)
+class Key:
+    path: str  # dotted, e.g. "zero_optimization.reduce_scatter"
+    kind: Literal["honoured", "noted", "refused"]
+    why: str  # what DeepSpeed does with it, and what tinyscale does instead
+    same: Same = _never  # values that mean what tinyscale does: accepted without a word
+    same_doc: str = ""  # those values, for the docs table
+
+
+def _h(path: str, why: str) -> Key:
+    return Key(path, "honoured", why)
+
+
+def _n(path: str, why: str, same: Same = _never, same_doc: str = "") -> Key:
+    return Key(path, "noted", why, same, same_doc)
+
+
+def _r(path: str, why: str, same: Same = _never, same_doc: str = "") -> Key:
+    return Key(path, "refused", why, same, same_doc)
+
+
+_MONITOR = "DeepSpeed writes training metrics to {}; tinyscale writes no monitor files: read engine.last_step"
+_NOT_BUILT = "changes the model, data or update rule; tinyscale does not build it"
+_OFF, _FALSE, _TRUE = "enabled false", "false", "true"
+ZO = "zero_optimization."
+AC = "activation_checkpointing."
+
+KEYS: tuple[Key, ...] = (
+    # --- batch, optimizer, schedule, clipping (fields of EngineConfig)
+    _h("train_batch_size", "global batch in rows = micro x accumulation x data-parallel size"),
+    _h("train_micro_batch_size_per_gpu", "rows per rank per forward/backward"),
+    _h("gradient_accumulation_steps", "micro-batches per optimizer step"),
+    _h("optimizer.type", "AdamW, Adam or SGD (other types: see below)"),
+    _h("optimizer.params.lr", "learning rate (the schedule's base)"),
+    _h("optimizer.params.betas", "Adam(W) betas"),
+    _h("optimizer.params.eps", "Adam(W) eps"),
+    _h("optimizer.params.weight_decay", "Adam: decoupled (AdamW) unless adam_w_mode is false, as in DeepSpeed"),
+    _h("optimizer.params.adam_w_mode", "type Adam only: true (default) = decoupled weight decay"),
+    _h("optimizer.params.momentum", "SGD momentum"),
+    _h("optimizer.params.nesterov", "SGD Nesterov momentum"),
+    _n("optimizer.params.torch_adam", "DeepSpeed picks torch's Adam over its fused one; tinyscale always "
+       "uses torch's optimizers", _is(True), _TRUE),
+    _r("optimizer.params.bias_correction", "DeepSpeed's fused Adam can skip Adam's bias correction; torch's "
+       "Adam always applies it", _is(True), _TRUE),
+    _h("scheduler.type", "WarmupLR, WarmupDecayLR, WarmupCosineLR (LRRangeTest, OneCycle: refused)"),
+    _h("scheduler.params.warmup_min_lr", "start of the warm-up, and WarmupDecayLR's floor (default 0)"),
+    _h("scheduler.params.warmup_max_lr", "peak (default 0.001; \"auto\": optimizer.params.lr)"),
+    _h("scheduler.params.warmup_num_steps", "warm-up length (default 1000)"),
+    _h("scheduler.params.warmup_type", "\"log\" (default) or \"linear\""),
+    _h("scheduler.params.total_num_steps", "end of the decay (WarmupDecayLR, WarmupCosineLR)"),
+    _h("scheduler.params.warmup_min_ratio", "WarmupCosineLR: warm-up start as a fraction of lr (default 0)"),
+    _h("scheduler.params.cos_min_ratio", "WarmupCosineLR: floor as a fraction of lr (default 0.0001)"),
+    _r("scheduler.params.last_batch_iteration", "DeepSpeed starts the schedule after this step; tinyscale's "
+       "schedule follows the engine's step, which load_checkpoint restores", _is(-1), "-1"),
+    _h("gradient_clipping", "clip the global gradient norm to this (0: off)"),
+    _r("prescale_gradients", "DeepSpeed divides gradients by the data-parallel size before the reduction "
+       "instead of after it; tinyscale's reductions do one division of their own", _is(False), _FALSE),
+    _r("gradient_predivide_factor", "DeepSpeed divides by this factor before the reduction and by dp / "
+       "factor after; tinyscale's reductions do one division of their own", _is(1, 1.0), "1.0"),
+    _r("communication_data_type", "DeepSpeed casts gradients to this dtype for the reduction; tinyscale "
+       "reduces them in their own dtype (fp16/bf16 under mixed precision)", _is(None), "null"),
+    _r("sparse_gradients", "DeepSpeed reduces nn.Embedding's sparse gradients as sparse tensors; tinyscale's "
+       "gradients are dense", _is(False), _FALSE),
+    _r("data_types", "DeepSpeed can accumulate gradients in another dtype (grad_accum_dtype); tinyscale "
+       "accumulates in the gradients' dtype", lambda v, _: v is None or isinstance(v, dict) and v.get("grad_accum_dtype") is None,
+       "grad_accum_dtype null"),
+    _r("dataloader_drop_last", "DeepSpeed builds the data loader; tinyscale's engine takes global batches",
+       _is(False), _FALSE),
+    # --- precision
+    _h("fp16.enabled", "fp16 compute, fp32 masters, loss scaling"),
+    _h("fp16.loss_scale", "0: dynamic; > 0: static scale"),
+    _h("fp16.initial_scale_power", "first dynamic scale 2**power"),
+    _h("fp16.loss_scale_window", "clean steps before the scale doubles"),
+    _h("fp16.hysteresis", "overflows tolerated before the scale halves"),
+    _h("fp16.consecutive_hysteresis", "a clean step restores the whole hysteresis"),
+    _h("fp16.min_loss_scale", "floor of the dynamic scale"),
+    _h("fp16.raise_error_at_min_scale", "an overflow at the floor raises (default true; lesson 04)"),
+    _r("fp16.auto_cast", "DeepSpeed casts the model's floating-point inputs to fp16; tinyscale passes "
+       "inputs as given", _is(False), _FALSE),
+    _r("fp16.fp16_master_weights_and_grads", "DeepSpeed can keep the masters in fp16; tinyscale's masters "
+       "are fp32", _is(False), _FALSE),
+    _h("bf16.enabled", "bf16 compute, fp32 masters"),
+    _r("amp", "NVIDIA Apex AMP; use fp16 or bf16", _disabled, _OFF),
+    # --- ZeRO
+    _h(ZO + "stage", "0, 1, 2, 3"),
+    _h(ZO + "reduce_bucket_size", "elements per gradient reduction at stages 0-2 (stage 3: one unit at a "
+       "time, noted)"),
+    _h(ZO + "overlap_comm", "stage 0/2: reduce during backward; stage 3: prefetch the next unit"),
+    _r(ZO + "allgather_bucket_size", "DeepSpeed's stages 1-2 all-gather the updated parameters in buckets of "
+       "this many elements; tinyscale all-gathers in its reduce units: set it equal to reduce_bucket_size",
+       _allgather_in_our_units, "= reduce_bucket_size, or stage 0/3"),
+    _r(ZO + "allgather_partitions", "DeepSpeed can broadcast each rank's partition in turn; tinyscale "
+       "all-gathers", _is(True), _TRUE),
+    _r(ZO + "reduce_scatter", "DeepSpeed can all-reduce the gradients and keeps its slice (twice the "
+       "bytes); tinyscale's stages 1-3 always reduce-scatter", _is(True), _TRUE),
+    _n(ZO + "contiguous_gradients", "DeepSpeed copies gradients into one contiguous buffer; tinyscale's flat "
+       "buffers are always contiguous", _is(True), _TRUE),
+    _r(ZO + "load_from_fp32_weights", "DeepSpeed can rebuild the fp32 masters from 16-bit weights on load; "
+       "tinyscale's checkpoints always restore the fp32 masters", _is(True), _TRUE),
+    _n(ZO + "grad_hooks", "DeepSpeed's stage 1 can reduce from gradient hooks; tinyscale's stage 1 reduces "
+       "after backward", _is(True), _TRUE),
+    _n(ZO + "round_robin_gradients", "DeepSpeed spreads offloaded gradient copies over ranks (speed only); "
+       "tinyscale copies each rank's shard", _is(False), _FALSE),
+    _r(ZO + "ignore_unused_parameters", "DeepSpeed can raise on a parameter with no gradient; tinyscale "
+       "trains unused parameters as one process does", _is(True), _TRUE),
+    _n(ZO + "elastic_checkpoint", "tinyscale's checkpoints always load across layouts", _never),
+    _n(ZO + "sub_group_size", "DeepSpeed steps the optimizer in sub-groups of this many elements (bounding the "
+       "step's temporary memory); tinyscale steps each rank's whole shard"),
+    _n(ZO + "stage3_max_live_parameters", "DeepSpeed frees gathered parameters beyond this many; tinyscale's "
+       "stage 3 holds at most the unit in use plus one prefetched unit"),
+    _n(ZO + "stage3_max_reuse_distance", "DeepSpeed keeps a gathered parameter reused this soon; tinyscale "
+       "frees each unit after use and gathers it again for backward"),
+    _n(ZO + "stage3_prefetch_bucket_size", "DeepSpeed prefetches this many elements ahead; tinyscale prefetches "
+       "one unit ahead (overlap_comm)"),
+    _n(ZO + "stage3_param_persistence_threshold", "DeepSpeed keeps parameters smaller than this whole on "
+       "every rank; tinyscale shards every parameter (threshold 0): more gathers, same result", _is(0), "0"),
+    _n(ZO + "stage3_gather_16bit_weights_on_model_save", "engine.full_state_dict() always gathers full weights",
+       _is(False), _FALSE),
+    _n(ZO + "stage3_gather_fp16_weights_on_model_save", "old name of stage3_gather_16bit_weights_on_model_save",
+       _is(False), _FALSE),
+    _n(ZO + "memory_efficient_linear", "DeepSpeed's stage 3 swaps in its own linear function; tinyscale leaves "
+       "the model's layers alone", _is(True), _TRUE),
+    _n(ZO + "log_trace_cache_warnings", "DeepSpeed's stage-3 trace diagnostics", _is(False), _FALSE),
+    _n(ZO + "use_multi_rank_bucket_allreduce", "a DeepSpeed all-reduce variant (speed only)", _is(True), _TRUE),
+    _r(ZO + "cpu_offload", "DeepSpeed's old spelling: use offload_optimizer.device \"cpu\"", _is(False), _FALSE),
+    _r(ZO + "zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (a second copy of parameters per "
+       "node); not built", _is(1), "1"),
+    _r(ZO + "zero_quantized_weights", "ZeRO++ quantized all-gather; not built", _is(False), _FALSE),
+    _r(ZO + "zero_quantized_gradients", "ZeRO++ quantized reduce-scatter; not built", _is(False), _FALSE),
+    _r(ZO + "mics_shard_size", "MiCS: shard within groups of this size, replicate across; not built",
+       _is(-1), "-1"),
+    _r(ZO + "mics_hierarchical_params_gather", "MiCS's two-level gather; not built", _is(False), _FALSE),
+    _h(ZO + "offload_optimizer.device", "none, cpu, nvme (stage >= 1)"),
+    _h(ZO + "offload_optimizer.nvme_path", "directory of the swap files"),
+    _h(ZO + "offload_optimizer.pin_memory", "noted at start-up: tinyscale's host buffers are pageable"),
+    _h(ZO + "offload_param.device", "none, cpu, nvme (stage 3)"),
+    _h(ZO + "offload_param.nvme_path", "directory of the swap files"),
+    _h(ZO + "offload_param.pin_memory", "noted at start-up: tinyscale's host buffers are pageable"),
+    *(_n(ZO + f"{section}.{key}", "DeepSpeed's asynchronous-I/O buffers for NVMe; tinyscale reads and writes "
+         "each shard with one file operation")
+      for section, key in (("offload_optimizer", "buffer_count"), ("offload_optimizer", "pipeline_read"),
+                           ("offload_optimizer", "pipeline_write"), ("offload_optimizer", "fast_init"),
+                           ("offload_param", "buffer_count"), ("offload_param", "buffer_size"),
+                           ("offload_param", "max_in_cpu"))),
+    _r(ZO + "offload_optimizer.ratio", "DeepSpeed can run a fraction of the optimizer step on the host; "
+       "tinyscale offloads all of it", _is(1, 1.0), "1.0"),
+    # --- activation checkpointing (DeepSpeed's keys configure its checkpoint(); ours pick a policy)
+    _r(AC + "partition_activations", "DeepSpeed splits checkpointed activations over tensor-parallel ranks; "
+       "tensor parallelism is not built yet", _is(False), _FALSE),
+    _r(AC + "cpu_checkpointing", "DeepSpeed moves checkpointed (partitioned) inputs to the host; the nearest "
+       "here is activation_checkpointing.policy \"offload\" (every block's saved tensors on the host, no "
+       "recompute)", _is(False), _FALSE),
+    _n(AC + "contiguous_memory_optimization", "DeepSpeed copies checkpoints into one buffer; tinyscale leaves "
+       "them to the allocator", _is(False), _FALSE),
+    _n(AC + "number_checkpoints", "sizes DeepSpeed's contiguous checkpoint buffer", _is(None), "null"),
+    _n(AC + "synchronize_checkpoint_boundary", "DeepSpeed synchronises the device at checkpoints (timing "
+       "only)", _is(False), _FALSE),
+    _n(AC + "profile", "DeepSpeed times checkpointed forwards; use wall_clock_breakdown", _is(False), _FALSE),
+    # --- logging, profiling, monitors
+    _h("steps_per_print", "log step, loss, lr (and loss scale) every this many steps (logger "
+       "tinyscale.engine, INFO, rank 0)"),
+    _h("wall_clock_breakdown", "per-step forward/backward/optimizer/communication times (engine.profiler)"),
+    _n("flops_profiler", "DeepSpeed profiles one step's FLOPs per module; tinyscale reports MFU every step "
+       "(engine.last_step)", _disabled, _OFF),
+    _n("tensorboard", _MONITOR.format("TensorBoard"), _disabled, _OFF),
+    _n("wandb", _MONITOR.format("Weights & Biases"), _disabled, _OFF),
+    _n("csv_monitor", _MONITOR.format("CSV files"), _disabled, _OFF),
+    _n("comet", _MONITOR.format("Comet"), _disabled, _OFF),
+    _n("comms_logger", "tinyscale records every collective in engine.comm_ledger", _disabled, _OFF),
+    _n("timers", "DeepSpeed's throughput timers; tinyscale's are in engine.last_step", _never),
+    _n("memory_breakdown", "DeepSpeed logs memory at points of the step; use engine.memory_report()",
+       _is(False), _FALSE),
+    _n("dump_state", "DeepSpeed prints its state after start-up; print engine.config", _is(False), _FALSE),
+    _n("zero_allow_untested_optimizer", "DeepSpeed refuses untested optimizers with ZeRO; tinyscale checks "
+       "that the optimizer's state is elementwise instead", _is(False), _FALSE),
+    _n("zero_force_ds_cpu_optimizer", "DeepSpeed insists on its CPU Adam with offload; tinyscale runs the "
+       "configured torch optimizer on the host", _is(False), _FALSE),
+    _n("checkpoint", "DeepSpeed's checkpoint-file options; tinyscale has one format that loads across layouts",
+       _never),
+    _n("aio", "DeepSpeed's asynchronous-I/O settings for NVMe; tinyscale uses plain file reads and writes",
+       _never),
+    _n("nebula", "DeepSpeed's asynchronous checkpoint service", _disabled, _OFF),
+    _n("compile", "DeepSpeed can torch.compile the model; tinyscale runs it eagerly", _disabled, _OFF),
+    _r("autotuning", "DeepSpeed's autotuner launches trial runs to pick a layout; tinyscale has none "
+       "(tinyscale estimate computes memory)", _disabled, _OFF),
+    # --- other topics
+    _r("pipeline", "DeepSpeed's pipeline engine; tinyscale's pipeline degree is parallel.pipeline (not built "
+       "yet)", _never),
+    _r("tensor_parallel", "DeepSpeed's automatic tensor parallelism; tinyscale's degree is parallel.tensor "
+       "(not built yet)", _never),
+    _r("elasticity", "DeepSpeed picks batch sizes valid for a range of world sizes; not built", _disabled, _OFF),
+    _r("disable_allgather", "DeepSpeed can broadcast instead of all-gather; tinyscale all-gathers",
+       _is(False), _FALSE),
+    *(_r(name, _NOT_BUILT, _disabled, _OFF) for name in (
+        "sparse_attention", "compression_training", "data_efficiency", "curriculum_learning",
+        "progressive_layer_drop", "eigenvalue", "quantize_training", "weight_quantization", "hybrid_engine")),
+)
+BY_PATH = {k.path: k for k in KEYS}
+
+# DeepSpeed's optimizer and scheduler types that tinyscale's config does not build, and why.
+_OWN_OPTIMIZER = "pass it as your own optimizer: ts.initialize(model, config, optimizer=...)"
+OTHER_TYPES = {
+    "optimizer.type": {
+        "lamb": "LAMB scales each tensor's update by a trust ratio of whole-tensor norms, which ZeRO's "
+                f"pieces do not have; at stage 0 {_OWN_OPTIMIZER}",
+        "onebitadam": "1-bit Adam compresses communication with error feedback: the compression topic, not built",
+        "zerooneadam": "0/1 Adam compresses communication: the compression topic, not built",
+        "onebitlamb": "1-bit LAMB compresses communication: the compression topic, not built",
+        "adagrad": f"not one of the config's optimizers; {_OWN_OPTIMIZER} (torch.optim.Adagrad)",
+        "lion": f"not one of the config's optimizers; {_OWN_OPTIMIZER}",
+        "muadam": "muP's Adam rescales per-layer learning rates from the model's widths; not built",
+        "muadamw": "muP's AdamW rescales per-layer learning rates from the model's widths; not built",
+        "musgd": "muP's SGD rescales per-layer learning rates from the model's widths; not built",
+    },
+    "scheduler.type": {
+        "lrrangetest": "the learning-rate range test (grow the lr until training diverges) is not built",
+        "onecycle": "the one-cycle policy (lr and momentum cycles) is not built",
+    },
+}

@@ -1,0 +1,292 @@
+"""DeepSpeed configs as users write them (issue 17) and DeepSpeed's meaning for the keys tinyscale
+honours (issue 19): every key of `tinyscale.deepspeed_keys.KEYS` is honoured, noted or refused
+as the table (and docs/deepspeed-config.md) says; "auto" resolves or names what to set; the
+configs in tests/engine/deepspeed_configs/ (written in the style of DeepSpeed's docs) load and
+train. `pytest -k deepspeed_config`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import tinyscale as ts
+from tinyscale import ConfigError, EngineConfig
+from tinyscale.config_deepspeed import AUTO
+from tinyscale.data import synthetic_regression_batches, synthetic_token_batches
+from tinyscale.deepspeed_keys import KEYS, OTHER_TYPES
+from tinyscale.engine.engine import check_supported
+from tinyscale.models import GPT, GPTConfig, TinyMLP
+from tinyscale.optim import build_optimizer, lr_at
+
+HERE = Path(__file__).parent
+CORPUS = sorted((HERE / "deepspeed_configs").glob("*.json"))
+DOCS = HERE.parents[1] / "docs" / "deepspeed-config.md"
+BASE = {"train_batch_size": 8}
+
+
+def _put(path: str, value, raw: dict | None = None) -> dict:
+    raw = json.loads(json.dumps(raw if raw is not None else BASE))
+    *parents, name = path.split(".")
+    section = raw
+    for part in parents:
+        section = section.setdefault(part, {})
+    if path.startswith("zero_optimization."):
+        raw["zero_optimization"].setdefault("stage", 2)  # allgather_bucket_size is read at stages 1-2
+    section[name] = value
+    return raw
+
+
+def _section_of(raw: dict, path: str) -> dict:
+    for part in path.split(".")[:-1]:
+        raw = raw[part]
+    return raw
+
+
+_CANDIDATES = (True, False, 12345, {"enabled": True}, {"enabled": False}, None, -1, 1, 0, "x")
+
+
+def _values(key, same: bool) -> list:
+    """Sample values the key's table entry treats as `same` (or not)."""
+    out = []
+    for v in _CANDIDATES:
+        raw = _put(key.path, v)
+        if key.same(v, _section_of(raw, key.path)) == same:
+            out.append(v)
+    return out
+
+
+# --- the table: every DeepSpeed key known, treated as it says
+
+@pytest.mark.parametrize("key", [k for k in KEYS if k.kind != "honoured"], ids=lambda k: k.path)
+def test_deepspeed_config_key_is_noted_or_refused_as_the_table_says(key):
+    value = _values(key, same=False)[0]
+    raw = _put(key.path, value)
+    if key.kind == "noted":
+        cfg = EngineConfig.load(raw)
+        assert len(cfg.notes) == 1 and cfg.notes[0].startswith(f"{key.path} = ") and key.why in cfg.notes[0]
+    else:
+        with pytest.raises(ConfigError, match=re.escape(f"'{key.path}' = ")) as err:
+            EngineConfig.load(raw)
+        assert "is refused: " + key.why in str(err.value) and "unknown key" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", [k for k in KEYS if k.kind != "honoured" and k.same_doc], ids=lambda k: k.path)
+def test_deepspeed_config_value_meaning_what_tinyscale_does_is_accepted_silently(key):
+    for value in _values(key, same=True):
+        assert EngineConfig.load(_put(key.path, value)).notes == ()
+
+
+def _field(path: str):
+    model = EngineConfig
+    for part in path.split("."):
+        field = model.model_fields[part]  # KeyError: an honoured key that is not a field
+        inner = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
+                 if isinstance(a, type) and issubclass(a, ts.config.BaseModel)]
+        model = inner[0] if inner else None
+    return field
+
+
+def test_deepspeed_config_honoured_keys_are_fields_and_every_field_is_in_the_table():
+    honoured = {k.path for k in KEYS if k.kind == "honoured"}
+    for path in honoured:
+        _field(path)
+    ours = {"parallel", "activation_checkpointing.policy", "activation_checkpointing.every_k",
+            "activation_checkpointing.use_reentrant"}  # tinyscale's own keys, not DeepSpeed's
+
+    def leaves(model, prefix=""):
+        for name, field in model.model_fields.items():
+            inner = [a for a in getattr(field.annotation, "__args__", (field.annotation,))
+                     if isinstance(a, type) and issubclass(a, ts.config.BaseModel)]
+            if inner and prefix + name not in ours:
+                yield from leaves(inner[0], prefix + name + ".")
+            else:
+                yield prefix + name
+    fields = set(leaves(EngineConfig)) - ours
+    assert fields - honoured == set(), "fields of EngineConfig missing from deepspeed_keys.KEYS"
+
+
+def test_deepspeed_config_docs_table_is_the_code_table():
+    text = DOCS.read_text()
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| (honoured|noted|refused) \|", text, flags=re.M))
+    assert rows == {k.path: k.kind for k in KEYS}
+    for path, types in OTHER_TYPES.items():
+        for name in types:
+            assert re.search(rf"`{path}`: .*{name}", text, flags=re.I), (path, name)
+
+
+def test_deepspeed_config_other_optimizer_and_scheduler_types_are_refused_with_the_reason():
+    for path, types in OTHER_TYPES.items():
+        for name, why in types.items():
+            with pytest.raises(ConfigError, match=re.escape(why)):
+                EngineConfig.load(_put(path, name.upper()))
+
+
+def test_deepspeed_config_typos_are_still_unknown_keys():
+    with pytest.raises(ConfigError, match="'zero_optimization.reduce_scater': unknown key; did you mean 'reduce_scatter'"):
+        EngineConfig.load({**BASE, "zero_optimization": {"reduce_scater": True}})
+    with pytest.raises(ConfigError, match="'steps_per_prnt': unknown key; did you mean 'steps_per_print'"):
+        EngineConfig.load({**BASE, "steps_per_prnt": 10})
+
+
+# --- "auto", as Hugging Face's integration writes it
+
+def test_deepspeed_config_auto_resolves_where_it_can():
+    cfg = EngineConfig.load({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": 4}},
+        "gradient_clipping": "auto", "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+    })
+    assert cfg.batch(dp=3).train_batch_size == 6  # 2 micro x 1 accumulation x 3 ranks
+    p = cfg.optimizer.params
+    assert (p.betas, p.eps, p.weight_decay) == ((0.9, 0.999), 1e-8, 0.0)
+    assert cfg.scheduler.params.warmup_max_lr == 3e-5 and cfg.scheduler.params.warmup_min_lr == 0.0
+    assert cfg.gradient_clipping == 1.0 and not cfg.fp16.enabled and not cfg.bf16.enabled
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+
+
+@pytest.mark.parametrize("path", [p for p, (action, _) in AUTO.items() if action == "refuse"]
+                         + ["zero_optimization.stage"])
+def test_deepspeed_config_auto_that_cannot_resolve_names_what_to_set(path):
+    raw = _put(path, "auto", {**BASE, "scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_num_steps": 1, "total_num_steps": 10}}})
+    with pytest.raises(ConfigError, match=re.escape(f"'{path}': \"auto\" cannot be resolved here")) as err:
+        EngineConfig.load(raw)
+    assert "set " in str(err.value)
+
+
+# --- keys accepted before, now with DeepSpeed's meaning (issue 19)
+
+def _schedule(kind, lr=1.0, **params):
+    return EngineConfig.load({**BASE, "optimizer": {"params": {"lr": lr}},
+                              "scheduler": {"type": kind, "params": params}})
+
+
+def test_deepspeed_config_warmuplr_defaults_are_deepspeeds():
+    cfg = _schedule("WarmupLR")  # log warm-up over 1000 steps from 0 to 0.001, whatever the optimizer's lr
+    assert lr_at(0, cfg) == 0.0 and lr_at(1000, cfg) == lr_at(5000, cfg) == 0.001
+    assert lr_at(9, cfg) == pytest.approx(0.001 * math.log(10) / math.log(1001), rel=1e-12)
+    linear = _schedule("WarmupLR", warmup_type="linear")
+    assert lr_at(500, linear) == pytest.approx(0.0005, rel=1e-12)
+
+
+def test_deepspeed_config_warmupdecaylr_decays_to_warmup_min_lr():
+    cfg = _schedule("WarmupDecayLR", warmup_min_lr=0.1, warmup_max_lr=1.0, warmup_num_steps=2,
+                    total_num_steps=6, warmup_type="linear")
+    assert [lr_at(s, cfg) for s in range(8)] == pytest.approx([0.1, 0.55, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
+
+
+def test_deepspeed_config_warmupcosinelr_takes_ratios_of_the_optimizer_lr():
+    cfg = _schedule("WarmupCosineLR", lr=2.0, warmup_min_ratio=0.2, warmup_num_steps=4, total_num_steps=14,
+                    warmup_type="linear")
+    assert [lr_at(s, cfg) for s in range(5)] == pytest.approx([0.4, 0.8, 1.2, 1.6, 2.0])
+    assert lr_at(14, cfg) == pytest.approx(2.0 * 0.0001)  # DeepSpeed's default cos_min_ratio
+    assert lr_at(9, cfg) == pytest.approx(2.0 * (0.0001 + 0.9999 * 0.5))
+    with pytest.raises(ConfigError, match="warmup_max_lr do not belong to WarmupCosineLR"):
+        _schedule("WarmupCosineLR", warmup_max_lr=1.0, total_num_steps=10)
+    with pytest.raises(ConfigError, match="cos_min_ratio do not belong to WarmupLR"):
+        _schedule("WarmupLR", cos_min_ratio=0.1)
+
+
+def _gpt():  # fp16/bf16 need a model whose inputs are not floats of another dtype: token ids
+    return GPT(GPTConfig(vocab_size=256, max_seq_len=16, n_layer=2, n_head=5, d_model=20, ffn_hidden=36),
+               seed=0, dtype=torch.float32)
+
+
+def _engine(config: dict, model=None):
+    return ts.initialize(model or TinyMLP(seed=0), {"train_batch_size": 4, **config})
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_deepspeed_config_fp16_consecutive_hysteresis_reaches_the_scaler(consecutive):
+    engine = _engine({"fp16": {"enabled": True, "hysteresis": 2, "consecutive_hysteresis": consecutive}})
+    scaler, start = engine.loss_scaler, engine.loss_scaler.scale
+    for overflow in (True, False, True):  # one spare overflow, a clean step, another overflow
+        scaler.update(overflow)
+    assert scaler.scale == (start if consecutive else start / 2)  # the clean step restored the spare
+
+
+@pytest.mark.parametrize("raise_error", [True, False])
+def test_deepspeed_config_fp16_raise_error_at_min_scale(raise_error):
+    engine = _engine({"fp16": {"enabled": True, "initial_scale_power": 0, "hysteresis": 1,
+                               "raise_error_at_min_scale": raise_error}})
+    if raise_error:
+        with pytest.raises(FloatingPointError, match="minimum loss scale"):
+            engine.loss_scaler.update(True)
+    else:
+        assert engine.loss_scaler.update(True) and engine.loss_scaler.scale == 1.0  # skip, stay at the floor
+
+
+def test_deepspeed_config_adam_decouples_weight_decay_unless_adam_w_mode_is_false():
+    params = [torch.nn.Parameter(torch.ones(2))]
+
+    def built(**extra):
+        return build_optimizer(params, EngineConfig.load(
+            {**BASE, "optimizer": {"type": "Adam", "params": {"weight_decay": 0.1, **extra}}}).optimizer)
+    assert type(built()) is torch.optim.AdamW and type(built(adam_w_mode=False)) is torch.optim.Adam
+    with pytest.raises(ConfigError, match="adam_w_mode applies to type Adam only"):
+        EngineConfig.load({**BASE, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": True}}})
+
+
+def test_deepspeed_config_pin_memory_is_noted_once_at_start_up(caplog):
+    with caplog.at_level(logging.INFO):
+        engine = _engine({"zero_optimization": {"stage": 2, "contiguous_gradients": False,
+                                                "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
+        for batch in synthetic_regression_batches(num_batches=3, batch_size=4, dim=8, seed=0):
+            engine.train_batch(batch)
+    notes = [r.getMessage() for r in caplog.records if r.name == "tinyscale.config"]
+    assert len(notes) == 1 and "pin_memory = True: no effect without a GPU" in notes[0]
+    assert "contiguous_gradients = false" in notes[0]
+
+
+def test_deepspeed_config_reduce_bucket_size_at_stage3_is_noted():
+    engine = _engine({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}})
+    assert any("reduce_bucket_size: no effect at stage 3" in n for n in engine.config_notes)
+    assert not _engine({"zero_optimization": {"stage": 3}}).config_notes
+
+
+def test_deepspeed_config_steps_per_print_logs_every_n_steps(caplog):
+    with caplog.at_level(logging.INFO, logger="tinyscale.engine"):
+        engine = _engine({"steps_per_print": 2, "fp16": {"enabled": True}}, _gpt())
+        for batch in synthetic_token_batches(num_batches=5, batch_size=4, seq_len=16, seed=0):
+            engine.train_batch(batch)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tinyscale.engine"]
+    assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"] and "loss scale" in lines[0]
+
+
+@pytest.mark.parametrize("key, value", [("pipeline_schedule", "afab"), ("virtual_stages", 2),
+                                        ("context_algorithm", "ulysses"), ("tensor", 2), ("sequence_parallel", True)])
+def test_deepspeed_config_parallel_keys_of_unbuilt_topics_are_refused(key, value):
+    with pytest.raises(ConfigError, match=rf"parallel\.{key}\b.*not built yet"):
+        check_supported(EngineConfig.load({**BASE, "parallel": {key: value}}))
+
+
+# --- the corpus: configs in DeepSpeed's documentation style load and train
+
+def test_deepspeed_config_corpus_has_every_kind():
+    text = " ".join(p.read_text() for p in CORPUS)
+    assert len(CORPUS) >= 10
+    for needle in ('"stage": 0', '"stage": 1', '"stage": 2', '"stage": 3', '"fp16"', '"bf16"', '"cpu"', '"nvme"',
+                   '"scheduler"', '"activation_checkpointing"', '"auto"'):
+        assert needle in text, needle
+
+
+@pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
+def test_deepspeed_config_corpus_loads_and_trains(path, tmp_path, caplog):
+    raw = json.loads(path.read_text().replace("/local_nvme", str(tmp_path)))
+    cfg = EngineConfig.load(raw)
+    with caplog.at_level(logging.WARNING, logger="tinyscale.config"):
+        engine = ts.initialize(_gpt(), cfg)
+    logged = [r.getMessage() for r in caplog.records if r.name == "tinyscale.config"]
+    assert all(note in logged[0] for note in engine.config_notes) if engine.config_notes else not logged
+    rows = engine.batch.train_batch_size
+    for batch in synthetic_token_batches(num_batches=2, batch_size=rows, seq_len=16, seed=0):
+        assert math.isfinite(engine.train_batch(batch))

@@ -32,6 +32,7 @@ SOURCES = ("docs", "lessons", "src", "mkdocs.yml")
 # 404.html links its assets from the site's root (/assets/...): a server shows it for any
 # missing path, so from disk it cannot load them. Every other page uses relative links.
 NOT_FROM_DISK = {"404.html"}
+CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states", "activations")
 
 
 def _newest_source() -> float:
@@ -160,7 +161,11 @@ const results = grid.map((inputs) => {
   for (const td of document.querySelectorAll("#calc-results td[data-key]")) {
     shown[td.dataset.key] = Number(td.dataset.bytes);
   }
-  return shown;
+  const bars = {};  // the stacked bar's segments: width per category and place
+  for (const rect of document.querySelectorAll("#calc-bar rect[data-key]")) {
+    bars[rect.dataset.key] = Number(rect.getAttribute("width"));
+  }
+  return [shown, bars];
 });
 done(results);
 """
@@ -180,11 +185,21 @@ def test_site_browser_calculator_page_equals_python(site_dir, browser):
             assert page is None, f"the page shows numbers for an impossible layout: {inputs}"
             continue
         assert page is not None, f"the page refuses a possible layout: {inputs}"
+        page, bars = page
         want = {"num_params": py["num_params"]}
         for loc in ("device", "host", "disk"):
             if loc == "device" or py[loc]["total"] > 0:  # the page shows host/disk when used
                 want.update({f"{loc}.{k}": v for k, v in py[loc].items()})
         want.update({f"comm.{k}": v for k, v in py["comm"].items()})
         assert page == want, inputs
+        # One segment per category a place holds, as long as its bytes (one scale for all;
+        # a segment under half a pixel is drawn half a pixel wide, so it can be seen).
+        segments = {k: v for k, v in want.items() if k.split(".")[-1] in CATEGORIES and v > 0}
+        assert set(bars) == set(segments), inputs
+        largest = max(segments, key=segments.get)
+        scale = bars[largest] / segments[largest]  # pixels per byte
+        for key, width in bars.items():
+            # 1e-12: scale recovered by one division, a few ulps from the page's own
+            assert width == pytest.approx(max(segments[key] * scale, 0.5), rel=1e-12), (key, inputs)
         checked += 1
     assert checked >= 100

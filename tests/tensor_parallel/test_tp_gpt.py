@@ -169,3 +169,33 @@ def test_tp_gpt_rejects_layouts_it_cannot_split(changes, tp, words):
     for word in words:
         assert word in str(info.value)
     check_tensor_parallel(GPTConfig(n_head=4, d_model=16, ffn_hidden=12), 4)  # the base config splits
+
+
+def mesh_body():
+    """dp=2 x tp=2: each TP group splits the model over its 2 ranks and takes its own rows."""
+    mesh = ParallelMesh(dp=2, tp=2)
+    cfg = gpt_config(2, tied=True)
+    idx, targets = _batches(1)[0]
+    rows = slice(2 * mesh.rank("dp"), 2 * mesh.rank("dp") + 2)  # this dp rank's 2 of the 4 rows
+    dense = GPT(cfg, seed=5, dtype=torch.float64)
+    dense_loss = dense(idx[rows], targets[rows])
+    dense_loss.backward()
+    model = apply_tensor_parallel(GPT(cfg, seed=5, dtype=torch.float64), mesh, sequence_parallel=True)
+    with comm.record() as ledger:
+        loss = model(idx[rows], targets[rows])
+        loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        grads[name] = owner.full_tensor(name.rpartition(".")[2], p.grad) if hasattr(owner, "full_tensor") else p.grad
+    expected = {name: p.grad for name, p in dense.named_parameters()}
+    return loss.item(), dense_loss.item(), grads, expected, {row.group_size for row in ledger.rows}
+
+
+def test_tp_gpt_on_a_dp_tp_mesh_talks_only_within_its_tp_group():
+    """Every collective goes over the 2-rank TP group (never the 4-rank world), and each TP group
+    computes the dense loss and gradients of its own rows."""
+    for loss, dense_loss, grads, expected, group_sizes in run_on_ranks(mesh_body, 4):
+        assert_losses_close([loss], [dense_loss])
+        assert_state_dicts_close(grads, expected, what="grads on a dp x tp mesh")
+        assert group_sizes == {2}

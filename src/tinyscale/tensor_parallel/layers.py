@@ -23,6 +23,8 @@ With `sequence_parallel=True`, activations outside the regions are (B, T/t, C) s
 column layers all-gather their input along the sequence (backward reduce-scatter), row layers
 reduce-scatter their output (backward all-gather), and a norm's replicated weight, now used on
 a sequence shard, has its gradient all-reduced by passing it through f (`SequenceParallelRMSNorm`).
+A column layer here keeps the all-gathered (B, T, C) input for its weight gradient; Megatron
+keeps only the shard and all-gathers it again in backward, one more all-gather for T/t the memory.
 
 Shape legend: B batch, T sequence, C in_features, O out_features, t tensor-parallel degree,
 V vocab size, Vp padded vocab (ceil(V/t)*t). Run: `pytest tests/tensor_parallel -k tp_layers`.

@@ -111,12 +111,13 @@ def write(path: str | os.PathLike, files: dict[str, object], meta: dict) -> Path
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _fsync_file(tmp / "meta.json")
         _fsync_dir(tmp)
-        _reach("meta_written")
-        os.rename(tmp, path / name)  # step 3: complete, not yet live
-        _fsync_dir(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _reach("meta_written")
+    # --8<-- [start:commit]
+    os.rename(tmp, path / name)  # step 3: complete, not yet live
+    _fsync_dir(path)
     _reach("renamed")
     pointer = path / f".{POINTER}-{os.getpid()}"  # step 4: the commit
     pointer.write_text(name + "\n")
@@ -132,6 +133,7 @@ def write(path: str | os.PathLike, files: dict[str, object], meta: dict) -> Path
             else:
                 old.unlink(missing_ok=True)
     _reach("collected")
+    # --8<-- [end:commit]
     return path / name
 
 

@@ -33,6 +33,7 @@ CASES = [  # (cp, T, H, K, sharding, causal)
     (4, 10, 6, 3, "contiguous", True),  # padded to 12
     (2, 11, 4, 2, "zigzag", False),  # not causal: padded keys masked by key_valid
     (3, 9, 4, 2, "contiguous", False),
+    (4, 3, 4, 2, "zigzag", False),  # ranks 1-3 hold only padding: whole key blocks masked (lse -inf)
 ]
 
 

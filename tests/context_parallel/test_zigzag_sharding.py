@@ -62,7 +62,9 @@ def test_zigzag_block_plan_covers_exactly_the_causal_mask(layout, causal):
     for q_rank in range(layout.cp):
         for kv_rank in range(layout.cp):
             pos_q, pos_k = layout.positions(q_rank), layout.positions(kv_rank)
-            expected = pos_k[None, :] <= pos_q[:, None] if causal else torch.ones(len(pos_q), len(pos_k), dtype=torch.bool)
+            expected = pos_k[None, :] <= pos_q[:, None]  # (Tl, Tl): key j visible to query i
+            if not causal:
+                expected = torch.ones_like(expected)
             painted = torch.zeros(len(pos_q), len(pos_k), dtype=torch.int64)
             for rows, cols, kind in block_plan(layout, q_rank, kv_rank, causal=causal):
                 n, m = rows.stop - rows.start, cols.stop - cols.start

@@ -18,7 +18,8 @@ blocks wholly in the past are "full", a chunk against itself is "causal". GQA: K
 with their K heads only; `block_attention` groups the H query heads onto them.
 
 Per rank and layer the ledger shows (e = element bytes): forward cp - 1 sends of a packed
-K/V block, 2 B Tl K D e bytes each; backward cp - 1 more of K/V and cp - 1 of dK/dV.
+K/V block, 2 B Tl K D e bytes each; backward cp - 1 more of K/V and cp - 1 of dK/dV
+(accumulated in at least float32: twice the K/V bytes when K/V are bf16).
 
 Shape legend: B batch, H query heads, K key/value heads, Tl local sequence length, D head dim.
 Lesson: lessons/09-context-parallel.md. Tests: `pytest tests/context_parallel -k ring_attention`.

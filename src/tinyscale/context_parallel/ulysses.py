@@ -36,7 +36,8 @@ def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     """(B, N, Tl, D) sequence shard of N heads -> (B, N/cp, P, D): all positions of N/cp heads."""
     cp = dist.get_world_size(group)
     B, N, Tl, D = x.shape
-    send = x.reshape(B, cp, N // cp, Tl, D).transpose(0, 1).contiguous()  # (cp, B, N/cp, Tl, D): head group j -> rank j
+    # (cp, B, N/cp, Tl, D): head group j goes to rank j
+    send = x.reshape(B, cp, N // cp, Tl, D).transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group=group)  # recv[i]: rank i's positions of my head group
     return recv.permute(1, 2, 0, 3, 4).reshape(B, N // cp, cp * Tl, D)  # (B, N/cp, cp, Tl, D) -> (B, N/cp, P, D)
@@ -46,7 +47,8 @@ def _head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """(B, N/cp, P, D) -> (B, N, Tl, D): the inverse of `_seq_to_head`."""
     cp = dist.get_world_size(group)
     B, Nl, P, D = x.shape
-    send = x.reshape(B, Nl, cp, P // cp, D).permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, N/cp, Tl, D): shard j -> rank j
+    # (cp, B, N/cp, Tl, D): positions of shard j go to rank j
+    send = x.reshape(B, Nl, cp, P // cp, D).permute(2, 0, 1, 3, 4).contiguous()
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group=group)  # recv[i]: head group i of my positions
     return recv.transpose(0, 1).reshape(B, cp * Nl, P // cp, D)  # (B, cp, N/cp, Tl, D) -> (B, N, Tl, D)

@@ -122,11 +122,15 @@ def test_tp_ledger_matches_megatron_formula(tp, sequence_parallel):
 
 
 def state_dict_body(tied: bool, sequence_parallel: bool):
-    """Split then gather back: the same keys and tensors, bit for bit; logits equal too."""
+    """Split then gather back: the same keys and tensors, bit for bit; logits equal too; frozen
+    parameters (column, row, embedding) stay frozen."""
     tp = dist.get_world_size()
     reference = GPT(gpt_config(tp, tied), seed=5, dtype=torch.float64)
     model = GPT(gpt_config(tp, tied), seed=5, dtype=torch.float64)
+    for frozen in (model.blocks[0].mlp.w_up.weight, model.blocks[1].attn.wo.weight, model.embed.weight):
+        frozen.requires_grad_(False)
     apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sequence_parallel)
+    frozen = sorted(name for name, p in model.named_parameters() if not p.requires_grad)
     local_rows = model.embed.weight.shape[0]
     full = full_state_dict_from_tp(model, dist.group.WORLD)
     idx, _ = _batches(1)[0]
@@ -137,16 +141,17 @@ def state_dict_body(tied: bool, sequence_parallel: bool):
     except ValueError as exc:
         odd_t = str(exc)
     return (list(full), {k: torch.equal(v, reference.state_dict()[k]) for k, v in full.items()},
-            list(reference.state_dict()), local_rows, logits_diff, odd_t)
+            list(reference.state_dict()), local_rows, logits_diff, odd_t, frozen)
 
 
 @pytest.mark.parametrize(("tied", "sequence_parallel"), [pytest.param(True, True, id="tied-sequence_parallel"),
                                                          pytest.param(False, False, id="untied-no_sp")])
 def test_tp_gpt_full_state_dict_is_the_original(tied, sequence_parallel):
     tp = 3
-    for keys, equal, expected_keys, local_rows, logits_diff, odd_t in run_on_ranks(state_dict_body, tp, tied,
-                                                                                    sequence_parallel):
+    for keys, equal, expected_keys, local_rows, logits_diff, odd_t, frozen in run_on_ranks(
+            state_dict_body, tp, tied, sequence_parallel):
         assert keys == expected_keys
+        assert frozen == ["blocks.0.mlp.w_up.weight", "blocks.1.attn.wo.weight", "embed.weight"]  # stay frozen
         assert all(equal.values()), [k for k, ok in equal.items() if not ok]
         assert local_rows == -(-VOCAB // tp)  # ceil(251/3) = 84 rows per rank, 1 of padding
         assert logits_diff < 1e-12  # float64 logits, reduced in another order: ~1e-16 noise

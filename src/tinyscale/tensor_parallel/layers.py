@@ -62,6 +62,13 @@ def _shard_rows(full: torch.Tensor, rows: int, group) -> torch.Tensor:
     return padded[r * rows:(r + 1) * rows].clone()
 
 
+def _keep_frozen(layer: nn.Module, full: nn.Module) -> nn.Module:
+    """A frozen parameter of the full layer stays frozen in its shard."""
+    for name, param in layer.named_parameters():
+        param.requires_grad_(getattr(full, name).requires_grad)
+    return layer
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split over the group: (..., C) -> (..., O/t), or
     (..., O) with gather_output=True.
@@ -99,7 +106,7 @@ class ColumnParallelLinear(nn.Module):
             layer.weight.copy_(_shard_rows(w, layer.local_out, group))
             if layer.bias is not None:
                 layer.bias.copy_(_shard_rows(linear.bias, layer.local_out, group))
-        return layer
+        return _keep_frozen(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepare_input:
@@ -149,7 +156,7 @@ class RowParallelLinear(nn.Module):
             layer.weight.copy_(_shard_rows(w.t(), layer.weight.shape[1], group).t())
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias)
-        return layer
+        return _keep_frozen(layer, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -194,7 +201,7 @@ class VocabParallelEmbedding(nn.Module):
                     **kwargs)
         with torch.no_grad():
             layer.weight.copy_(_shard_rows(w, layer.local_rows, group))  # padding rows: zeros
-        return layer
+        return _keep_frozen(layer, embedding)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start  # (B, T)

@@ -4,8 +4,12 @@ A DeepSpeed user can bring their JSON: ``train_batch_size``,
 ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``optimizer``,
 ``scheduler``, ``gradient_clipping``, ``zero_optimization``, ``fp16``, ``bf16`` mean what
 they mean there. Parallel degrees, which DeepSpeed spreads over several places, live under
-``parallel``. Unknown keys and impossible values are rejected at load time with the field
-named (``ConfigError``), before any process group exists.
+``parallel``. Every other key DeepSpeed documents is known too, and honoured, noted or
+refused with the reason (`tinyscale.deepspeed_keys`, docs/deepspeed-config.md); ``"auto"``
+resolves where Hugging Face's integration would (`tinyscale.config_deepspeed`). Unknown keys,
+values of the wrong type and impossible values are rejected at load time with the field
+named (``ConfigError``; `tinyscale.config_input`), before any process group exists.
+The ``scheduler`` section is in `tinyscale.config_schedule`.
 
 The batch identity every layout must satisfy (`EngineConfig.batch`):
 
@@ -17,45 +21,18 @@ DeepSpeed. dp is the data-parallel size: world size / (tensor x pipeline x conte
 
 from __future__ import annotations
 
-import difflib
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, Strict, ValidationError,
-                      field_validator, model_validator)
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from tinyscale.config_deepspeed import screen
-from tinyscale.deepspeed_keys import KEYS
+from tinyscale.config_input import Bool, ConfigError, Float, Int, PositiveInt, Section, explain, read_file
+from tinyscale.config_schedule import SchedulerConfig, SchedulerParams
 
 
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the field and the fix."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _a_number(value: Any) -> Any:
-    # Strict types: JSON's `true` or `"8"` where a number belongs is a mistake, not a 1 or an 8.
-    # An int where a float belongs is plain JSON (`"lr": 1`) and stays accepted, and so does an
-    # integral float where an int belongs (`"reduce_bucket_size": 5e8`, as DeepSpeed's configs write it).
-    if isinstance(value, bool):
-        raise ValueError(f"must be a number, not the boolean {value!r}")
-    if isinstance(value, str):
-        raise ValueError(f"must be a number, not the string {value!r}; write the number without quotes")
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_a_number)]
-Float = Annotated[float, BeforeValidator(_a_number)]
-Bool = Annotated[bool, Strict()]  # only true/false: not 1, not "yes"
-PositiveInt = Annotated[Int, Field(gt=0)]
-
-
-class OptimizerParams(_Section):
+class OptimizerParams(Section):
     lr: Float = Field(1e-3, gt=0)
     betas: tuple[Float, Float] = (0.9, 0.999)
     eps: Float = Field(1e-8, gt=0)
@@ -73,7 +50,7 @@ class OptimizerParams(_Section):
         return v
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     type: Literal["AdamW", "Adam", "SGD"] = "AdamW"
     params: OptimizerParams = OptimizerParams()
 
@@ -95,80 +72,13 @@ class OptimizerConfig(_Section):
         return self
 
 
-class SchedulerParams(_Section):
-    """DeepSpeed's scheduler keys and defaults (`tinyscale.optim.lr_at` has the formulas).
-
-    WarmupLR and WarmupDecayLR warm up from ``warmup_min_lr`` (0) to ``warmup_max_lr`` (0.001,
-    not the optimizer's lr: ``"auto"`` means the optimizer's lr), then hold (WarmupLR) or decay
-    linearly back to ``warmup_min_lr`` at ``total_num_steps`` (WarmupDecayLR). WarmupCosineLR
-    scales the optimizer's lr instead: warm-up from ``warmup_min_ratio`` (0) x lr to lr, then a
-    cosine down to ``cos_min_ratio`` (0.0001) x lr. All three warm up over ``warmup_num_steps``
-    (1000) steps, logarithmically unless ``warmup_type`` is "linear"."""
-
-    warmup_min_lr: Float | None = Field(None, ge=0)  # None: the type's default (set by SchedulerConfig)
-    warmup_max_lr: Float | None = Field(None, gt=0)
-    warmup_num_steps: Int = Field(1000, ge=0)
-    warmup_type: Literal["linear", "log"] = "log"
-    total_num_steps: PositiveInt | None = None
-    warmup_min_ratio: Float | None = Field(None, ge=0, le=1)
-    cos_min_ratio: Float | None = Field(None, ge=0, le=1)
-
-
-# The keys each DeepSpeed scheduler type takes beyond the warm-up's, with DeepSpeed's defaults;
-# a key of another type is refused, as DeepSpeed's constructor refuses it.
-_SCHEDULER_OWN_KEYS = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001},
-    "WarmupDecayLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001},
-    "WarmupCosineLR": {"warmup_min_ratio": 0.0, "cos_min_ratio": 0.0001},
-}
-
-
-class SchedulerConfig(_Section):
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = "WarmupLR"
-    params: SchedulerParams = SchedulerParams()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults_of_the_type(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("type", "WarmupLR") not in _SCHEDULER_OWN_KEYS:
-            return data  # field validation names the bad type
-        kind = data.get("type", "WarmupLR")
-        params = dict(data.get("params") or {}) if isinstance(data.get("params", {}), dict) else data["params"]
-        if isinstance(params, dict):
-            own = _SCHEDULER_OWN_KEYS[kind]
-            foreign = sorted(k for other in _SCHEDULER_OWN_KEYS.values() for k in other
-                             if k in params and k not in own)
-            if foreign:
-                raise ValueError(f"params.{', params.'.join(foreign)} do not belong to {kind} (DeepSpeed's {kind} "
-                                 f"takes {', '.join(own)}); remove them or change the type")
-            for key, default in own.items():
-                params.setdefault(key, default)
-        return {**data, "params": params}
-
-    @model_validator(mode="after")
-    def _needs_total(self) -> SchedulerConfig:
-        p = self.params
-        if self.type != "WarmupLR":
-            if p.total_num_steps is None:
-                raise ValueError(f"{self.type} needs params.total_num_steps")
-            if p.total_num_steps < p.warmup_num_steps:
-                raise ValueError(
-                    f"params.total_num_steps ({p.total_num_steps}) is less than "
-                    f"params.warmup_num_steps ({p.warmup_num_steps})"
-                )
-        if self.type != "WarmupCosineLR" and p.warmup_max_lr < p.warmup_min_lr:
-            raise ValueError(f"params.warmup_max_lr ({p.warmup_max_lr}) is below params.warmup_min_lr "
-                             f"({p.warmup_min_lr})")
-        return self
-
-
-class OffloadConfig(_Section):
+class OffloadConfig(Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     pin_memory: Bool = False
 
 
-class ZeroConfig(_Section):
+class ZeroConfig(Section):
     stage: Int = Field(0, ge=0, le=3)
     reduce_bucket_size: PositiveInt = 500_000_000  # elements per gradient bucket (DeepSpeed's unit)
     overlap_comm: Bool = True
@@ -193,7 +103,7 @@ class ZeroConfig(_Section):
         return self
 
 
-class Fp16Config(_Section):
+class Fp16Config(Section):
     enabled: Bool = False
     loss_scale: Float = Field(0.0, ge=0)  # 0 = dynamic
     initial_scale_power: Int = Field(16, ge=0, le=64)
@@ -206,11 +116,11 @@ class Fp16Config(_Section):
     raise_error_at_min_scale: Bool = True
 
 
-class Bf16Config(_Section):
+class Bf16Config(Section):
     enabled: Bool = False
 
 
-class ActivationCheckpointingConfig(_Section):
+class ActivationCheckpointingConfig(Section):
     """tinyscale's own section (DeepSpeed leaves the choice of what to recompute to model
     code): a policy from `tinyscale.checkpointing.POLICIES` applied to the GPT's blocks."""
 
@@ -226,7 +136,7 @@ class ActivationCheckpointingConfig(_Section):
         return self
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     tensor: PositiveInt = 1
     pipeline: PositiveInt = 1
     context: PositiveInt = 1
@@ -246,7 +156,7 @@ class BatchLayout:
     dp: int
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     train_batch_size: PositiveInt | None = None
     train_micro_batch_size_per_gpu: PositiveInt | None = None
     gradient_accumulation_steps: PositiveInt | None = None
@@ -278,7 +188,7 @@ class EngineConfig(_Section):
         if isinstance(config, EngineConfig):
             return config
         if isinstance(config, (str, Path)):
-            config = _read_file(Path(config))
+            config = read_file(Path(config))
         if not isinstance(config, dict):
             raise ConfigError(f"config must be a dict, a .json/.yaml path or an EngineConfig, got {type(config).__name__}")
         # DeepSpeed's vocabulary first: "auto" resolved, keys noted or refused (tinyscale.deepspeed_keys)
@@ -286,7 +196,7 @@ class EngineConfig(_Section):
         try:
             loaded = cls.model_validate(config)
         except ValidationError as err:
-            refused += _explain(err, config)
+            refused += explain(err, cls)
         if refused:
             raise ConfigError("invalid config:\n  " + "\n  ".join(refused))
         loaded._notes = tuple(notes)
@@ -328,69 +238,3 @@ class EngineConfig(_Section):
             tbs = micro * accum * dp
         return BatchLayout(tbs, micro, accum, dp)
     # --8<-- [end:batch-identity]
-
-
-def _read_file(path: Path) -> dict:
-    """The dict a .json/.yaml file holds; every failure is a `ConfigError` naming the file (and,
-    for a syntax error, the line and column the parser stopped at)."""
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a directory; give the path of a .json or .yaml file in it")
-    if path.suffix not in (".json", ".yaml", ".yml"):
-        raise ConfigError(f"config file {path}: use a .json, .yaml or .yml file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {path}, line {exc.lineno}, column {exc.colno}: invalid JSON: "
-                              f"{exc.msg}") from None
-    else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise ConfigError(f"config file {path}{where}: invalid YAML: {problem}") from None
-        data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a mapping of config keys "
-                          "(e.g. {\"train_batch_size\": 8})")
-    return data
-
-
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Field names of the section at `loc` (for "did you mean" hints)."""
-    for part in loc[:-1]:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        candidates = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not candidates:
-            return []
-        model = candidates[0]
-    return list(model.model_fields)
-
-
-def _explain(err: ValidationError, raw: dict) -> list[str]:
-    lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        where = ".".join(str(p) for p in loc) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            section = ".".join(str(part) for part in loc[:-1])  # DeepSpeed's keys of it are candidates too
-            deepspeed = [k.path.rsplit(".", 1)[-1] for k in KEYS if (k.path.rpartition(".")[0]) == section]
-            hint = difflib.get_close_matches(str(loc[-1]), _known_keys(EngineConfig, loc) + deepspeed, n=1)
-            fix = f"; did you mean '{hint[0]}'?" if hint else "; remove it"
-            lines.append(f"config field '{where}': unknown key{fix}")
-        else:
-            got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"config field '{where}': {msg}{got}")
-    return lines

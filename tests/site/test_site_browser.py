@@ -110,7 +110,7 @@ return {
 """
 
 
-def test_site_browser_every_page_loads_and_renders_math_and_mermaid(site_dir, browser):
+def test_site_browser_every_page_loads_and_renders_math_and_mermaid(browser, site_dir):
     pages = sorted(p for p in site_dir.rglob("*.html") if p.name not in NOT_FROM_DISK)
     assert len(pages) >= 10, f"only {len(pages)} pages in {site_dir}"
     problems = []
@@ -127,7 +127,7 @@ def test_site_browser_every_page_loads_and_renders_math_and_mermaid(site_dir, br
     assert not problems, "\n".join(problems)
 
 
-def test_site_browser_search_finds_a_lesson_for_zero(site_dir, browser):
+def test_site_browser_search_finds_a_lesson_for_zero(browser, site_dir):
     from selenium.webdriver.common.by import By
 
     browser.get((site_dir / "index.html").as_uri())
@@ -171,7 +171,7 @@ done(results);
 """
 
 
-def test_site_browser_calculator_page_equals_python(site_dir, browser):
+def test_site_browser_calculator_page_equals_python(browser, site_dir):
     grid = calculator_grid(400)
     browser.get((site_dir / "calculator.html").as_uri())
     assert _wait(browser, "window.tinyscaleCalculator !== undefined")

@@ -1,0 +1,214 @@
+"""One executor for every pipeline schedule: run a rank's lowered action list on its stages.
+
+The schedule (`schedules.py`, lowered by `add_communication`) decides the order; this file
+only knows what each action means:
+
+- F: run the stage on its input (micro-batch ids on stage 0, a received activation
+  elsewhere); the last stage applies `loss_fn` and keeps loss / m for its backward.
+- BW: backward of the stage's output (or scaled loss) into its input and its parameters.
+- B and W (zero-bubble's split): B computes only the input gradient (what the previous stage
+  waits for), W the parameter gradients later. Here W walks the kept graph a second time
+  (`torch.autograd.grad`), the same math, not the same time: production code splits each
+  matmul's backward (ZB paper, sec. 2) so W costs only the weight-gradient matmuls.
+- SEND/RECV: a run of consecutive sends goes out as one batched isend
+  (`tinyscale.dist.comm`, so the ledger counts it); each message is a small header (dtype,
+  number of dims, shape), so the receiver can allocate a tensor of any shape (variable
+  sequence lengths between steps work), then the data. Receives wait in schedule order.
+
+Gradients accumulate in `.grad` over the m micro-batches, each backward scaled by 1/m, so
+after `run` they are the gradient of the mean loss over the batch, as in one process; the
+optimizer step (and any data-parallel reduction) is the caller's. Messages between two ranks
+are matched in the order posted (NCCL has no tags): the simulator checks that a schedule
+receives in the order it sends.
+
+Shape legend: B rows of a micro-batch, T sequence length, C d_model, V vocab size.
+Test: `pytest tests/pipeline -k pp_executor` (2 ranks, float64, against tinyscale.reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F_
+from torch import nn
+
+from tinyscale.dist import comm
+from tinyscale.models.gpt import GPT
+from tinyscale.pipeline.partition import StageLayers
+from tinyscale.pipeline.schedules import (
+    B, BW, COMM_KINDS, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, stage_ranks,
+)
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
+_HEADER = 8  # int64 slots: dtype code, number of dims, up to 6 sizes
+
+
+class GPTStage(nn.Module):
+    """One model stage of a GPT, sharing the original model's modules (no copies):
+    [embedding] -> blocks[spec.layers] -> [final norm -> head]. Input (B, T) ids on the first
+    stage, (B, T, C) activations elsewhere; output (B, T, C), or (B, T, V) logits on the last."""
+
+    def __init__(self, model: GPT, spec: StageLayers) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = model.embed if spec.embedding else None
+        self.blocks = nn.ModuleList(model.blocks[i] for i in spec.layers)
+        self.norm = model.norm if spec.head else None
+        self.head = model.head if spec.head else None
+        self._rope = (model.rope_cos, model.rope_sin)  # (max_seq_len, D) each, not parameters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)  # (B, T) -> (B, T, C)
+        T = x.shape[1]
+        cos, sin = self._rope[0][:T], self._rope[1][:T]  # (T, D)
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, C)
+        if self.head is not None:
+            x = self.head(self.norm(x))  # (B, T, C) @ (C, V) -> (B, T, V)
+        return x
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's own loss on its logits: mean cross-entropy over all B*T positions."""
+    V = logits.shape[-1]
+    logits = logits.reshape(-1, V).to(torch.promote_types(logits.dtype, torch.float32))  # (B*T, V)
+    return F_.cross_entropy(logits, targets.reshape(-1).long())
+
+
+class PipelineExecutor:
+    """Runs pipeline rank `rank`'s actions of a lowered `schedule` on its `stages` (model
+    stage index -> module). `ranks[r]` is the global rank of pipeline rank r (default r)."""
+
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], *,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 ranks: Sequence[int] | None = None, group=None) -> None:
+        self.where = stage_ranks(schedule)
+        if set(stages) != {s for s, r in self.where.items() if r == rank}:
+            raise ValueError(f"rank {rank} was given stages {sorted(stages)} but the schedule runs "
+                             f"{sorted(s for s, r in self.where.items() if r == rank)} there")
+        self.actions, self.stages, self.loss_fn, self.group = schedule[rank], stages, loss_fn, group
+        self.num_stages = max(self.where) + 1
+        self.num_microbatches = len({a.microbatch for a in self.actions})
+        self.ranks = list(ranks) if ranks is not None else list(range(len(schedule)))
+
+    def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
+        """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
+        stage 0, `targets` on the rank holding the last; returns the mean loss there, else None."""
+        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}  # received activations / grads
+        self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input, output, grad_output)
+        self.sends: list[comm.Work] = []
+        self.sent_tensors: list[torch.Tensor] = []
+        self.inputs, self.targets, self.losses = inputs, targets, []
+        pending: list[Action] = []
+        for a in self.actions:
+            if a.kind in COMM_KINDS:
+                pending.append(a)
+                continue
+            self._communicate(pending)
+            pending = []
+            {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
+        self._communicate(pending)
+        for work in self.sends:
+            work.wait()
+        self.sent_tensors = []
+        if not self.losses:
+            return None
+        return torch.stack(self.losses).sum()  # sum of loss_i / m: the mean loss
+
+    def _forward(self, a: Action) -> None:
+        s, i = a.stage, a.microbatch
+        if s == 0:
+            x = self.inputs[i]
+        else:
+            x = self.inbox.pop((F, s, i)).requires_grad_()  # a leaf: its .grad is what B sends back
+        out = self.stages[s](x)
+        if s == self.num_stages - 1:  # scaled so the m backwards sum to the mean's gradient
+            out = self.loss_fn(out, self.targets[i]) / self.num_microbatches
+            self.losses.append(out.detach())
+        elif self.where[s + 1] == self.where[s]:  # the next stage is on this rank: no message
+            self.inbox[(F, s + 1, i)] = out.detach()
+        self.saved[(s, i)] = (x, out)
+
+    def _backward(self, a: Action) -> None:
+        """BW: input and parameter gradients; B: the input gradient only (W comes later)."""
+        s, i = a.stage, a.microbatch
+        x, out = self.saved[(s, i)]
+        grad_out = None if s == self.num_stages - 1 else self.inbox.pop((B, s, i))
+        if a.kind == BW:
+            self.saved.pop((s, i))
+            torch.autograd.backward(out, grad_out)
+            grad_in = x.grad if s > 0 else None
+        else:
+            self.saved[(s, i)] = (x, out, grad_out)  # W needs the graph again
+            grad_in = torch.autograd.grad(out, x, grad_out, retain_graph=True)[0] if s > 0 else None
+        if grad_in is not None and self.where[s - 1] == self.where[s]:
+            self.inbox[(B, s - 1, i)] = grad_in
+        elif grad_in is not None:
+            self.inbox[("out", s, i)] = grad_in  # picked up by SEND_B
+
+    def _weight_grad(self, a: Action) -> None:
+        x, out, grad_out = self.saved.pop((a.stage, a.microbatch))
+        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def _outgoing(self, a: Action) -> tuple[torch.Tensor, int]:
+        """The tensor a send carries and the pipeline rank it goes to."""
+        s, i = a.stage, a.microbatch
+        if a.kind == SEND_F:
+            return self.saved[(s, i)][1].detach(), self.where[s + 1]
+        return self.inbox.pop(("out", s, i)), self.where[s - 1]
+
+    def _communicate(self, actions: list[Action]) -> None:
+        """Post a run's sends together (header, then data, per message), then take its
+        receives in order, each header before its data. Sends never wait, as the simulator
+        assumes, so a schedule it accepts cannot deadlock here."""
+        ops = []
+        for a in (a for a in actions if a.kind in (SEND_F, SEND_B)):
+            tensor, peer = self._outgoing(a)
+            ops += [comm.P2POp("isend", _header(tensor, self._device), self.ranks[peer], self.group),
+                    comm.P2POp("isend", tensor.contiguous(), self.ranks[peer], self.group)]
+        self.sends += comm.batch_isend_irecv(ops)
+        self.sent_tensors += [op.tensor for op in ops]  # alive until the sends complete
+        for a in (a for a in actions if a.kind in (RECV_F, RECV_B)):
+            peer = self.ranks[self.where[a.stage - 1] if a.kind == RECV_F else self.where[a.stage + 1]]
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self._device)
+            comm.irecv(header, peer, self.group).wait()
+            buffer = _empty_from_header(header)
+            comm.irecv(buffer, peer, self.group).wait()
+            self.inbox[(F if a.kind == RECV_F else B, a.stage, a.microbatch)] = buffer
+
+    @property
+    def _device(self) -> torch.device:
+        return next(p for m in self.stages.values() for p in m.parameters()).device
+
+
+def _header(t: torch.Tensor, device) -> torch.Tensor:
+    if t.dim() > _HEADER - 2:
+        raise ValueError(f"cannot send a {t.dim()}-D tensor between stages: at most {_HEADER - 2} dims")
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim()),
+                        dtype=torch.int64, device=device)
+
+
+def _empty_from_header(h: torch.Tensor) -> torch.Tensor:
+    code, ndim, *sizes = h.tolist()
+    return torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=h.device)
+
+
+def exchange_tied_grads(param: nn.Parameter, peer: int, group=None) -> None:
+    """A weight used on two ranks (a tied embedding on the first stage and head on the last)
+    gets the sum of both ranks' gradients on both, as Megatron does, so both copies step alike."""
+    grad = param.grad if param.grad is not None else torch.zeros_like(param)
+    theirs = torch.empty_like(grad)
+    works = comm.batch_isend_irecv([comm.P2POp("isend", grad.contiguous(), peer, group),
+                                    comm.P2POp("irecv", theirs, peer, group)])
+    for work in works:
+        work.wait()
+    # Fixed order (lower rank's addend first) so both ranks compute bit-identical sums.
+    first, second = (grad, theirs) if dist.get_rank() < peer else (theirs, grad)
+    param.grad = first + second

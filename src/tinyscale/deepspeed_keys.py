@@ -98,10 +98,11 @@ KEYS: tuple[Key, ...] = (
     _r("scheduler.params.last_batch_iteration", "DeepSpeed starts the schedule after this step; tinyscale's "
        "schedule follows the engine's step, which load_checkpoint restores", _is(-1), "-1"),
     _h("gradient_clipping", "clip the global gradient norm to this (0: off)"),
-    _r("prescale_gradients", "DeepSpeed divides gradients by the data-parallel size before the reduction "
-       "instead of after it; tinyscale's reductions do one division of their own", _is(False), _FALSE),
-    _r("gradient_predivide_factor", "DeepSpeed divides by this factor before the reduction and by dp / "
-       "factor after; tinyscale's reductions do one division of their own", _is(1, 1.0), "1.0"),
+    _n("prescale_gradients", "false: DeepSpeed sums the gradients over ranks, then divides; tinyscale always "
+       "divides by the data-parallel size before the sum (true here), as torch's DDP does: the same mean, and "
+       "an fp16 sum cannot overflow", _is(True), _TRUE),
+    _n("gradient_predivide_factor", "DeepSpeed divides by this factor before the sum and by dp / factor after; "
+       "tinyscale divides by the whole data-parallel size before the sum (factor = dp): the same mean"),
     _r("communication_data_type", "DeepSpeed casts gradients to this dtype for the reduction; tinyscale "
        "reduces them in their own dtype (fp16/bf16 under mixed precision)", _is(None), "null"),
     _r("sparse_gradients", "DeepSpeed reduces nn.Embedding's sparse gradients as sparse tensors; tinyscale's "

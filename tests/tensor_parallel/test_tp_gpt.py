@@ -7,7 +7,7 @@
 - the comm ledger of one forward and one backward equals the formula per block;
 - `full_state_dict_from_tp` gives back the original keys and tensors exactly;
 - bad layouts are refused with the numbers and the fix.
-Run: `pytest tests/tensor_parallel -k "tp_gpt or tp_ledger or sp_ledger"`.
+Run: `pytest tests/tensor_parallel -k "tp_gpt or tp_ledger"`.
 """
 
 from __future__ import annotations

@@ -8,14 +8,14 @@ other's transpose: what one does forward the other does backward.
     gather_from_region       forward all-gather (last dim)      backward split (keep own slice)
     scatter_to_region        forward split (keep own slice)     backward all-gather (last dim)
 
-Sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2) replaces the all-reduce of g by a
-reduce-scatter along the sequence and the identity of f by an all-gather, so the same bytes
-move (an all-reduce *is* a reduce-scatter followed by an all-gather) while the activations
-between two tensor-parallel regions are stored only once per rank:
+Sequence parallelism (Korthikanti et al. 2022, sec. 4.2.2, fig. 5) replaces f by their g, an
+all-gather along the sequence, and Megatron's g by their g-bar, a reduce-scatter along the
+sequence, so the same bytes move (an all-reduce *is* a reduce-scatter followed by an
+all-gather) while the activations between two tensor-parallel regions are stored 1/t per rank:
 
-    gather_from_sequence     g-bar   forward all-gather (seq dim)   backward reduce-scatter
-    reduce_scatter_to_sequence  g    forward reduce-scatter         backward all-gather
-    split_to_sequence                forward split (seq dim)         backward all-gather
+    gather_from_sequence        SP's g      forward all-gather (seq dim)   backward reduce-scatter
+    reduce_scatter_to_sequence  SP's g-bar  forward reduce-scatter         backward all-gather
+    split_to_sequence                       forward split (seq dim)        backward all-gather
 
 Every collective goes through `tinyscale.dist.comm`, so a ledger counts it. The math (the
 layers) lives in `layers.py`; this file only moves tensors.
@@ -25,7 +25,7 @@ ValueError names both numbers. Callers that need uneven sizes pad first (the voc
 layers do; see `layers.py`).
 
 Shape legend: B batch rows, T sequence length, T/t a rank's sequence shard, X any trailing dims.
-The lesson: lessons/07-tensor-parallel.md. Run: `pytest tests/tensor_parallel -k tp_comm`.
+The lesson (planned): lessons/07-tensor-parallel.md. Run: `pytest tests/tensor_parallel -k tp_comm`.
 """
 
 from __future__ import annotations
@@ -179,14 +179,14 @@ def scatter_to_region(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_from_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """Sequence parallelism's g-bar: forward all-gather (B, T/t, X) -> (B, T, X), backward
-    reduce-scatter (each rank's region gave a partial gradient of the whole sequence)."""
+    """Sequence parallelism's g (in place of f): forward all-gather (B, T/t, X) -> (B, T, X),
+    backward reduce-scatter (each rank's region gave a partial gradient of the whole sequence)."""
     return _GatherFromSequence.apply(x, group)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """Sequence parallelism's g: forward reduce-scatter of partial sums (B, T, X) -> (B, T/t, X),
-    backward all-gather."""
+    """Sequence parallelism's g-bar (in place of Megatron's g): forward reduce-scatter of partial
+    sums (B, T, X) -> (B, T/t, X), backward all-gather."""
     return _ReduceScatterToSequence.apply(x, group)
 
 

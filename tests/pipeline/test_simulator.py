@@ -77,6 +77,18 @@ def test_pp_simulator_reports_deadlock_with_every_waiting_action():
         simulate(schedule)
 
 
+def test_pp_simulator_reports_receives_out_of_send_order():
+    """Stage 1 takes micro-batch 1 before 0: fine for dependencies, but without message tags
+    (NCCL) rank 1's first receive would get micro-batch 0's activation."""
+    schedule = add_communication(afab(2, 2))
+    first = schedule[1].index(Action(1, RECV_F, 0))
+    schedule[1][first:first + 4] = schedule[1][first + 2:first + 4] + schedule[1][first:first + 2]
+    assert [str(a) for a in schedule[1][:4]] == ["1RECV_F1", "1F1", "1RECV_F0", "1F0"]
+    with pytest.raises(ScheduleError, match=r"rank 1 receives 1RECV_F1 from rank 0, whose next message "
+                                            r"to it is 0SEND_F0"):
+        simulate(schedule)
+
+
 def test_pp_simulator_reports_missing_or_double_backward():
     schedule = add_communication(zb_h1(2, 2))
     schedule[0].remove(Action(0, W, 1))

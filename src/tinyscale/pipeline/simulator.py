@@ -103,6 +103,28 @@ def _check_layout(schedule: Schedule) -> tuple[dict[int, int], int, set[int]]:
     return where, num_stages, {a.microbatch for a in seen}
 
 
+def _check_message_order(schedule: Schedule, where: dict[int, int]) -> None:
+    """Between two ranks, messages are matched in the order posted (NCCL has no tags), so
+    each rank must receive from a peer in the order that peer sends to it."""
+    sent: dict[tuple[int, int], list[Action]] = {}
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            if a.kind in (SEND_F, SEND_B):
+                sent.setdefault((rank, where[_matching_receive(a).stage]), []).append(a)
+    position: dict[tuple[int, int], int] = {}
+    for rank, actions in enumerate(schedule):
+        for a in actions:
+            if a.kind in (RECV_F, RECV_B):
+                pair = (where[_matching_send(a).stage], rank)
+                k = position.get(pair, 0)
+                expected = sent[pair][k]
+                if expected != _matching_send(a):
+                    raise ScheduleError(f"rank {rank} receives {a} from rank {pair[0]}, whose next message "
+                                        f"to it is {expected}: messages between two ranks are matched in "
+                                        "the order sent, so receive in that order")
+                position[pair] = k + 1
+
+
 def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action], float] | None = None,
              *, latency: float = 0) -> Simulation:
     """Run `schedule` (per-rank lists, lowered by `add_communication`) on the given costs."""
@@ -200,6 +222,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
             recv = _matching_receive(a)
             if recv not in done:
                 raise ScheduleError(f"{a} is never received: no rank runs {recv}")
+    _check_message_order(schedule, where)
     for s in range(num_stages):
         for i in sorted(microbatches):
             if Action(s, F, i) not in done:

@@ -19,6 +19,7 @@ from tinyscale.data import synthetic_regression_batches
 from tinyscale.engine import checkpoint_io
 from tinyscale.engine.checkpoint import CheckpointError, CheckpointNotFound
 from tinyscale.models import TinyMLP
+from tinyscale.testing import run_on_ranks
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "betas": [0.9, 0.999]}}
 
@@ -168,7 +169,8 @@ def test_checkpoint_faults_other_shapes_or_names_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"shapes differ: fc_in.weight: saved \(16, 8\), here \(32, 8\)"):
         wider.load_checkpoint(tmp_path / "ckpt")
     renamed = ts.initialize(_Renamed(), _config())
-    with pytest.raises(CheckpointError, match=r"this model has \[.*'inner.fc_in.weight'.*\] which the checkpoint lacks\n  the checkpoint has \[.*'fc_in.weight'"):
+    names = r"this model has \[.*'inner.fc_in.weight'.*\] which the checkpoint lacks\n  the checkpoint has \[.*'fc_in.weight'"
+    with pytest.raises(CheckpointError, match=names):
         renamed.load_checkpoint(tmp_path / "ckpt")
 
 
@@ -206,3 +208,26 @@ def test_checkpoint_faults_new_hyperparameters_win_and_are_reported(tmp_path, st
     saved_state = next(iter(saved.optimizer.state.values()))
     assert torch.equal(state["exp_avg"], saved_state["exp_avg"])  # the state is the file's
     engine.train_batch(BATCHES[2])
+
+
+def _load_where_rank1_cannot_read(path, stage):
+    engine = ts.initialize(TinyMLP(seed=9), {**_config(stage=stage), "train_batch_size": 8})
+    real = checkpoint_io.read
+    if torch.distributed.get_rank() == 1:  # e.g. a node whose mount of the checkpoint is stale
+        checkpoint_io.read = lambda p: (_ for _ in ()).throw(CheckpointError(f"rank 1 cannot read {p}"))
+    try:
+        engine.load_checkpoint(path)
+        return None
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        checkpoint_io.read = real
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_checkpoint_faults_every_rank_raises_when_one_cannot_load(tmp_path, stage):
+    """No rank goes on loading (stage 3 would wait in a gather forever) when another failed."""
+    _trained(1).save_checkpoint(tmp_path / "ckpt")
+    errors = run_on_ranks(_load_where_rank1_cannot_read, 2, str(tmp_path / "ckpt"), stage)
+    assert errors[0] is not None and "another rank could not load" in errors[0]
+    assert errors[1] is not None and errors[1].startswith("rank 1 cannot read")

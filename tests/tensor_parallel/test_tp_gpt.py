@@ -194,13 +194,23 @@ def mesh_body():
         owner = model.get_submodule(name.rpartition(".")[0])
         grads[name] = owner.full_tensor(name.rpartition(".")[2], p.grad) if hasattr(owner, "full_tensor") else p.grad
     expected = {name: p.grad for name, p in dense.named_parameters()}
-    return loss.item(), dense_loss.item(), grads, expected, {row.group_size for row in ledger.rows}
+    full = full_state_dict_from_tp(model, mesh)
+    try:
+        full_state_dict_from_tp(model, dist.group.WORLD)
+        wrong_group = "accepted"
+    except ValueError as exc:
+        wrong_group = str(exc)
+    return (loss.item(), dense_loss.item(), grads, expected, {row.group_size for row in ledger.rows},
+            full, dense.state_dict(), wrong_group)
 
 
 def test_tp_gpt_on_a_dp_tp_mesh_talks_only_within_its_tp_group():
-    """Every collective goes over the 2-rank TP group (never the 4-rank world), and each TP group
-    computes the dense loss and gradients of its own rows."""
-    for loss, dense_loss, grads, expected, group_sizes in run_on_ranks(mesh_body, 4):
+    """Every collective goes over the 2-rank TP group (never the 4-rank world), each TP group
+    computes the dense loss and gradients of its own rows, and full_state_dict_from_tp takes the
+    mesh and refuses a group the model was not split over."""
+    for loss, dense_loss, grads, expected, group_sizes, full, dense_state, wrong_group in run_on_ranks(mesh_body, 4):
         assert_losses_close([loss], [dense_loss])
         assert_state_dicts_close(grads, expected, what="grads on a dp x tp mesh")
         assert group_sizes == {2}
+        assert_state_dicts_close(full, dense_state, what="full_state_dict_from_tp(model, mesh)")
+        assert "ranks [0, 1, 2, 3]" in wrong_group

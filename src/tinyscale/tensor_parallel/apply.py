@@ -156,8 +156,12 @@ def full_state_dict_from_tp(model: nn.Module, group=None) -> dict[str, torch.Ten
     """The original model's state_dict from a tensor-parallel one: same keys, full unpadded tensors,
     the same on every rank (a collective: call it on every rank of the TP group). Each layer
     gathers over its own group; `group` (a ProcessGroup or ParallelMesh), if given, must be it."""
-    if group is not None and getattr(model, "tp_group", None) is not None and _tp_group(group) != model.tp_group:
-        raise ValueError("full_state_dict_from_tp: `group` is not the group the model was split over")
+    split_over = getattr(model, "tp_group", None)
+    if group is not None and split_over is not None:
+        given, expected = dist.get_process_group_ranks(_tp_group(group)), dist.get_process_group_ranks(split_over)
+        if given != expected:
+            raise ValueError(f"full_state_dict_from_tp: `group` has ranks {given}, but the model was split over "
+                             f"ranks {expected}: pass that group (or its ParallelMesh), or no group")
     out = {}
     for key, local in model.state_dict().items():
         path, _, leaf = key.rpartition(".")

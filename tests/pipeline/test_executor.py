@@ -78,3 +78,45 @@ def test_pp_executor_matches_single_process_float64(name, n_layer, tied, m, v, o
     assert_state_dicts_close(merged, expected, what=f"{name} pipeline vs one process")
     assert results[0][0] == [None] * 3  # only the last stage computes the loss
     assert_losses_close(results[1][0], expected_losses)
+
+
+def train_variable_lengths(lengths, m):
+    """1F1B on 2 ranks, a different sequence length each step; the ledger of the first step."""
+    from tinyscale.dist import comm
+
+    rank = dist.get_rank()
+    model, batches = _setup(3, False, 2 * m, len(lengths))
+    plan = partition_gpt(model.config, 2)
+    stages = {spec.stage: GPTStage(model, spec) for spec in stages_on_rank(plan, rank)}
+    executor = PipelineExecutor(add_communication(one_f_one_b(2, m)), rank, stages, loss_fn=gpt_loss)
+    optimizer = torch.optim.SGD([q for s in stages.values() for q in s.parameters()], lr=5e-2, momentum=0.9)
+    losses, ledger_rows = [], None
+    for T, (inputs, targets) in zip(lengths, batches):
+        with comm.record() as ledger:
+            loss = executor.run(inputs[:, :T].chunk(m), targets[:, :T].chunk(m))
+        ledger_rows = ledger_rows or [(row.op, row.bytes) for row in ledger.rows]
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    return losses, {k: q.detach().clone() for k, q in model.named_parameters()
+                    if any(q is p for s in stages.values() for p in s.parameters())}, ledger_rows
+
+
+def test_pp_executor_variable_sequence_lengths_and_message_count():
+    """Steps of 8, 5 and 7 tokens: headers carry the shapes. Per step each rank sends m
+    activations (rank 0) or input gradients (rank 1), each a 64-byte header (8 int64) and
+    (rows, T, C) float64 of data: m x activation x 1 boundary x 2 directions in all."""
+    lengths, m = [8, 5, 7], 2
+    results = run_on_ranks(train_variable_lengths, 2, lengths, m)
+    model, batches = _setup(3, False, 2 * m, len(lengths))
+    batches = [(x[:, :T], y[:, :T]) for T, (x, y) in zip(lengths, batches)]
+    config = {"train_batch_size": 2 * m, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": m,
+              "optimizer": {"type": "SGD", "params": {"lr": 5e-2, "momentum": 0.9}}}
+    expected_losses = ts.reference.train(model, batches, config)
+    merged = {k: t for _, params, _ in results for k, t in params.items()}
+    assert_state_dicts_close(merged, dict(model.named_parameters()), what="variable-length pipeline vs one process")
+    assert_losses_close(results[1][0], expected_losses)
+    activation = 2 * lengths[0] * model.config.d_model * 8  # rows x T x C x float64 bytes
+    for _, _, rows in results:
+        sends = [nbytes for op, nbytes in rows if op == "isend"]
+        assert sorted(sends) == sorted([64] * m + [activation] * m)

@@ -79,3 +79,51 @@ def _wrong_layout_body():
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+def _timeline_body(cp_T):
+    """Forward on this rank with block_attention timed: per step, when its blocks ran, and
+    when that step's K/V hop was posted and waited for."""
+    import time
+
+    import torch.distributed as dist
+
+    from tinyscale.context_parallel import ring
+    from tinyscale.context_parallel.sharding import block_plan, shard
+    from tinyscale.dist import comm
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    layout = Layout(cp, "zigzag", cp_T)
+    q = shard(torch.randn(1, 2, cp_T, D, dtype=torch.float64), layout, rank, dim=2)
+    calls, original = [], ring.block_attention
+
+    def timed(*args, **kwargs):
+        calls.append(time.perf_counter())
+        out = original(*args, **kwargs)
+        calls.append(time.perf_counter())
+        return out
+
+    ring.block_attention = timed
+    try:
+        with comm.record() as ledger:
+            ring.ring_attention(q, q[:, :1], q[:, :1], layout=layout)
+    finally:
+        ring.block_attention = original
+    per_step = [2 * len(block_plan(layout, rank, (rank - s) % cp, causal=True)) for s in range(cp)]
+    bounds = [sum(per_step[:s]) for s in range(cp + 1)]
+    steps = [(calls[bounds[s]], calls[bounds[s + 1] - 1]) for s in range(cp)]  # (first start, last end)
+    sends = [(r.start, r.end) for r in ledger.rows if r.op == "isend"]
+    recvs = [(r.start, r.end) for r in ledger.rows if r.op == "irecv"]
+    return steps, sends, recvs
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_ring_attention_overlaps_the_next_hop_with_the_blocks_attention(cp):
+    """Each step's K/V hop is posted before the step's blocks start and waited for only
+    after they end: the transfer runs while this rank computes."""
+    for steps, sends, recvs in run_on_ranks(_timeline_body, cp, 4 * cp):
+        assert len(sends) == len(recvs) == cp - 1
+        for s in range(cp - 1):
+            compute_start, compute_end = steps[s]
+            assert sends[s][0] < compute_start and recvs[s][0] < compute_start
+            assert recvs[s][1] > compute_end

@@ -125,3 +125,44 @@ def _too_long_body():
     except ValueError as exc:
         return str(exc) + f" (rank {dist.get_rank()})"
     return "no error"
+
+
+def _ledger_body(algorithm, T):
+    from tinyscale.dist import comm
+
+    model = apply_context_parallel(GPT(CFG, seed=0, dtype=torch.float64), None, algorithm=algorithm)
+    batch = shard_batch(_batches(T)[0], None, "zigzag")
+    with comm.record() as fwd:
+        loss = model(*batch)
+    with comm.record() as bwd:
+        loss.backward()
+    return fwd.by_op(), bwd.by_op()
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_cp_gpt_ring_attention_ledger_per_layer(cp):
+    """Per rank: each of the n_layer layers sends cp-1 K/V blocks forward (2 B Tl K D e bytes,
+    K = 2 K/V heads, not the 6 query heads) and cp-1 K/V plus cp-1 dK/dV blocks backward;
+    the loss costs one all-reduce of (sum, count)."""
+    B, T, e = 2, 16, 8
+    Tl = Layout(cp, "zigzag", T).local_len
+    block = 2 * B * Tl * CFG.kv_heads * CFG.head_dim * e
+    for fwd, bwd in run_on_ranks(_ledger_body, cp, "ring", T):
+        assert fwd["isend"]["calls"] == CFG.n_layer * (cp - 1)
+        assert fwd["isend"]["bytes"] == CFG.n_layer * (cp - 1) * block
+        assert fwd["all_reduce"]["calls"] == 1 and fwd["all_reduce"]["bytes"] == 2 * e
+        assert bwd["isend"]["bytes"] == CFG.n_layer * 2 * (cp - 1) * block
+        assert set(bwd) == {"isend", "irecv"}
+
+
+def test_cp_gpt_ulysses_ledger_per_layer():
+    """Per rank: 4 all-to-alls per layer forward, q and out B H Tl D e bytes, k and v
+    B K Tl D e (cp 2 divides the 2 K/V heads: no replication); 4 more backward."""
+    B, T, e, cp = 2, 16, 8, 2
+    Tl = Layout(cp, "zigzag", T).local_len
+    q_bytes, kv_bytes = B * CFG.n_head * Tl * CFG.head_dim * e, B * CFG.kv_heads * Tl * CFG.head_dim * e
+    for fwd, bwd in run_on_ranks(_ledger_body, cp, "ulysses", T):
+        assert fwd["all_to_all"]["calls"] == 4 * CFG.n_layer
+        assert fwd["all_to_all"]["bytes"] == CFG.n_layer * (2 * q_bytes + 2 * kv_bytes)
+        assert bwd["all_to_all"]["calls"] == 4 * CFG.n_layer
+        assert bwd["all_to_all"]["bytes"] == CFG.n_layer * (2 * q_bytes + 2 * kv_bytes)

@@ -13,7 +13,10 @@ from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.pipeline.executor import GPTStage, PipelineExecutor, exchange_tied_grads, gpt_loss
 from tinyscale.pipeline.partition import partition_gpt, stages_on_rank
-from tinyscale.pipeline.schedules import add_communication, afab, interleaved_1f1b, one_f_one_b, zb_h1
+from tinyscale.pipeline.schedules import (
+    RECV_F, Action, add_communication, afab, interleaved_1f1b, one_f_one_b, zb_h1,
+)
+from tinyscale.pipeline.simulator import ScheduleError
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
 
 OPTIMIZERS = {  # SGD too: Adam hides a uniform gradient-scale bug
@@ -71,13 +74,35 @@ def _reference(n_layer, tied, m, steps, optimizer):
     ("interleaved_1f1b", 5, True, 4, 2, "adamw")])
 def test_pp_executor_matches_single_process_float64(name, n_layer, tied, m, v, optimizer):
     """n_layer 3 on 2 stages (and 5 on 4 chunks): uneven; tied embedding and head on both ends."""
-    results = run_on_ranks(train_pipeline, 2, name, n_layer, tied, m, v, 3, optimizer)
-    expected_losses, expected = _reference(n_layer, tied, m, 3, optimizer)
+    _check_against_reference(2, name, n_layer, tied, m, v, optimizer)
+
+
+@pytest.mark.parametrize(("name", "n_layer", "m", "v"), [("zb_h1", 6, 5, 1), ("interleaved_1f1b", 9, 4, 2)])
+def test_pp_executor_four_ranks_match_single_process_float64(name, n_layer, m, v):
+    """p = 4: 6 layers on 4 stages, 9 on 8 chunks (uneven), fewer micro-batches than 2p."""
+    _check_against_reference(4, name, n_layer, True, m, v, "sgd")
+
+
+def _check_against_reference(p, name, n_layer, tied, m, v, optimizer, steps=3):
+    results = run_on_ranks(train_pipeline, p, name, n_layer, tied, m, v, steps, optimizer)
+    expected_losses, expected = _reference(n_layer, tied, m, steps, optimizer)
     merged = {k: t for _, params in results for k, t in params.items()}
     assert merged.keys() == expected.keys()
     assert_state_dicts_close(merged, expected, what=f"{name} pipeline vs one process")
-    assert results[0][0] == [None] * 3  # only the last stage computes the loss
-    assert_losses_close(results[1][0], expected_losses)
+    assert all(losses == [None] * steps for losses, _ in results[:-1])  # only the last stage has the loss
+    assert_losses_close(results[-1][0], expected_losses)
+
+
+def test_pp_executor_refuses_a_broken_schedule():
+    """Checked by the simulator before any message: no process group needed to see it."""
+    model, _ = _setup(2, False, 2, 1)
+    plan = partition_gpt(model.config, 2)
+    schedule = add_communication(one_f_one_b(2, 2))
+    schedule[1].remove(Action(1, RECV_F, 1))
+    with pytest.raises(ScheduleError, match="1F1 runs before its input's receive 1RECV_F1"):
+        PipelineExecutor(schedule, 1, {1: GPTStage(model, plan[1])}, loss_fn=gpt_loss)
+    with pytest.raises(ValueError, match=r"rank 0 was given stages \[1\] but the schedule runs \[0\] there"):
+        PipelineExecutor(add_communication(afab(2, 2)), 0, {1: GPTStage(model, plan[1])}, loss_fn=gpt_loss)
 
 
 def train_variable_lengths(lengths, m):

@@ -40,6 +40,7 @@ from tinyscale.pipeline.partition import StageLayers
 from tinyscale.pipeline.schedules import (
     B, BW, COMM_KINDS, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, stage_ranks,
 )
+from tinyscale.pipeline.simulator import simulate
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
 _HEADER = 8  # int64 slots: dtype code, number of dims, up to 6 sizes
@@ -85,6 +86,7 @@ class PipelineExecutor:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  ranks: Sequence[int] | None = None, group=None) -> None:
+        simulate(schedule)  # refuse a broken or deadlocking schedule before any message is sent
         self.where = stage_ranks(schedule)
         if set(stages) != {s for s, r in self.where.items() if r == rank}:
             raise ValueError(f"rank {rank} was given stages {sorted(stages)} but the schedule runs "

@@ -23,9 +23,10 @@ def problem(T, H, K, seed, B=2, dtype=torch.float64):
     return q, k, v, torch.randn(B, H, T, D, generator=g, dtype=dtype)
 
 
-def dense(T, H, K, seed, causal):
-    """[out, lse, dq, dk, dv] of attention over the whole sequence, by SDPA and autograd."""
-    q, k, v, dout = problem(T, H, K, seed)
+def dense(T, H, K, seed, causal, rounded_to=torch.float64):
+    """[out, lse, dq, dk, dv] of attention over the whole sequence, by SDPA and autograd, in
+    float64 on the problem's values rounded to `rounded_to` (what a low-precision run sees)."""
+    q, k, v, dout = (t.to(rounded_to).double() for t in problem(T, H, K, seed))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     G = H // K
     mask = torch.ones(T, T, dtype=torch.bool)
@@ -38,13 +39,13 @@ def dense(T, H, K, seed, causal):
     return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
 
 
-def sharded_body(algorithm, T, H, K, seed, sharding, causal):
+def sharded_body(algorithm, T, H, K, seed, sharding, causal, dtype=torch.float64):
     """On each rank: its shard of the problem through ring/Ulysses, forward and backward.
     Returns [out, lse (ring only, else None), dq, dk, dv] local shards and the ledger rows of
     the forward and of the backward as (op, bytes) lists."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     layout = Layout(cp, sharding, T)
-    q, k, v, dout = (shard(t, layout, rank, dim=2) for t in problem(T, H, K, seed))
+    q, k, v, dout = (shard(t.to(dtype), layout, rank, dim=2) for t in problem(T, H, K, seed))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with comm.record() as fwd:
         if algorithm == "ring":

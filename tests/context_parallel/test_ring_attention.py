@@ -127,3 +127,15 @@ def test_ring_attention_overlaps_the_next_hop_with_the_blocks_attention(cp):
             compute_start, compute_end = steps[s]
             assert sends[s][0] < compute_start and recvs[s][0] < compute_start
             assert recvs[s][1] > compute_end
+
+
+# float32: inputs exact, each of ~T-term sums rounds at 6e-8 relative; 1e-5 leaves 100x room
+# and a wrong mask is O(1). bf16: block outputs are rounded to bf16 (8 bits) before the
+# float32 merge, as flash-attention kernels return them: ~4e-3 relative per block, so 3e-2.
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_ring_attention_low_precision_close_to_float64(dtype, tol):
+    cp, T, H, K = 3, 17, 4, 2
+    results = run_on_ranks(sharded_body, cp, "ring", T, H, K, 1, "zigzag", True, dtype)
+    for name, got, want in zip(NAMES, gathered(results, T, "zigzag"), dense(T, H, K, 1, True, rounded_to=dtype)):
+        assert got.dtype == (torch.float32 if name == "lse" else dtype)
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")

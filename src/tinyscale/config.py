@@ -82,6 +82,7 @@ class ZeroConfig(Section):
     stage: Int = Field(0, ge=0, le=3)
     reduce_bucket_size: PositiveInt = 500_000_000  # elements per gradient bucket (DeepSpeed's unit)
     overlap_comm: Bool = True
+    reduce_scatter: Bool = True  # stages 1-2; false: all-reduce, keep the slice (DeepSpeed's meaning)
     offload_optimizer: OffloadConfig = OffloadConfig()
     offload_param: OffloadConfig = OffloadConfig()
 

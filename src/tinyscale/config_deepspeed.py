@@ -135,6 +135,9 @@ def runtime_notes(config, *, has_gpu: bool) -> list[str]:
             why = ("no effect without a GPU: pinning speeds host-device copies, and there are none"
                    if not has_gpu else "no effect yet: tinyscale's host buffers are pageable memory")
             notes.append(f"zero_optimization.{name}.pin_memory = True: {why}")
+    if zero.stage == 3 and not zero.reduce_scatter:
+        notes.append("zero_optimization.reduce_scatter = false: no effect at stage 3, which always "
+                     "reduce-scatters (DeepSpeed's stage 3 too)")
     if zero.stage == 3 and "reduce_bucket_size" in zero.model_fields_set:
         notes.append("zero_optimization.reduce_bucket_size: no effect at stage 3, which reduce-scatters each "
                      "unit's gradients in one call when backward leaves the unit (the units: zero3_wrap)")

@@ -7,10 +7,10 @@ below (`KEYS`, shown on the site as docs/deepspeed-config.md):
 - **noted**: accepted, no effect here; the reason is logged once at start-up (rank 0);
 - **refused**: a `ConfigError` saying what DeepSpeed does with it and why tinyscale does not.
 
-Many keys are honoured for some values and not others: ``"reduce_scatter": true`` describes
-what tinyscale always does, ``false`` asks for something it does not build. `Key.same` names
-the values that mean what tinyscale does; those are accepted silently, any other is treated
-as the key's `kind` says. ``"auto"``, as Hugging Face's integration writes it, is resolved by
+Many keys are honoured for some values and not others: ``"allgather_partitions": true``
+describes what tinyscale always does, ``false`` asks for something it does not build.
+`Key.same` names the values that mean what tinyscale does; those are accepted silently, any
+other is treated as the key's `kind` says. ``"auto"``, as Hugging Face's integration writes it, is resolved by
 `resolve_auto` where a value can be derived, and refused naming what to set where it cannot.
 Misspelt keys are not in the table and still get "unknown key; did you mean ...".
 
@@ -137,8 +137,8 @@ KEYS: tuple[Key, ...] = (
        _allgather_in_our_units, "= reduce_bucket_size, or stage 0/3"),
     _r(ZO + "allgather_partitions", "DeepSpeed can broadcast each rank's partition in turn; tinyscale "
        "all-gathers", _is(True), _TRUE),
-    _r(ZO + "reduce_scatter", "DeepSpeed can all-reduce the gradients and keeps its slice (twice the "
-       "bytes); tinyscale's stages 1-3 always reduce-scatter", _is(True), _TRUE),
+    _h(ZO + "reduce_scatter", "stages 1-2: false all-reduces each unit's gradients and keeps this rank's slice "
+       "(twice the bytes); stage 3 always reduce-scatters, as in DeepSpeed (false is noted)"),
     _n(ZO + "contiguous_gradients", "DeepSpeed copies gradients into one contiguous buffer; tinyscale's flat "
        "buffers are always contiguous", _is(True), _TRUE),
     _r(ZO + "load_from_fp32_weights", "DeepSpeed can rebuild the fp32 masters from 16-bit weights on load; "

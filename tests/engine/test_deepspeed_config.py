@@ -291,3 +291,41 @@ def test_deepspeed_config_corpus_loads_and_trains(path, tmp_path, caplog):
     rows = engine.batch.train_batch_size
     for batch in synthetic_token_batches(num_batches=2, batch_size=rows, seq_len=16, seed=0):
         assert math.isfinite(engine.train_batch(batch))
+
+
+# --- zero_optimization.reduce_scatter: false all-reduces, same training, twice the bytes
+
+def _reduce_scatter_run(stage, reduce_scatter):
+    config = {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "reduce_scatter": reduce_scatter}}
+    engine = ts.initialize(TinyMLP(seed=0), config)
+    engine.comm_ledger.clear()
+    for batch in synthetic_regression_batches(num_batches=2, batch_size=6, dim=8, seed=0):
+        engine.train_batch(batch)
+    ledger = engine.comm_ledger
+    return (engine.full_state_dict(), ledger.calls("reduce_scatter"), ledger.bus_bytes("reduce_scatter"),
+            ledger.bus_bytes("all_reduce"))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_config_reduce_scatter_false_all_reduces_with_twice_the_bytes(stage):
+    from tinyscale.testing import assert_state_dicts_close, run_on_ranks
+
+    reference = TinyMLP(seed=0)
+    ts.reference.train(reference, synthetic_regression_batches(num_batches=2, batch_size=6, dim=8, seed=0),
+                       {"train_batch_size": 6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2,
+                                                                                          "weight_decay": 0.1}}})
+    scattered = run_on_ranks(_reduce_scatter_run, 3, stage, True)
+    reduced = run_on_ranks(_reduce_scatter_run, 3, stage, False)
+    for (_, rs_calls, rs_bytes, ar_bytes), (state, no_rs_calls, _, ar_bytes_without) in zip(scattered, reduced):
+        assert rs_calls > 2 and no_rs_calls == 0
+        # a ring all-reduce sends 2(N-1)/N of the buffer, a reduce-scatter (N-1)/N: the
+        # gradients' all-reduces cost exactly twice; rel 1e-12: sums of the same float terms
+        assert ar_bytes_without - ar_bytes == pytest.approx(2 * rs_bytes, rel=1e-12)
+        assert_state_dicts_close(state, reference.state_dict())  # float64, rtol 1e-10
+
+
+def test_deepspeed_config_reduce_scatter_false_is_noted_at_stage3():
+    engine = _engine({"zero_optimization": {"stage": 3, "reduce_scatter": False}})
+    assert any("reduce_scatter = false: no effect at stage 3" in n for n in engine.config_notes)

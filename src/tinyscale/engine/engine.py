@@ -181,6 +181,8 @@ class Engine:
                                            offload_param=zero.offload_param.device,
                                            param_nvme_path=zero.offload_param.nvme_path)
                 self.optimizer = self.zero.sharded.optimizer
+                if zero.stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
+                    self.zero.sharded.reduce_scatter = zero.reduce_scatter
                 if self.compute_dtype is not None:  # frozen parameters compute in it too; buffers
                     with torch.no_grad():              # (the GPT's fp32 RoPE tables) stay as they are
                         for p in self.model.parameters():

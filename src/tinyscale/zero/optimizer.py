@@ -266,6 +266,11 @@ class ShardedOptimizer:
             full.copy_(m)
         unit.copy_into_params(full)
 
+    # DeepSpeed's zero_optimization.reduce_scatter. False: every unit's gradients are all-reduced
+    # whole and each rank keeps its slice: the same sums, twice the bytes on the wire (a ring
+    # all-reduce sends 2(N-1)/N of the buffer, a reduce-scatter (N-1)/N). The engine sets it.
+    reduce_scatter: bool = True
+
     def reduce_scatter_into(self, unit_index: int, grads: Sequence[torch.Tensor | None], async_op: bool = False):
         """Sum `grads` (shaped like the unit's params) over ranks; add this rank's averaged
         shard into its gradient buffer. Returns a handle whose wait() completes the add."""
@@ -278,6 +283,10 @@ class ShardedOptimizer:
         # Divide before summing (as torch DDP does): in fp16 the sum of N scaled gradients can
         # overflow where their mean would not. (A power-of-two N divides exactly either way.)
         flat.div_(self.world_size)
+        if not self.reduce_scatter:  # all-reduce the whole unit, keep this rank's slice of it
+            lo, hi = unit.shard_range()
+            work = comm.all_reduce(flat, group=self.process_group, async_op=async_op)
+            return _PendingShard(work, flat, flat[lo:hi], self.grad[unit_index])
         out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         work = comm.reduce_scatter(out, flat, group=self.process_group, async_op=async_op)
         return _PendingShard(work, flat, out, self.grad[unit_index])

@@ -7,11 +7,13 @@
   detects deadlock, measures makespan, bubble fraction and peak in-flight micro-batches.
 - `render.py`: a schedule as a text table or a matplotlib Gantt chart.
 - `partition.py`: which GPT layers go to which stage (and chunk).
+- `executor.py`: one executor running any lowered schedule on a rank's GPT stages.
 
 The tests: `pytest tests/pipeline` (keys pp_simulator, pp_afab, pp_1f1b, pp_interleaved,
-pp_zero_bubble, pp_partition).
+pp_zero_bubble, pp_partition, pp_executor).
 """
 
+from tinyscale.pipeline.executor import GPTStage, PipelineExecutor, exchange_tied_grads, gpt_loss
 from tinyscale.pipeline.partition import StageLayers, balanced_split, partition_gpt, stages_on_rank
 from tinyscale.pipeline.schedules import (
     Action,

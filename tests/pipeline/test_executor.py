@@ -145,3 +145,23 @@ def test_pp_executor_variable_sequence_lengths_and_message_count():
     for _, _, rows in results:
         sends = [nbytes for op, nbytes in rows if op == "isend"]
         assert sorted(sends) == sorted([64] * m + [activation] * m)
+
+
+@pytest.mark.parametrize(("name", "v"), [("afab", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 3)])
+def test_pp_executor_one_rank_gradients_equal_plain_backward(name, v):
+    """p = 1, no process group: with 3 chunks on one rank, activations and gradients pass
+    between stages in memory; the B/W split sums to the full backward. float64, rtol 1e-10."""
+    m = 3
+    model, batches = _setup(3, True, 2 * m, 1)
+    reference, _ = _setup(3, True, 2 * m, 1)
+    inputs, targets = batches[0]
+    plan = partition_gpt(model.config, 1, virtual_stages=v)
+    executor = PipelineExecutor(add_communication(SCHEDULES[name](1, m, v)), 0,
+                                {spec.stage: GPTStage(model, spec) for spec in plan}, loss_fn=gpt_loss)
+    loss = executor.run(inputs.chunk(m), targets.chunk(m))
+    expected = sum(reference(x, y) / m for x, y in zip(inputs.chunk(m), targets.chunk(m)))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=0)  # float64: summation order only
+    grads = {k: q.grad for k, q in model.named_parameters()}
+    assert_state_dicts_close(grads, {k: q.grad for k, q in reference.named_parameters()},
+                             what=f"{name} gradients on one rank vs plain backward")

@@ -48,6 +48,7 @@ def _tp_group(mesh_or_group):
     return mesh_or_group.group("tp") if isinstance(mesh_or_group, ParallelMesh) else mesh_or_group
 
 
+# --8<-- [start:check]
 def check_tensor_parallel(config, tp: int) -> None:
     """Raise ValueError if the GPT `config` cannot be split over `tp` ranks (no processes needed)."""
     rules = [
@@ -63,6 +64,7 @@ def check_tensor_parallel(config, tp: int) -> None:
     if config.dropout > 0:
         raise ValueError(f"tensor parallel: GPTConfig.dropout={config.dropout} > 0 is not supported (the masks "
                          "would differ from one process without an RNG tracker): set dropout=0")
+# --8<-- [end:check]
 
 
 def _enter_region(group, sequence_parallel: bool):
@@ -75,6 +77,7 @@ def _enter_region(group, sequence_parallel: bool):
     return hook
 
 
+# --8<-- [start:block]
 def parallelize_block(block: Block, group, *, sequence_parallel: bool = False) -> Block:
     """Split one transformer block over `group`, in place (the per-block part of apply_tensor_parallel).
     Under sequence parallelism the block takes and returns (B, T/t, C) sequence shards."""
@@ -93,6 +96,7 @@ def parallelize_block(block: Block, group, *, sequence_parallel: bool = False) -
         block.attn_norm = SequenceParallelRMSNorm(block.attn_norm, group)
         block.mlp_norm = SequenceParallelRMSNorm(block.mlp_norm, group)
     return block
+# --8<-- [end:block]
 
 
 def apply_tensor_parallel(model: GPT, mesh_or_group, *, sequence_parallel: bool = False) -> GPT:

@@ -79,6 +79,7 @@ def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out
 
 
+# --8<-- [start:f-g]
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -98,6 +99,7 @@ class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+# --8<-- [end:f-g]
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -122,6 +124,7 @@ class _ScatterToRegion(torch.autograd.Function):
         return all_gather_dim(grad, -1, ctx.group), None
 
 
+# --8<-- [start:sp-ops]
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -142,6 +145,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return all_gather_dim(grad, SEQ_DIM, ctx.group), None
+# --8<-- [end:sp-ops]
 
 
 class _SplitToSequence(torch.autograd.Function):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tinyscale.dist import comm
 
 
+# --8<-- [start:loss]
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_logits, targets, group, vocab_size):
@@ -63,6 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax.clone()  # (N, Vl): softmax - one_hot(target), on this rank's columns
         grad.scatter_add_(-1, index, -mine.to(grad.dtype).unsqueeze(-1))
         return grad * grad_loss.unsqueeze(-1), None, None, None
+# --8<-- [end:loss]
 
 
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group, *,

@@ -108,11 +108,13 @@ class ColumnParallelLinear(nn.Module):
                 layer.bias.copy_(_shard_rows(linear.bias, layer.local_out, group))
         return _keep_frozen(layer, linear)
 
+    # --8<-- [start:column-forward]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepare_input:
             x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)  # (..., C) @ (C, O/t) -> (..., O/t)
         return gather_from_region(y, self.group) if self.gather_output else y  # (..., O) if gathered
+    # --8<-- [end:column-forward]
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         return all_gather_dim(local.detach(), 0, self.group)[: self.out_features]
@@ -158,6 +160,7 @@ class RowParallelLinear(nn.Module):
                 layer.bias.copy_(linear.bias)
         return _keep_frozen(layer, linear)
 
+    # --8<-- [start:row-forward]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)  # (..., C) -> (..., C/t)
@@ -169,6 +172,7 @@ class RowParallelLinear(nn.Module):
         if self.bias is None:
             return y
         return y + (copy_to_region(self.bias, self.group) if self.sequence_parallel else self.bias)
+    # --8<-- [end:row-forward]
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         return all_gather_dim(local.detach(), 1, self.group) if name == "weight" else local.detach().clone()
@@ -203,6 +207,7 @@ class VocabParallelEmbedding(nn.Module):
             layer.weight.copy_(_shard_rows(w, layer.local_rows, group))  # padding rows: zeros
         return _keep_frozen(layer, embedding)
 
+    # --8<-- [start:embedding-forward]
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start  # (B, T)
         outside = (local < 0) | (local >= self.local_rows)
@@ -213,6 +218,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(partial, self.group)  # (B, T/t, C)
         return reduce_from_region(partial, self.group)
+    # --8<-- [end:embedding-forward]
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         return all_gather_dim(local.detach(), 0, self.group)[: self.num_embeddings]
@@ -231,7 +237,9 @@ class SequenceParallelRMSNorm(RMSNorm):
         nn.Module.__init__(self)
         self.eps, self.weight, self.group = norm.eps, norm.weight, group
 
+    # --8<-- [start:sp-norm]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * copy_to_region(self.weight, self.group)
+    # --8<-- [end:sp-norm]

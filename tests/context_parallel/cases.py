@@ -39,19 +39,24 @@ def dense(T, H, K, seed, causal, rounded_to=torch.float64):
     return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
 
 
-def sharded_body(algorithm, T, H, K, seed, sharding, causal, dtype=torch.float64):
+def sharded_body(algorithm, T, H, K, seed, sharding, causal, dtype=torch.float64, groups=None):
     """On each rank: its shard of the problem through ring/Ulysses, forward and backward.
     Returns [out, lse (ring only, else None), dq, dk, dv] local shards and the ledger rows of
-    the forward and of the backward as (op, bytes) lists."""
-    cp, rank = dist.get_world_size(), dist.get_rank()
+    the forward and of the backward as (op, bytes) lists. `groups` (lists of global ranks,
+    covering every rank): run in this rank's group instead of the whole world."""
+    group = None
+    if groups is not None:
+        made = [dist.new_group(ranks) for ranks in groups]  # every rank creates every group, in order
+        group = next(g for g, ranks in zip(made, groups) if dist.get_rank() in ranks)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     layout = Layout(cp, sharding, T)
     q, k, v, dout = (shard(t.to(dtype), layout, rank, dim=2) for t in problem(T, H, K, seed))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with comm.record() as fwd:
         if algorithm == "ring":
-            out, lse = ring_attention(q, k, v, layout=layout, causal=causal)
+            out, lse = ring_attention(q, k, v, group, layout=layout, causal=causal)
         else:
-            out, lse = ulysses_attention(q, k, v, layout=layout, causal=causal), None
+            out, lse = ulysses_attention(q, k, v, group, layout=layout, causal=causal), None
     with comm.record() as bwd:
         (out * dout).sum().backward()
     rows = lambda ledger: [(r.op, r.bytes) for r in ledger.rows]  # noqa: E731

@@ -139,3 +139,15 @@ def test_ring_attention_low_precision_close_to_float64(dtype, tol):
     for name, got, want in zip(NAMES, gathered(results, T, "zigzag"), dense(T, H, K, 1, True, rounded_to=dtype)):
         assert got.dtype == (torch.float32 if name == "lse" else dtype)
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
+def test_ring_attention_and_ulysses_in_strided_subgroups(algorithm):
+    """Two CP groups of 2 on 4 ranks, {0, 2} and {1, 3} (as a mesh with tp=2 makes them):
+    group ranks differ from global ranks, and each group computes the attention alone."""
+    T, H, K = 11, 4, 2
+    results = run_on_ranks(sharded_body, 4, algorithm, T, H, K, 2, "zigzag", True, torch.float64, [[0, 2], [1, 3]])
+    for members in ([0, 2], [1, 3]):
+        for name, got, want in zip(NAMES, gathered([results[r] for r in members], T, "zigzag"), dense(T, H, K, 2, True)):
+            if got is not None:  # float64, summation order only (see above)
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")

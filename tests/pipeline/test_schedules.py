@@ -5,8 +5,8 @@ schedule runs once each action and never deadlocks.
 Cost model behind every closed form: communication is free (sends take no time, latency 0)
 and each kind has one duration on every stage. Then AFAB's and 1F1B's makespan is
 (m+p-1)(F+BW), so their bubble is (p-1)/(m+p-1) whatever F and BW are (drawn here); the
-interleaved schedule's is (p-1)/(v m+p-1) with per-chunk durations (F = BW = 1/v per chunk
-keeps a micro-batch's whole-model time at 1; any common scale gives the same fraction);
+interleaved schedule's is (p-1)/(v m+p-1) for any per-chunk F and BW (F = BW = 1/v per
+chunk keeps a micro-batch's time through a rank at 1, to compare makespans with 1F1B's);
 ZB-H1's is (p-1)/(3m+p-1) with F = B = W = 1 and m >= p.
 """
 
@@ -81,9 +81,17 @@ def test_pp_1f1b_timeline_by_hand():
 @example(p=8, rounds=4, v=4)
 def test_pp_interleaved_bubble_matches_formula(p, rounds, v):
     m = p * rounds  # micro-batches in rounds of p: the schedule requires it
-    per_chunk = Fraction(1, v)
+    per_chunk = Fraction(1, v)  # a micro-batch's forward through a rank's v chunks takes 1, as without chunks
     sim = simulate(add_communication(interleaved_1f1b(p, m, v)), {F: per_chunk, BW: per_chunk})
-    assert sim.makespan == 2 * m + Fraction(2 * (p - 1), v)
+    assert sim.makespan == 2 * m + Fraction(2 * (p - 1), v)  # the bubble shrinks v times
+    assert sim.bubble_fraction == Fraction(p - 1, v * m + p - 1)
+
+
+@given(p=stages, rounds=st.integers(1, 4), v=st.integers(1, 4), f=durations, bw=durations)
+def test_pp_interleaved_bubble_matches_formula_for_any_chunk_costs(p, rounds, v, f, bw):
+    m = p * rounds
+    sim = simulate(add_communication(interleaved_1f1b(p, m, v)), {F: f, BW: bw})
+    assert sim.makespan == (v * m + p - 1) * (f + bw)
     assert sim.bubble_fraction == Fraction(p - 1, v * m + p - 1)
 
 

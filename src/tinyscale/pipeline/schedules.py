@@ -7,12 +7,14 @@ renderer (`render.py`) draws it and one executor runs any of them. PyTorch's
 torch.distributed.pipelining writes its schedules the same way; the action strings here
 read like its: `0F3` is stage 0's forward of micro-batch 3.
 
-| generator | paper | bubble with unit costs |
+| generator | paper | bubble (free communication) |
 | --- | --- | --- |
-| `afab` | GPipe, Huang et al. 2019: all forwards, then all backwards | (p-1)/(m+p-1) |
-| `one_f_one_b` | PipeDream-Flush / Megatron (Narayanan et al. 2021, sec. 2.2.1) | (p-1)/(m+p-1) |
-| `interleaved_1f1b` | Megatron's interleaved schedule (Narayanan et al. 2021, sec. 2.2.2) | (p-1)/(v m+p-1) |
-| `zb_h1` | ZB-H1, Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", sec. 2.1) | (p-1)/(3m+p-1), F=B=W=1, m>=p |
+| `afab` | GPipe, Huang et al. 2019: all forwards, then all backwards | (p-1)/(m+p-1), any F, BW |
+| `one_f_one_b` | PipeDream-Flush / Megatron (Narayanan et al. 2021, sec. 2.2.1) | (p-1)/(m+p-1), any F, BW |
+| `interleaved_1f1b` | Megatron's interleaved schedule (Narayanan et al. 2021, sec. 2.2.2) | (p-1)/(v m+p-1), any chunk F, BW |
+| `zb_h1` | ZB-H1, Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", sec. 2.1) | (p-1)/(3m+p-1), F=B=W, m>=p |
+
+(Each kind one duration on every stage; the simulator checks these exactly, `tests/pipeline`.)
 
 Names: p = `num_stages` pipeline ranks, m = `num_microbatches`, v = `virtual_stages` (model
 chunks per rank). The model is cut into p*v stages; stage s lives on rank s % p as its chunk

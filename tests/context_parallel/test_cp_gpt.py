@@ -79,7 +79,10 @@ def _logits_body(algorithm, sharding, T):
     model = GPT(CFG, seed=2, dtype=torch.float64)
     idx = _batches(T, seed=4)[0][0]
     full = model(idx)  # (B, T, V) before the swap
+    before = model.state_dict(keep_vars=True)
     apply_context_parallel(model, None, algorithm=algorithm, sharding=sharding)
+    after = model.state_dict(keep_vars=True)  # the transform adds no parameter or buffer: checkpoints need no inverse
+    assert list(after) == list(before) and all(after[k] is before[k] for k in before)
     inputs, _ = shard_batch((idx, idx), None, sharding)
     return full, model(inputs)  # (B, Tl, V) this rank's positions
 

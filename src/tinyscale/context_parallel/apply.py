@@ -153,7 +153,9 @@ def shard_batch(batch, group=None, sharding: str = "zigzag") -> tuple[torch.Tens
 
 
 def reduce_cp_grads(model: torch.nn.Module, group=None) -> None:
-    """Sum every parameter's gradient over the context-parallel group (in place)."""
+    """Sum every parameter's gradient over the context-parallel group (in place). Every rank
+    must hold the same set of gradients (true for the GPT: all its parameters are used on
+    every shard); the engine folds this into its data-parallel reduction instead."""
     for param in model.parameters():
         if param.grad is not None:
             comm.all_reduce(param.grad, group=group)

@@ -1,4 +1,4 @@
-"""Suite-wide set-up: hypothesis profiles, the --thorough flag, and the rank pools' lifetime.
+"""Suite-wide set-up: hypothesis profiles, the --thorough and --impl flags, and the rank pools' lifetime.
 
 Distributed test bodies run on pooled ranks (tinyscale.testing.run_on_ranks); the pools
 start on first use and stop when the session ends.
@@ -7,6 +7,7 @@ start on first use and stop when the session ends.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -30,6 +31,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--thorough"):
         settings.load_profile("thorough")
+    if config.getoption("--impl"):  # the option: conftest.py at the repository root
+        # Before any test module imports tinyscale's functions; rank processes read the
+        # environment (tests/__init__.py) and install the same code.
+        from tinyscale.course import impl
+
+        try:
+            config._exercise_topics = impl.install(config.getoption("--impl"))
+        except ValueError as err:
+            raise pytest.UsageError(str(err)) from None
+        os.environ[impl.ENV] = str(Path(config.getoption("--impl")).resolve())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    topics = getattr(config, "_exercise_topics", None)
+    if topics is None:
+        return
+    files = {f for t in topics for f in t.tests}
+    keep = [i for i in items if i.nodeid.split("::")[0] in files]
+    config.hook.pytest_deselected(items=[i for i in items if i.nodeid.split("::")[0] not in files])
+    items[:] = keep
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -3,6 +3,8 @@
     tinyscale train --preset ddp --world-size 4 [--steps 20] [--config FILE] [--dtype float64]
     tinyscale estimate --params 7.5e9 [--dp 1 4 16 64] [--zero 3] [--offload cpu]
     tinyscale info
+    tinyscale exercise list | start TOPIC | check TOPIC
+    tinyscale quiz [--topic T] [--count N] [--seed S]
 
 `train` spawns CPU ranks on this machine (or, started by torchrun, joins its ranks), trains
 the GPT on the standard library's sources with a progress bar, trains the single-process
@@ -292,12 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=sorted(DTYPES),
                    help="parameter dtype (default: the preset's, float64, where equivalence is exact)")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--run-dir", help="where to write metrics.jsonl, summary.json, loss.png")
-    t.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
     t.add_argument("--save-dir", help="checkpoint directory, written at the end (and every --save-every steps)")
     t.add_argument("--save-every", type=int, default=0, help="also save every N steps (default: only at the end)")
     t.add_argument("--resume", action="store_true",
                    help="continue from --save-dir's checkpoint: its step, its next batch, its random state")
+    t.add_argument("--run-dir", help="where to write metrics.jsonl, summary.json, loss.png")
+    t.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
     t.add_argument("--timeout", type=float, default=3600, help="seconds before a stuck run is stopped")
     sub.add_parser("info", help="this machine, the backend tinyscale picks, and the corpus")
     e = sub.add_parser("estimate", help="ZeRO's model-state memory per device and communication per step")
@@ -312,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or disk (nvme): ZeRO-Offload, stages 2 and 3")
     e.add_argument("--offload-params", choices=OFFLOAD_TARGETS, default="none",
                    help="the parameter shard to host memory or disk: ZeRO-Infinity, stage 3")
-    from tinyscale.course import quiz
+    from tinyscale.course import exercise, quiz
 
+    exercise.add_parser(sub)
     quiz.add_parser(sub)
     return parser
 
@@ -322,9 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     args = build_parser().parse_args(argv)
     try:
+        from tinyscale.course.exercise import cmd_exercise
         from tinyscale.course.quiz import cmd_quiz
 
-        commands = {"train": cmd_train, "info": cmd_info, "estimate": cmd_estimate, "quiz": cmd_quiz}
+        commands = {"train": cmd_train, "info": cmd_info, "estimate": cmd_estimate, "exercise": cmd_exercise,
+                    "quiz": cmd_quiz}
         return commands[args.command](args, console)
     except ValueError as err:  # bad input: say what and how to fix it, no traceback
         console.print(f"[red]error:[/red] {err}")

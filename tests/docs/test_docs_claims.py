@@ -140,8 +140,8 @@ def test_docs_claims_fail_on_a_command_that_does_not_exist(fake):
     _edit(fake / "lessons/00-setup.md", "tinyscale train", "tinyscale exercise")
     assert claims.check_cli_commands(fake, lambda cmd: cmd == "train") == [
         "`tinyscale exercise` does not exist (mentioned in lessons/00-setup.md)"]
-    # and with the real parser: `exercise` is not a command, `train` is
-    assert not _cli_help("exercise") and _cli_help("train")
+    # and with the real parser: `frobnicate` is not a command, `train` and `exercise` are
+    assert not _cli_help("frobnicate") and _cli_help("train") and _cli_help("exercise")
 
 
 def test_docs_claims_fail_on_a_missing_path(fake):

@@ -83,6 +83,9 @@ class ZeroConfig(Section):
     reduce_bucket_size: PositiveInt = 500_000_000  # elements per gradient bucket (DeepSpeed's unit)
     overlap_comm: Bool = True
     reduce_scatter: Bool = True  # stages 1-2; false: all-reduce, keep the slice (DeepSpeed's meaning)
+    # stage 3: parameters with fewer elements stay whole on every rank (DeepSpeed's default is
+    # 1e5; tinyscale's 0 shards every parameter, so the lesson's 3 Psi per micro-batch holds)
+    stage3_param_persistence_threshold: Int = Field(0, ge=0)
     offload_optimizer: OffloadConfig = OffloadConfig()
     offload_param: OffloadConfig = OffloadConfig()
 

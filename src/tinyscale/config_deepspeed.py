@@ -46,7 +46,8 @@ AUTO: dict[str, tuple[str, Any]] = {
     "zero_optimization.reduce_bucket_size": ("drop", _DEFAULT),
     # noted keys (no effect here) may say "auto" too; the table takes them out
     "zero_optimization.stage3_prefetch_bucket_size": ("keep", None),
-    "zero_optimization.stage3_param_persistence_threshold": ("keep", None),
+    # HF writes 10 x hidden size, which needs the model: here tinyscale's default (0, every parameter sharded)
+    "zero_optimization.stage3_param_persistence_threshold": ("drop", "0, tinyscale's default"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("keep", None),
 }
 # --8<-- [end:auto]
@@ -138,6 +139,9 @@ def runtime_notes(config, *, has_gpu: bool) -> list[str]:
     if zero.stage == 3 and not zero.reduce_scatter:
         notes.append("zero_optimization.reduce_scatter = false: no effect at stage 3, which always "
                      "reduce-scatters (DeepSpeed's stage 3 too)")
+    if zero.stage != 3 and zero.stage3_param_persistence_threshold:
+        notes.append("zero_optimization.stage3_param_persistence_threshold: no effect at stages 0-2, whose "
+                     "parameters are always whole on every rank")
     if zero.stage == 3 and "reduce_bucket_size" in zero.model_fields_set:
         notes.append("zero_optimization.reduce_bucket_size: no effect at stage 3, which reduce-scatters each "
                      "unit's gradients in one call when backward leaves the unit (the units: zero3_wrap)")

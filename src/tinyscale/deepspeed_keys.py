@@ -158,8 +158,9 @@ KEYS: tuple[Key, ...] = (
        "frees each unit after use and gathers it again for backward"),
     _n(ZO + "stage3_prefetch_bucket_size", "DeepSpeed prefetches this many elements ahead; tinyscale prefetches "
        "one unit ahead (overlap_comm)"),
-    _n(ZO + "stage3_param_persistence_threshold", "DeepSpeed keeps parameters smaller than this whole on "
-       "every rank; tinyscale shards every parameter (threshold 0): more gathers, same result", _is(0), "0"),
+    _h(ZO + "stage3_param_persistence_threshold", "stage 3: parameters with fewer elements stay whole on every "
+       "rank, never gathered in forward or backward; their optimizer state stays sharded and one all-gather per "
+       "step updates them (default 0 here, DeepSpeed's 1e5; \"auto\": 0; stages 0-2: noted)"),
     _n(ZO + "stage3_gather_16bit_weights_on_model_save", "engine.full_state_dict() always gathers full weights",
        _is(False), _FALSE),
     _n(ZO + "stage3_gather_fp16_weights_on_model_save", "old name of stage3_gather_16bit_weights_on_model_save",

@@ -329,3 +329,46 @@ def test_deepspeed_config_reduce_scatter_false_all_reduces_with_twice_the_bytes(
 def test_deepspeed_config_reduce_scatter_false_is_noted_at_stage3():
     engine = _engine({"zero_optimization": {"stage": 3, "reduce_scatter": False}})
     assert any("reduce_scatter = false: no effect at stage 3" in n for n in engine.config_notes)
+
+
+# --- zero_optimization.stage3_param_persistence_threshold: small parameters stay whole
+
+def _persistence_run(threshold):
+    config = {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1,  # 3 ranks: 2 micro-batches
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold}}
+    engine = ts.initialize(TinyMLP(seed=0), config)  # one unit (the root): fc_in, shared, out_bias
+    engine.comm_ledger.clear()
+    for batch in synthetic_regression_batches(num_batches=2, batch_size=6, dim=8, seed=0):
+        engine.train_batch(batch)
+    ledger = engine.comm_ledger
+    return (engine.full_state_dict(), ledger.calls("all_gather"), ledger.bytes("all_gather"),
+            engine.memory_report().bytes("parameters"))
+
+
+def test_deepspeed_config_persistence_threshold_saves_gathers_for_parameter_bytes():
+    from tinyscale.testing import assert_state_dicts_close, run_on_ranks
+
+    reference = TinyMLP(seed=0)
+    ts.reference.train(reference, synthetic_regression_batches(num_batches=2, batch_size=6, dim=8, seed=0),
+                       {"train_batch_size": 6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2,
+                                                                                          "weight_decay": 0.1}}})
+    n, steps, micro, frozen = 3, 2, 2, 8 * 272  # ranks, steps, micro-batches per step, frozen layer bytes
+    weights, biases = 128 + 256, 16 + 16 + 8  # fc_in.weight, shared.weight; fc_in.bias, shared.bias, out_bias
+    pad = lambda numel: math.ceil(numel / n) * n  # noqa: E731  a flat unit is padded to N equal shards
+    # threshold 0: every parameter sharded; the root unit is gathered in forward and in backward
+    # threshold 17: the biases (16, 16, 8 elements) stay whole; one all-gather per step updates them
+    # threshold 1000: everything stays whole: no gather in forward or backward, one per step
+    expected = {0: (2 * micro * steps, 8 * 2 * micro * steps * pad(weights + biases), 8 * pad(weights + biases) // n),
+                17: (2 * micro * steps + steps, 8 * (2 * micro * steps * pad(weights) + steps * pad(biases)),
+                     8 * (pad(weights) // n + biases)),
+                1000: (steps, 8 * steps * pad(weights + biases), 8 * (weights + biases))}
+    for threshold, (calls, nbytes, params_bytes) in expected.items():
+        for state, got_calls, got_bytes, got_params in run_on_ranks(_persistence_run, n, threshold):
+            assert (got_calls, got_bytes, got_params - frozen) == (calls, nbytes, params_bytes), threshold
+            assert_state_dicts_close(state, reference.state_dict())  # float64, rtol 1e-10
+
+
+def test_deepspeed_config_persistence_threshold_is_noted_below_stage3():
+    engine = _engine({"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 100}})
+    assert any("persistence_threshold: no effect at stages 0-2" in n for n in engine.config_notes)

@@ -179,7 +179,8 @@ class Engine:
                                            prefetch=zero.overlap_comm,
                                            optimizer_nvme_path=zero.offload_optimizer.nvme_path,
                                            offload_param=zero.offload_param.device,
-                                           param_nvme_path=zero.offload_param.nvme_path)
+                                           param_nvme_path=zero.offload_param.nvme_path,
+                                           persistence_threshold=zero.stage3_param_persistence_threshold)
                 self.optimizer = self.zero.sharded.optimizer
                 if zero.stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
                     self.zero.sharded.reduce_scatter = zero.reduce_scatter
@@ -449,7 +450,7 @@ class Engine:
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
             self.model.load_state_dict(model_state)
             if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters
-                load_master_from_params(self.zero.sharded, self.zero.shards.write if stage3 else None)
+                load_master_from_params(self.zero.sharded, self.zero.publish_shard if stage3 else None)
         masters = optimizer_state.pop("masters", None)  # mixed precision's fp32 values
         scaler_state = optimizer_state.pop("loss_scaler", None)
         # The new config's hyperparameters win over the saved param_groups.

@@ -255,10 +255,14 @@ class ShardedOptimizer:
 
     def _publish(self, i: int, publish: Callable[[int, torch.Tensor], None] | None) -> None:
         """Updated master shard -> the parameters: stage 3's shard, or all-gathered (1 and 2)."""
-        unit, m = self.units[i], self.master[i]
         if publish is not None:
-            publish(i, m)
-            return
+            publish(i, self.master[i])
+        else:
+            self.publish_gathered(i)
+
+    def publish_gathered(self, i: int) -> None:
+        """All-gather unit i's updated master shards into its full parameters."""
+        unit, m = self.units[i], self.master[i]
         full = unit.empty_flat()
         if self.distributed:
             comm.all_gather(full, m.to(unit.device, unit.dtype), group=self.process_group)

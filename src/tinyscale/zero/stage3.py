@@ -38,6 +38,14 @@ and a use outside its unit's forward fails loudly instead of reading freed memor
 forward again inside backward: a unit already gathered for its backward stays gathered,
 and a unit recomputed before its backward (a region spanning units) is gathered again.
 
+**Persistent parameters** (DeepSpeed's `stage3_param_persistence_threshold`): a trainable
+parameter with fewer elements than `persistence_threshold` stays whole on every rank, in no
+unit: never gathered for forward or backward. As in DeepSpeed, its optimizer state is still
+sharded (its own FlatUnit per group), its gradient is reduce-scattered at the end of each
+backward, and after the step its updated shards are all-gathered into it (one all-gather per
+step instead of two per micro-batch). Cost: B Psi_persistent (1 - 1/N) more parameter bytes.
+Tests: `pytest -k deepspeed_config_persistence`.
+
 **Frozen parameters** (requires_grad=False) stay full and replicated, outside every unit:
 no gradient, no optimizer state, so sharding them would save only B Psi_frozen / N (FSDP
 shards them too; a large frozen base, as in LoRA, would want that).
@@ -139,9 +147,13 @@ class ZeroStage3:
                  module: nn.Module, wrap: Wrap = None, prefetch: bool = True,
                  offload_optimizer: str = "none", optimizer_nvme_path: str | None = None,
                  offload_param: str = "none", param_nvme_path: str | None = None,
-                 param_dtype: torch.dtype | None = None, loss_scaler=None):
+                 param_dtype: torch.dtype | None = None, loss_scaler=None, persistence_threshold: int = 0):
         names = wrapped_module_names(module, wrap)
         owner = assign_units(module, names)
+        persistent_key = len(names) + 1  # after the root: these FlatUnits come last
+        for p in module.parameters():
+            if id(p) in owner and p.numel() < persistence_threshold:
+                owner[id(p)] = persistent_key
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         unit_key=lambda p: owner[id(p)], offload=offload_optimizer,
                                         nvme_path=optimizer_nvme_path, param_dtype=param_dtype,
@@ -154,13 +166,21 @@ class ZeroStage3:
         self.prefetch, self.process_group = prefetch, process_group
         # This rank's parameter shards (on the device, host or disk: offload.ParamShards), and
         # the full buffers whose storage exists only while gathered.
-        self.shards = ParamShards([fu.shard(fu.flatten([p.detach() for p in fu.params])) for fu in self.sharded.units],
+        # Persistent FlatUnits keep no parameter shard here: their parameters stay whole.
+        self.persistent = [i for i, fu in enumerate(self.sharded.units) if owner[id(fu.params[0])] == persistent_key]
+        self.shards = ParamShards([torch.empty(0, dtype=fu.dtype, device=fu.device) if i in self.persistent
+                                   else fu.shard(fu.flatten([p.detach() for p in fu.params]))
+                                   for i, fu in enumerate(self.sharded.units)],
                                   self.sharded.units[0].device, offload_param, param_nvme_path)
         self.full = [fu.empty_flat() for fu in self.sharded.units]
         self._empty = [torch.empty(0, dtype=fu.dtype, device=fu.device) for fu in self.sharded.units]
         modules = [module.get_submodule(n) for n in names] + [module]
         self.units = [_Unit(m, [], []) for m in modules]
         for i, fu in enumerate(self.sharded.units):
+            if i in self.persistent:
+                for p in fu.params:
+                    p.register_post_accumulate_grad_hook(self._on_persistent_grad)
+                continue
             unit = self.units[owner[id(fu.params[0])]]
             unit.flats.append(i)
             unit.params += fu.params
@@ -297,6 +317,10 @@ class ZeroStage3:
             self._next_reduce += 1
     # --8<-- [end:hooks]
 
+    def _on_persistent_grad(self, param: torch.Tensor) -> None:
+        self._start_backward()  # reduced with the others when backward ends
+        self.sharded.mark_used(param)
+
     def _prefetch_next(self, u: int, order: list[int]) -> None:
         if self.prefetch and u in order:
             later = [v for v in order[order.index(u) + 1:] if not (self.units[v].reduced or self.units[v].backward)]
@@ -338,6 +362,13 @@ class ZeroStage3:
         self._event("backward_end", None)
         for u in self._reduce_order[self._next_reduce:]:  # a gradient that never came counts as zero
             self._reduce(u)
+        for i in self.persistent:  # whole parameters: their gradients are complete only now
+            params = self.sharded.units[i].params
+            self._pending_grads.append(self.sharded.reduce_scatter_into(i, [p.grad for p in params], async_op=True))
+            for p in params:
+                p.grad = None
+        if self.persistent:
+            self._log.append(("reduce_persistent", -1))
         self._reset()
         self._last_log, self._log = self._log, []
     # --8<-- [end:reduce]
@@ -376,8 +407,8 @@ class ZeroStage3:
         if plan is None or done != plan[:len(done)]:
             return False
         for kind, u in plan[len(done):] + plan * (micro_batches_left - 1):
-            for i in self.units[u].flats:
-                if kind == "reduce":
+            for i in self.persistent if kind == "reduce_persistent" else self.units[u].flats:
+                if kind != "gather":
                     self.sharded.reduce_scatter_into(i, [None] * len(self.sharded.units[i].params)).wait()
                     continue
                 full = self.full[i]
@@ -410,7 +441,15 @@ class ZeroStage3:
     def step(self, max_norm: float = 0.0, used: torch.Tensor | None = None) -> bool:
         """Clip and step; returns True if fp16 overflow skipped it (on every rank). `used`:
         see `ZeroStage1.step`."""
-        return self.sharded.full_step(max_norm, publish=self.shards.write, used=used)  # my shards; nothing gathered
+        return self.sharded.full_step(max_norm, publish=self.publish_shard, used=used)
+
+    def publish_shard(self, i: int, master_shard: torch.Tensor) -> None:
+        """Unit i's updated shard -> my parameter shard; a persistent unit's all-gathered
+        into its whole parameters (the step's only all-gather)."""
+        if i in self.persistent:
+            self.sharded.publish_gathered(i)
+        else:
+            self.shards.write(i, master_shard)
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

@@ -43,7 +43,8 @@ def test_question_bank_holds_every_source_question_once(questions):
 def test_question_bank_page_is_generated_from_the_data(questions, headings):
     page = (ROOT / "docs/questions.md").read_text()
     assert page == bank.render(questions, headings), \
-        "docs/questions.md is out of date: run python -m tinyscale.course.bank --write"
+        "docs/questions.md is out of date: edit src/tinyscale/course/questions.yaml (not the page), " \
+        "then run python -m tinyscale.course.bank --write"
 
 
 def test_question_bank_sections_are_headings_of_the_lessons(questions, headings):

@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {page}")
         return 0
     if page.read_text() != text:
-        print(f"{page} is out of date: run python -m tinyscale.course.bank --write")
+        print(f"{page} is out of date: edit src/tinyscale/course/questions.yaml (not the page), "
+              "then run python -m tinyscale.course.bank --write")
         return 1
     return 0
 

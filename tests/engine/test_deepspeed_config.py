@@ -264,7 +264,7 @@ def test_deepspeed_config_steps_per_print_logs_every_n_steps(caplog):
 
 
 @pytest.mark.parametrize("key, value", [("pipeline_schedule", "afab"), ("virtual_stages", 2),
-                                        ("context_algorithm", "ulysses"), ("tensor", 2), ("sequence_parallel", True)])
+                                        ("context_algorithm", "ulysses")])
 def test_deepspeed_config_parallel_keys_of_unbuilt_topics_are_refused(key, value):
     with pytest.raises(ConfigError, match=rf"parallel\.{key}\b.*not built yet"):
         check_supported(EngineConfig.load({**BASE, "parallel": {key: value}}))

@@ -3,9 +3,10 @@
     engine = ts.initialize(model, config)   # inside ts.dist.launch / torchrun, or a plain process
     loss = engine.train_batch(batch)        # the global batch's mean loss, same on every rank
 
-Set-up, in this order (each step needs the one before): the activation-checkpointing
-policy rebuilds the GPT's blocks (`tinyscale.checkpointing.apply_policy`); the optimizer
-takes fp32 masters from the parameters before mixed precision rounds them to fp16/bf16
+Set-up, in this order (each step needs the one before; `engine/parallelize.py` states it):
+tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`), the
+activation-checkpointing policy rebuilds its blocks (`tinyscale.checkpointing.apply_policy`);
+the optimizer takes fp32 masters from the parameters before mixed precision rounds them to fp16/bf16
 (`tinyscale.precision`); then the data-parallel wrapper or ZeRO stage hooks into the model.
 
 What a step does over `dp` data-parallel ranks:
@@ -37,9 +38,11 @@ rank that raised re-raises, the others raise `StepFailed`, and the engine is as 
 step (tests: `pytest -k failed_step`). An error inside the optimizer step leaves the engine
 refusing further steps, since parameters may be partly updated.
 
-Every rank ends the step with identical parameters (stage 3: identical shards of them),
-which is what `full_state_dict` returns (stage 3 gathers them for it). Later topics add
-strategies (tensor and pipeline parallel) behind the same methods.
+Every rank ends the step with identical parameters (stage 3: identical shards of them;
+tensor parallel: the ranks of a dp group hold the same TP shard), which is what
+`full_state_dict` returns (stage 3 gathers them for it, tensor parallelism over its group).
+With `parallel.tensor` = t the "dp ranks" above are world / t: every rank of a TP group
+gets the same rows, and all reductions above run over the dp axis only.
 """
 
 from __future__ import annotations
@@ -54,20 +57,20 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.config_deepspeed import log_notes, runtime_notes
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
-from tinyscale.engine import checkpoint
+from tinyscale.engine import checkpoint, parallelize, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
+from tinyscale.tensor_parallel import full_state_dict_from_tp
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 from tinyscale.zero.stage3 import Wrap
 from tinyscale.zero.state_dict import (
@@ -90,11 +93,10 @@ def check_supported(config: EngineConfig) -> None:
     """Reject what this build cannot do yet, naming the field (before any work is done)."""
     todo = []
     par = config.parallel
-    for name in ("tensor", "pipeline", "context"):
+    for name in ("pipeline", "context"):
         if getattr(par, name) != 1:
             todo.append(f"parallel.{name}={getattr(par, name)} (not built yet; use 1)")
-    if par.sequence_parallel:
-        todo.append("parallel.sequence_parallel (not built yet; use false)")
+    todo += parallelize.check_config(config)  # tensor parallelism's combinations not served yet
     for name, topic in (("pipeline_schedule", "pipeline"), ("virtual_stages", "pipeline"),
                         ("context_algorithm", "context")):
         if name in par.model_fields_set:  # a setting of an unbuilt topic would silently do nothing
@@ -115,8 +117,8 @@ class Engine:
         # A caller's optimizer keeps its own learning rate unless the config has a schedule.
         self._schedules_lr = optimizer is None or config.scheduler is not None
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world > 1 and mesh is None:
-            mesh = ParallelMesh(dp=world)
+        parallelize.check_layout(config, model, world, mesh)  # before any process group is made
+        mesh = parallelize.build_mesh(config, world, mesh)
         self.mesh = mesh
         self.dp_group = mesh.group("dp") if mesh is not None else None
         self.dp_rank = mesh.rank("dp") if mesh is not None else 0
@@ -127,9 +129,11 @@ class Engine:
         self.config_notes = (*config.notes, *runtime_notes(config, has_gpu=self.device.type == "cuda"))
         log_notes(self.config_notes)
         self.model = model.to(self.device)
-        ac = config.activation_checkpointing
-        if ac.policy != "none":  # first: it rebuilds blocks, which the wrappers below hook into
-            apply_policy(self.model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant)
+        # Tensor parallel, then activation checkpointing (engine/parallelize.py, the one order);
+        # mixed precision and DP/ZeRO below hook into what they leave.
+        parallelize.parallelize_model(self.model, config, mesh)
+        self.tp_size = config.parallel.tensor
+        self._tp_shapes = {n: p.shape for n, p in self.model.state_dict().items()}  # before ZeRO-3 shards them
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("initialize: the model has no parameter that requires grad")
@@ -356,8 +360,9 @@ class Engine:
 
         With stage 3 every unit is all-gathered for the copy (call it on every rank)."""
         gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
-        with gathered:
-            return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        with gathered:  # ZeRO-3's dp gather first, then tensor parallelism's over the TP group
+            state = full_state_dict_from_tp(self.model) if self.tp_size > 1 else self.model.state_dict()
+            return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def save_checkpoint(self, path, client_state: dict | None = None) -> None:
         """Write everything an exact resume needs to directory `path` (call on every rank).
@@ -376,6 +381,9 @@ class Engine:
         names = {id(p): n for n, p in self.model.named_parameters()}
         model_state = self.full_state_dict()
         optimizer_state = self._optimizer_state_by_name(names)
+        if self.tp_size > 1:  # this rank's TP shards of the states -> full tensors
+            optimizer_state["state"] = tp_state.gather_state(self.model, self._tp_shapes, optimizer_state["state"],
+                                                             self.device)
         if self.loss_scaler is not None:
             optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -433,6 +441,8 @@ class Engine:
         stage3 = isinstance(self.zero, ZeroStage3)
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # full shapes
             shapes = {k: v.shape for k, v in self.model.state_dict().items()}
+        if self.tp_size > 1:  # the checkpoint holds the original tensors, not TP shards
+            shapes = tp_state.full_shapes(self.model, self._tp_shapes)
         error = None
         try:
             model_state, optimizer_state, meta = checkpoint.read(path)
@@ -447,6 +457,9 @@ class Engine:
         if error is not None:
             raise error
         names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.tp_size > 1:  # full tensors -> this rank's TP shards (every rank read the whole file)
+            model_state = tp_state.shard_model_state(self.model, model_state)
+            optimizer_state["state"] = tp_state.shard_state(self.model, self._tp_shapes, optimizer_state["state"])
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
             self.model.load_state_dict(model_state)
             if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters

@@ -1,0 +1,143 @@
+"""Our pipeline executor's schedules against PyTorch's torch.distributed.pipelining, same run.
+
+    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 5]
+
+Two CPU ranks (gloo), one GPT (float32) cut into the same stages by
+`tinyscale.pipeline.partition_gpt`, the same batch of m micro-batches, timed six ways:
+
+    ours afab / 1f1b / zb_h1      tinyscale.pipeline.PipelineExecutor on that schedule
+    ours interleaved_1f1b         the same with 2 chunks per rank (4 stages)
+    torch GPipe / torch 1F1B      ScheduleGPipe / Schedule1F1B on PipelineStage(GPTStage)
+
+Steps run round-robin (so load changes hit all variants alike), the first one of each dropped as
+warm-up; the table shows the median step time, ours / torch measured in this run, and for our
+schedules the bubble measured from each compute action's start and end (a clock the ranks
+share) beside the simulator's, run on the median measured cost of each (stage, kind), and the
+closed form (which assumes equal stages and free messages). Lesson: lessons/08-pipeline-parallel.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+import tinyscale as ts
+from tinyscale.data import synthetic_token_batches
+from tinyscale.models import GPT, GPTConfig
+from tinyscale.pipeline import (
+    Action, GPTStage, PipelineExecutor, add_communication, afab, gpt_loss, interleaved_1f1b,
+    one_f_one_b, partition_gpt, simulate, stages_on_rank, zb_h1,
+)
+from tinyscale.pipeline.simulator import Simulation, TimedAction
+
+OURS = {"afab": (lambda p, m: afab(p, m), 1), "1f1b": (lambda p, m: one_f_one_b(p, m), 1),
+        "zb_h1": (lambda p, m: zb_h1(p, m), 1), "interleaved_1f1b": (lambda p, m: interleaved_1f1b(p, m, 2), 2)}
+TORCH = {"torch GPipe": ("ScheduleGPipe", "afab"), "torch 1F1B": ("Schedule1F1B", "1f1b")}
+CLOSED = {"afab": lambda p, m: (p - 1) / (m + p - 1), "1f1b": lambda p, m: (p - 1) / (m + p - 1),
+          "zb_h1": lambda p, m: (p - 1) / (3 * m + p - 1), "interleaved_1f1b": lambda p, m: (p - 1) / (2 * m + p - 1)}
+
+
+def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
+    import torch.distributed.pipelining as pipelining
+
+    torch.set_num_threads(1)
+    p, rank = dist.get_world_size(), dist.get_rank()
+    cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=n_layer, n_head=4, d_model=128, ffn_hidden=384)
+    (inputs, targets), = synthetic_token_batches(num_batches=1, batch_size=2 * m, seq_len=32, vocab_size=128, seed=1)
+    runs, logs = {}, {name: [] for name in OURS}
+    for name, (make, v) in OURS.items():
+        model = GPT(cfg, seed=0, dtype=torch.float32)
+        stages = {s.stage: GPTStage(model, s) for s in stages_on_rank(partition_gpt(cfg, p, virtual_stages=v), rank)}
+        executor = PipelineExecutor(add_communication(make(p, m)), rank, stages, loss_fn=gpt_loss)
+        for method in ("_forward", "_backward", "_weight_grad"):  # time each compute action
+            def timed(a, run=getattr(executor, method), log=logs[name]):
+                start = time.perf_counter()
+                run(a)
+                log.append((a, start, time.perf_counter()))
+            setattr(executor, method, timed)
+        runs[name] = (model, lambda ex=executor: ex.run(inputs.chunk(m), targets.chunk(m)))
+    for name, (cls, _) in TORCH.items():
+        model = GPT(cfg, seed=0, dtype=torch.float32)
+        spec, = stages_on_rank(partition_gpt(cfg, p), rank)
+        stage = pipelining.PipelineStage(GPTStage(model, spec), rank, p, torch.device("cpu"))
+        schedule = getattr(pipelining, cls)(stage, m, loss_fn=gpt_loss)
+        kwargs = {"target": targets, "losses": []} if rank == p - 1 else {}
+        runs[name] = (model, lambda s=schedule, kw=kwargs: s.step(inputs, **kw) if rank == 0 else s.step(**kw))
+    times = {name: [] for name in runs}
+    actions = {}
+    for step in range(steps + 1):
+        for name, (model, run) in runs.items():
+            model.zero_grad()
+            if name in logs:
+                logs[name].clear()
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+            if name in logs and step:
+                actions.setdefault(name, []).append([(str(a), s, e) for a, s, e in logs[name]])
+    return {"times": {k: v[1:] for k, v in times.items()}, "actions": actions}
+
+
+def bubbles(per_rank: list[dict], name: str, m: int) -> tuple[float, float]:
+    """Measured bubble (median over steps) and the simulator's on the measured median costs."""
+    p = len(per_rank)
+    steps = len(per_rank[0]["actions"][name])
+    measured, durations = [], {}
+    for k in range(steps):
+        lines = [r["actions"][name][k] for r in per_rank]
+        start = min(s for line in lines for _, s, _ in line)
+        end = max(e for line in lines for _, _, e in line)
+        busy = sum(e - s for line in lines for _, s, e in line)
+        measured.append(1 - busy / (p * (end - start)))
+        for line in lines:
+            for a, s, e in line:
+                durations.setdefault(_kind(a), []).append(e - s)
+    cost = {key: statistics.median(d) for key, d in durations.items()}
+    make, _ = OURS[name]
+    sim = simulate(add_communication(make(p, m)), lambda a: cost[(a.stage, a.kind)])
+    return statistics.median(measured), float(sim.bubble_fraction)
+
+
+def _kind(action: str) -> tuple[int, str]:
+    stage = int("".join(c for c in action[:2] if c.isdigit()) or 0)
+    return stage, action[len(str(stage)):].rstrip("0123456789")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    m, p = args.microbatches, 2
+    start = time.perf_counter()
+    per_rank = ts.dist.launch(_bench_rank, p, m, args.layers, args.steps, timeout_s=300)
+    times = {name: statistics.median(max(r["times"][name][k] for r in per_rank) for k in range(args.steps))
+             for name in per_rank[0]["times"]}
+    table = Table(title=f"pipeline step on {p} CPU ranks, m = {m}, {args.layers} layers, float32 "
+                        f"(median of {args.steps} steps)")
+    for col in ("variant", "step ms", "ours / torch", "bubble measured", "simulated (measured costs)",
+                "closed form"):
+        table.add_column(col, justify="right" if col != "variant" else "left")
+    torch_of = {ours: name for name, (_, ours) in TORCH.items()}
+    for name in OURS:
+        measured, simulated = bubbles(per_rank, name, m)
+        ratio = f"{times[name] / times[torch_of[name]]:.2f}" if name in torch_of else ""
+        table.add_row(f"ours {name}", f"{times[name] * 1e3:.1f}", ratio, f"{measured:.1%}", f"{simulated:.1%}",
+                      f"{CLOSED[name](p, m):.1%}")
+    for name in TORCH:
+        table.add_row(name, f"{times[name] * 1e3:.1f}", "", "", "", "")
+    Console(width=130).print(table)
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -82,6 +82,7 @@ class ZeroConfig(Section):
     stage: Int = Field(0, ge=0, le=3)
     reduce_bucket_size: PositiveInt = 500_000_000  # elements per gradient bucket (DeepSpeed's unit)
     overlap_comm: Bool = True
+    allgather_bucket_size: PositiveInt = 500_000_000  # stages 1-2: elements per post-step all-gather
     reduce_scatter: Bool = True  # stages 1-2; false: all-reduce, keep the slice (DeepSpeed's meaning)
     # stage 3: parameters with fewer elements stay whole on every rank (DeepSpeed's default is
     # 1e5; tinyscale's 0 shards every parameter, so the lesson's 3 Psi per micro-batch holds)

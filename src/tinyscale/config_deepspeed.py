@@ -142,6 +142,9 @@ def runtime_notes(config, *, has_gpu: bool) -> list[str]:
     if zero.stage != 3 and zero.stage3_param_persistence_threshold:
         notes.append("zero_optimization.stage3_param_persistence_threshold: no effect at stages 0-2, whose "
                      "parameters are always whole on every rank")
+    if zero.stage in (0, 3) and "allgather_bucket_size" in zero.model_fields_set:
+        notes.append("zero_optimization.allgather_bucket_size: no effect at stages 0 and 3 (DeepSpeed reads it "
+                     "at stages 1-2, which all-gather the updated parameters after the step)")
     if zero.stage == 3 and "reduce_bucket_size" in zero.model_fields_set:
         notes.append("zero_optimization.reduce_bucket_size: no effect at stage 3, which reduce-scatters each "
                      "unit's gradients in one call when backward leaves the unit (the units: zero3_wrap)")

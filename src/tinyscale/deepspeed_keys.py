@@ -38,11 +38,6 @@ def _never(v: Any, _: dict) -> bool:
     return False
 
 
-def _allgather_in_our_units(v: Any, zero: dict) -> bool:
-    # DeepSpeed reads allgather_bucket_size at stages 1 and 2 only; ours all-gather per reduce unit.
-    return zero.get("stage", 0) in (0, 3) or v == zero.get("reduce_bucket_size", 500_000_000)
-
-
 @dataclass(frozen=True)
 class Key:
     path: str  # dotted, e.g. "zero_optimization.reduce_scatter"
@@ -132,9 +127,8 @@ KEYS: tuple[Key, ...] = (
     _h(ZO + "reduce_bucket_size", "elements per gradient reduction at stages 0-2 (stage 3: one unit at a "
        "time, noted)"),
     _h(ZO + "overlap_comm", "stage 0/2: reduce during backward; stage 3: prefetch the next unit"),
-    _r(ZO + "allgather_bucket_size", "DeepSpeed's stages 1-2 all-gather the updated parameters in buckets of "
-       "this many elements; tinyscale all-gathers in its reduce units: set it equal to reduce_bucket_size",
-       _allgather_in_our_units, "= reduce_bucket_size, or stage 0/3"),
+    _h(ZO + "allgather_bucket_size", "stages 1-2: no all-gather of the updated parameters moves more than this "
+       "many elements (each rank's shard in pieces of size // dp); stages 0 and 3: noted"),
     _r(ZO + "allgather_partitions", "DeepSpeed can broadcast each rank's partition in turn; tinyscale "
        "all-gathers", _is(True), _TRUE),
     _h(ZO + "reduce_scatter", "stages 1-2: false all-reduces each unit's gradients and keeps this rank's slice "

@@ -372,3 +372,46 @@ def test_deepspeed_config_persistence_threshold_saves_gathers_for_parameter_byte
 def test_deepspeed_config_persistence_threshold_is_noted_below_stage3():
     engine = _engine({"zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 100}})
     assert any("persistence_threshold: no effect at stages 0-2" in n for n in engine.config_notes)
+
+
+# --- zero_optimization.allgather_bucket_size: the post-step all-gathers in pieces (stages 1-2)
+
+def _allgather_run(stage, allgather):
+    config = {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 100}}
+    if allgather is not None:  # else DeepSpeed's default, 5e8: one all-gather per unit here
+        config["zero_optimization"]["allgather_bucket_size"] = allgather
+    engine = ts.initialize(TinyMLP(seed=0), config)
+    engine.comm_ledger.clear()
+    for batch in synthetic_regression_batches(num_batches=2, batch_size=6, dim=8, seed=0):
+        engine.train_batch(batch)
+    rows = [r for r in engine.comm_ledger.rows if r.op == "all_gather"]
+    return (engine.full_state_dict(), [u.shard_numel for u in engine.zero.sharded.units], len(rows),
+            sum(r.bytes for r in rows), max(r.bytes for r in rows))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_config_allgather_bucket_size_cuts_the_parameter_gathers(stage):
+    from tinyscale.testing import assert_state_dicts_close, run_on_ranks
+
+    reference = TinyMLP(seed=0)
+    ts.reference.train(reference, synthetic_regression_batches(num_batches=2, batch_size=6, dim=8, seed=0),
+                       {"train_batch_size": 6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2,
+                                                                                          "weight_decay": 0.1}}})
+    n, steps = 3, 2
+    whole = run_on_ranks(_allgather_run, n, stage, None)  # the default: one all-gather per unit
+    for bucket in (100, 30, 4):  # pieces of 33, 10 and 1 element per rank
+        piece = max(1, bucket // n)
+        for (_, shards, calls, nbytes, _), (state, _, got_calls, got_bytes, largest) in zip(
+                whole, run_on_ranks(_allgather_run, n, stage, bucket)):
+            assert calls == steps * len(shards)
+            assert got_calls == steps * sum(math.ceil(s / piece) for s in shards), bucket
+            assert got_bytes == nbytes and largest == 8 * n * piece <= 8 * bucket  # same bytes, in pieces
+            assert_state_dicts_close(state, reference.state_dict())  # float64, rtol 1e-10
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_deepspeed_config_allgather_bucket_size_is_noted_at_stages_0_and_3(stage):
+    engine = _engine({"zero_optimization": {"stage": stage, "allgather_bucket_size": 1000}})
+    assert any("allgather_bucket_size: no effect at stages 0 and 3" in n for n in engine.config_notes)

@@ -188,6 +188,7 @@ class Engine:
                 self.optimizer = self.zero.sharded.optimizer
                 if zero.stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
                     self.zero.sharded.reduce_scatter = zero.reduce_scatter
+                    self.zero.sharded.allgather_bucket_size = zero.allgather_bucket_size
                 if self.compute_dtype is not None:  # frozen parameters compute in it too; buffers
                     with torch.no_grad():              # (the GPT's fp32 RoPE tables) stay as they are
                         for p in self.model.parameters():

@@ -260,12 +260,28 @@ class ShardedOptimizer:
         else:
             self.publish_gathered(i)
 
+    # DeepSpeed's zero_optimization.allgather_bucket_size (elements; stages 1-2, the engine
+    # sets it): no all-gather of updated parameters moves more. Each rank's shard is cut into
+    # pieces of max(1, size // N) elements, one all-gather per piece: ceil(shard_numel / piece)
+    # calls per unit. None: one all-gather per unit.
+    allgather_bucket_size: int | None = None
+
     def publish_gathered(self, i: int) -> None:
         """All-gather unit i's updated master shards into its full parameters."""
         unit, m = self.units[i], self.master[i]
         full = unit.empty_flat()
         if self.distributed:
-            comm.all_gather(full, m.to(unit.device, unit.dtype), group=self.process_group)
+            shard, n = m.to(unit.device, unit.dtype), unit.shard_numel
+            bucket = self.allgather_bucket_size
+            piece = n if bucket is None else max(1, bucket // self.world_size)
+            if piece >= n:
+                comm.all_gather(full, shard, group=self.process_group)
+            by_rank = full.view(self.world_size, n)  # (N, shard_numel): row r is rank r's shard
+            for lo in range(0, n, piece) if piece < n else ():
+                hi = min(n, lo + piece)
+                out = torch.empty(self.world_size * (hi - lo), dtype=unit.dtype, device=unit.device)
+                comm.all_gather(out, shard[lo:hi].contiguous(), group=self.process_group)
+                by_rank[:, lo:hi].copy_(out.view(self.world_size, hi - lo))  # (N, hi - lo)
         else:
             full.copy_(m)
         unit.copy_into_params(full)

@@ -92,9 +92,11 @@ def _cp_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) ->
     if layout.padded_len - layout.num_chunks + 1 > cfg.max_seq_len:
         raise ValueError(f"a shard of {idx.shape[1]} positions on cp={state.cp} ranks holds sequences longer "
                          f"than max_seq_len={cfg.max_seq_len}: crop the input or raise GPTConfig.max_seq_len")
+    # --8<-- [start:rope]
     # Padded positions may run past the RoPE table: their rows never reach a real token.
     positions = layout.positions(dist.get_rank(state.group)).clamp(max=cfg.max_seq_len - 1).to(idx.device)
     cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (Tl, D) at the global positions
+    # --8<-- [end:rope]
     x = self.embed(idx)  # (B, Tl, C)
     for block in self.blocks:
         x = block(x, cos, sin)  # (B, Tl, C)

@@ -1,0 +1,102 @@
+"""Ring attention against Ulysses against one process's SDPA, on the same total sequence.
+
+    python benchmarks/context_parallel.py [--cp 2] [--seq-len 4096] [--heads 8] [--kv-heads 2]
+                                          [--head-dim 64] [--steps 5] [--sharding zigzag]
+
+On `cp` rank processes (CPU, gloo), float32, causal: one forward and backward of attention
+over a sequence of `seq-len` tokens, three ways:
+
+    ring       tinyscale.context_parallel.ring_attention, each rank holding seq-len / cp tokens
+    Ulysses    tinyscale.context_parallel.ulysses_attention, the same shards
+    SDPA       torch.nn.functional.scaled_dot_product_attention on the whole sequence, on
+               rank 0 alone while the others wait (what one device would do)
+
+Steps are interleaved round-robin (so load changes hit all three alike), the first of each
+dropped as warm-up; it reports the median step time of the slowest rank, the ratio to SDPA,
+and the bytes rank 0 put on the wire per step (comm ledger, bus bytes). PyTorch's own
+context parallel is not in the race: in torch 2.13 it raises NotImplementedError on CPU (no
+sharding strategy for aten._scaled_dot_product_flash_attention_for_cpu).
+Lesson: lessons/09-context-parallel.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import tinyscale as ts
+from tinyscale.context_parallel import Layout, ring_attention, shard, ulysses_attention
+from tinyscale.dist import comm
+
+VARIANTS = ["ring", "Ulysses", "SDPA (one process)"]
+
+
+def _step(variant: str, q, k, v, layout: Layout) -> None:
+    if variant == "ring":
+        out = ring_attention(q, k, v, None, layout=layout, causal=True)[0]
+    elif variant == "Ulysses":
+        out = ulysses_attention(q, k, v, None, layout=layout, causal=True)
+    else:
+        G = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=True)
+    out.sum().backward()
+
+
+def bench(T: int, H: int, K: int, D: int, steps: int, sharding: str) -> dict:
+    """On every rank: {variant: [seconds per step]} and {variant: bus bytes per step}."""
+    torch.set_num_threads(1)
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    layout = Layout(cp, sharding, T)
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, n, T, D, generator=g) for n in (H, K, K)]  # q, k, v (1, heads, T, D)
+    mine = [shard(t, layout, rank, dim=2) for t in full]
+    times, wire = {v: [] for v in VARIANTS}, {}
+    for _ in range(steps + 1):
+        for variant in VARIANTS:
+            one_process = variant.startswith("SDPA")
+            inputs = [t.clone().requires_grad_() for t in (full if one_process else mine)]
+            dist.barrier()
+            start = time.perf_counter()
+            with comm.record() as ledger:
+                if not one_process or rank == 0:
+                    _step(variant, *inputs, layout)
+            times[variant].append(time.perf_counter() - start)
+            wire[variant] = ledger.bus_bytes()
+    return {"times": {v: s[1:] for v, s in times.items()}, "wire": wire}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--sharding", choices=["zigzag", "contiguous"], default="zigzag")
+    a = parser.parse_args()
+    if a.heads % a.cp:
+        parser.error(f"--heads {a.heads} is not divisible by --cp {a.cp}: Ulysses needs it (pick a cp that divides it)")
+    results = ts.dist.launch(bench, a.cp, a.seq_len, a.heads, a.kv_heads, a.head_dim, a.steps, a.sharding,
+                             timeout_s=1800)
+    slowest = {v: [max(r["times"][v][i] for r in results) for i in range(a.steps)] for v in VARIANTS}
+    medians = {v: statistics.median(s) for v, s in slowest.items()}
+    table = Table(title=f"causal attention, forward + backward: T={a.seq_len}, H={a.heads}, K={a.kv_heads}, "
+                        f"D={a.head_dim}, float32, cp={a.cp} ({a.sharding}), CPU/gloo, 1 thread per rank")
+    for col in ("variant", "median step (ms)", "vs SDPA", "rank 0 bytes on the wire"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for v in VARIANTS:
+        table.add_row(v, f"{1e3 * medians[v]:.1f}", f"{medians[v] / medians[VARIANTS[-1]]:.2f}x",
+                      f"{results[0]['wire'][v]:,.0f}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

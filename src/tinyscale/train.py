@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import tinyscale as ts
 from tinyscale.data import sample_batches, stdlib_corpus
+from tinyscale.engine import parallelize
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.testing.equivalence import max_abs_diff
 
@@ -49,6 +50,11 @@ PRESETS: dict[str, dict] = {
               "config": {**_COMMON, "zero_optimization": {"stage": 2, "reduce_bucket_size": 131_072}}},
     "zero3": {"model": "small", "world_size": 4, "dtype": "float64",
               "config": {**_COMMON, "zero_optimization": {"stage": 3}}},
+    # dp 2 x tp 2: each linear layer split over 2 ranks (sequence parallel between them), data
+    # parallel over the other axis. No clipping: with tensor parallelism it needs a TP-aware norm
+    # the engine does not have yet (engine/parallelize.py refuses it).
+    "tp": {"model": "small", "world_size": 4, "dtype": "float64",
+           "config": {**_COMMON, "gradient_clipping": 0.0, "parallel": {"tensor": 2, "sequence_parallel": True}}},
     # ZeRO-Infinity's layout: master weights, optimizer states and parameter shards in files
     # (under the system's temporary directory), read ahead and written behind by threads.
     "zero3-offload": {"model": "small", "world_size": 4, "dtype": "float64",
@@ -96,14 +102,21 @@ def make_spec(preset: str, *, world_size: int | None = None, steps: int = 20, co
     config = p["config"] if config is None else config
     engine_config = ts.EngineConfig.load(config)
     ts.engine.engine.check_supported(engine_config)
-    engine_config.batch(world_size)  # the batch identity must hold for this world size
-    GPTConfig.preset(model or p["model"])
+    gpt_config = GPTConfig.preset(model or p["model"])
+    if engine_config.parallel.tensor > 1:  # the GPT splits, and the world is dp x tp
+        parallelize.check_gpt_split(gpt_config, engine_config.parallel.tensor, world_size)
+    engine_config.batch(_dp(engine_config, world_size))  # the batch identity must hold for this world size
     if save_every < 0 or (save_every or resume) and not save_dir:
         raise ValueError("--save-every and --resume need --save-dir (and --save-every must be positive)")
     if resume:
         _check_resumable(save_dir, seed, steps)
     return TrainSpec(preset, world_size, steps, config, model or p["model"], dtype, seed,
                      save_dir=save_dir, save_every=save_every, resume=resume)
+
+
+def _dp(config: ts.EngineConfig, world_size: int) -> int:
+    """The data-parallel size: the ranks of a tensor-parallel group share their rows."""
+    return world_size // config.parallel.tensor
 
 
 def _check_resumable(save_dir: str, seed: int, steps: int) -> None:
@@ -123,7 +136,8 @@ def build(spec: TrainSpec) -> tuple[GPT, list]:
     """The model and the global batches: identical on every rank and in the reference."""
     cfg = GPTConfig.preset(spec.model)
     model = GPT(cfg, seed=spec.seed, dtype=DTYPES[spec.dtype])
-    rows = ts.EngineConfig.load(spec.config).batch(spec.world_size).train_batch_size
+    engine_config = ts.EngineConfig.load(spec.config)
+    rows = engine_config.batch(_dp(engine_config, spec.world_size)).train_batch_size
     batches = sample_batches(stdlib_corpus("train").tokens, num_batches=spec.steps, batch_size=rows,
                              seq_len=cfg.max_seq_len, seed=spec.seed)
     return model, batches

@@ -140,3 +140,11 @@ def test_engine_tensor_parallel_bad_layouts_are_refused_by_name(model, config, n
         ts.initialize(net, _base(**config))
     for name in names:
         assert name in str(err.value)
+
+
+def test_train_preset_tp_layout_is_refused_before_any_process_when_the_world_cannot_split():
+    from tinyscale.train import make_spec
+
+    assert make_spec("tp", world_size=2).config["parallel"]["tensor"] == 2  # dp 1 x tp 2
+    with pytest.raises(ConfigError, match=r"parallel\.tensor=2 does not divide the world size 3"):
+        make_spec("tp", world_size=3)

@@ -73,8 +73,13 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
     if not isinstance(model, GPT):
         raise ConfigError(f"parallel.tensor={tp}: tensor parallelism splits tinyscale's GPT, not a "
                           f"{type(model).__name__}; use parallel.tensor 1 for this model")
+    check_gpt_split(model.config, tp, world_size)
+
+
+def check_gpt_split(gpt_config, tp: int, world_size: int) -> None:
+    """The GPT with `gpt_config` splits over tp ranks, and tp divides the world (pure arithmetic)."""
     try:
-        check_tensor_parallel(model.config, tp)
+        check_tensor_parallel(gpt_config, tp)
     except ValueError as exc:
         raise ConfigError(f"parallel.tensor={tp}: {exc}") from None
     if world_size % tp != 0:

@@ -25,7 +25,7 @@ ValueError names both numbers. Callers that need uneven sizes pad first (the voc
 layers do; see `layers.py`).
 
 Shape legend: B batch rows, T sequence length, T/t a rank's sequence shard, X any trailing dims.
-The lesson (planned): lessons/07-tensor-parallel.md. Run: `pytest tests/tensor_parallel -k tp_comm`.
+The lesson: lessons/07-tensor-parallel.md. Run: `pytest tests/tensor_parallel -k tp_comm`.
 """
 
 from __future__ import annotations

@@ -51,10 +51,9 @@ PRESETS: dict[str, dict] = {
     "zero3": {"model": "small", "world_size": 4, "dtype": "float64",
               "config": {**_COMMON, "zero_optimization": {"stage": 3}}},
     # dp 2 x tp 2: each linear layer split over 2 ranks (sequence parallel between them), data
-    # parallel over the other axis. No clipping: with tensor parallelism it needs a TP-aware norm
-    # the engine does not have yet (engine/parallelize.py refuses it).
+    # parallel (stage 0) over the other axis; clipping by the full model's norm (engine/tp_grad_norm.py).
     "tp": {"model": "small", "world_size": 4, "dtype": "float64",
-           "config": {**_COMMON, "gradient_clipping": 0.0, "parallel": {"tensor": 2, "sequence_parallel": True}}},
+           "config": {**_COMMON, "parallel": {"tensor": 2, "sequence_parallel": True}}},
     # ZeRO-Infinity's layout: master weights, optimizer states and parameter shards in files
     # (under the system's temporary directory), read ahead and written behind by threads.
     "zero3-offload": {"model": "small", "world_size": 4, "dtype": "float64",

@@ -37,9 +37,9 @@ def gpt_config(tied: bool) -> GPTConfig:
                      ffn_hidden=36, tie_embeddings=tied)
 
 
-def run_config(tp: int, dp: int, optimizer: str, sp: bool = False, stage: int = 0) -> dict:
+def run_config(tp: int, dp: int, optimizer: str, sp: bool = False, stage: int = 0, clip: float = 0.0) -> dict:
     return {"train_batch_size": ROWS, "train_micro_batch_size_per_gpu": ROWS // (2 * dp),
-            "gradient_accumulation_steps": 2, "optimizer": OPTIMIZERS[optimizer],
+            "gradient_accumulation_steps": 2, "optimizer": OPTIMIZERS[optimizer], "gradient_clipping": clip,
             "zero_optimization": {"stage": stage}, "parallel": {"tensor": tp, "sequence_parallel": sp}}
 
 
@@ -47,9 +47,9 @@ def batches(steps: int):
     return synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=12, vocab_size=VOCAB, seed=3)
 
 
-def reference(tied: bool, optimizer: str, steps: int):
+def reference(tied: bool, optimizer: str, steps: int, clip: float = 0.0):
     model = GPT(gpt_config(tied), seed=5, dtype=torch.float64)
-    losses = ts.reference.train(model, batches(steps), run_config(1, 1, optimizer))
+    losses = ts.reference.train(model, batches(steps), run_config(1, 1, optimizer, clip=clip))
     return losses, model.state_dict()
 
 
@@ -94,6 +94,18 @@ def test_engine_tensor_parallel_trains_like_single_process(world, tp, sp, stage,
             assert local_bytes / (world // tp) <= param_bytes < local_bytes
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sequence_parallel"])
+def test_engine_tensor_parallel_clips_by_the_full_models_norm(sp):
+    """tp2 x dp2 at stage 0 with a max norm the gradients exceed: the clipped steps equal one process's."""
+    steps, clip = 2, 0.05  # the gradient norm here is ~1: every step clips
+    config = run_config(2, 2, "sgd", sp, clip=clip)
+    results = run_on_ranks(_train_body, 4, config, True, steps)
+    expected_losses, expected = reference(True, "sgd", steps, clip)
+    for losses, state, _, _ in results:
+        assert_losses_close(losses, expected_losses)
+        assert_state_dicts_close(state, expected, what="parameters after clipped steps")
+
+
 def _resume_body(path: str, first_tp: int, then_tp: int, steps: int):
     """Train `steps` at tp=first_tp, save; a new engine at tp=then_tp loads it and trains `steps` more."""
     data = batches(2 * steps)
@@ -128,12 +140,13 @@ def _base(**extra) -> dict:
     ("gpt", {"parallel": {"tensor": 4}}, ["parallel.tensor=4", "n_head", "6"]),   # 6 heads over 4 ranks
     ("mlp", {"parallel": {"tensor": 2}}, ["parallel.tensor=2", "TinyMLP"]),
     ("gpt", {"parallel": {"sequence_parallel": True}}, ["parallel.sequence_parallel", "parallel.tensor"]),
-    ("gpt", {"parallel": {"tensor": 2}, "gradient_clipping": 1.0}, ["gradient_clipping", "parallel.tensor=2"]),
+    ("gpt", {"parallel": {"tensor": 2}, "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}},
+     ["gradient_clipping", "parallel.tensor=2", "zero_optimization.stage=1"]),
     ("gpt", {"parallel": {"tensor": 2}, "bf16": {"enabled": True}}, ["bf16.enabled", "parallel.tensor=2"]),
     ("gpt", {"parallel": {"tensor": 2}, "activation_checkpointing": {"policy": "full"}},
      ["activation_checkpointing.policy", "parallel.tensor=2"]),
 ], ids=["tp_not_dividing_world", "tp_heads_not_divisible", "tp_not_a_gpt", "sequence_parallel_without_tp",
-        "tp_with_clipping", "tp_with_bf16", "tp_with_activation_checkpointing"])
+        "tp_with_clipping_at_zero1", "tp_with_bf16", "tp_with_activation_checkpointing"])
 def test_engine_tensor_parallel_bad_layouts_are_refused_by_name(model, config, names):
     net = GPT(gpt_config(False), seed=0, dtype=torch.float64) if model == "gpt" else TinyMLP(dim=4, hidden=8)
     with pytest.raises(ConfigError) as err:  # in a plain process: refused before any group is needed

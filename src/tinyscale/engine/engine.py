@@ -66,6 +66,7 @@ from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint, parallelize, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
+from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, split_parameters
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
@@ -314,7 +315,10 @@ class Engine:
                     skipped = self.optimizer.step(max_norm=self.config.gradient_clipping)
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
-                    if self.config.gradient_clipping > 0:
+                    if self.config.gradient_clipping > 0 and self.tp_size > 1:  # the full model's norm
+                        clip_grad_norm_tp(self.params, split_parameters(self.model), self.config.gradient_clipping,
+                                          self.model.tp_group)
+                    elif self.config.gradient_clipping > 0:
                         torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
                     if lr is not None:
                         set_lr(self.optimizer, lr)

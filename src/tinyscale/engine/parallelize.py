@@ -43,10 +43,11 @@ def check_config(config: EngineConfig) -> list[str]:
     if par.tensor == 1:
         return problems
     # Each of these is a combination no test covers yet: refused, not silently wrong.
-    if config.gradient_clipping > 0:
-        problems.append(f"gradient_clipping={config.gradient_clipping} with parallel.tensor={par.tensor} (the global "
-                        "norm must sum the TP shards once each and the replicated norms once: not built yet); "
-                        "set gradient_clipping 0")
+    if config.gradient_clipping > 0 and config.zero_optimization.stage > 0:
+        problems.append(f"gradient_clipping={config.gradient_clipping} with parallel.tensor={par.tensor} and "
+                        f"zero_optimization.stage={config.zero_optimization.stage} (ZeRO's norm over its dp shards "
+                        "does not sum the TP shards yet; stage 0 clips with the full model's norm): "
+                        "set gradient_clipping 0 or stage 0")
     for section in ("fp16", "bf16"):
         if getattr(config, section).enabled:
             problems.append(f"{section}.enabled with parallel.tensor={par.tensor} (mixed precision with tensor "

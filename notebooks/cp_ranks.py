@@ -6,8 +6,6 @@ runs on every rank with the same arguments; `launch` returns the values in rank 
 
 - `ledger`: ring and Ulysses attention, forward and backward, on this rank's shard; the bytes
   each put on the wire (the comm ledger), per op;
-- `compute_seconds`: ring attention forward with every block's attention timed, so each
-  rank's own compute time is measured apart from its waiting;
 - `rope_check`: the GPT's shard logits against the full model's, with RoPE at the global
   positions (what `apply_context_parallel` does) and at local ones (the wrong answer);
 - `torch_context_parallel`: PyTorch's `context_parallel` on this CPU/gloo run (what happens).
@@ -15,13 +13,11 @@ runs on every rank with the same arguments; `launch` returns the values in rank 
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tinyscale.context_parallel import apply_context_parallel, ring, ring_attention, ulysses_attention
+from tinyscale.context_parallel import apply_context_parallel, ring_attention, ulysses_attention
 from tinyscale.context_parallel.sharding import Layout, shard, unshard
 from tinyscale.dist import comm
 from tinyscale.models import GPT, GPTConfig
@@ -67,33 +63,6 @@ def ledger(cp: int, B: int, T: int, H: int, K: int, D: int, sharding: str = "zig
             out.sum().backward()
         rows[algorithm] = {"forward": fwd.by_op(), "backward": bwd.by_op()}
     return rows
-
-
-def compute_seconds(T: int, H: int, D: int, sharding: str, repeats: int = 3) -> float:
-    """This rank's seconds of block attention in one causal ring forward (best of `repeats`)."""
-    cp, rank = dist.get_world_size(), dist.get_rank()
-    layout = Layout(cp, sharding, T)
-    q, k, v = (shard(t, layout, rank, dim=2) for t in _problem(1, T, H, H, D, dtype=torch.float32))
-    spent = [0.0]
-    inner = ring.block_attention
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        result = inner(*args, **kwargs)
-        spent[0] += time.perf_counter() - start
-        return result
-
-    best = float("inf")
-    ring.block_attention = timed  # only in this rank process, only for this measurement
-    try:
-        for _ in range(repeats):
-            spent[0] = 0.0
-            dist.barrier()
-            ring_attention(q, k, v, None, layout=layout, causal=True)
-            best = min(best, spent[0])
-    finally:
-        ring.block_attention = inner
-    return best
 
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=64)

@@ -1,7 +1,7 @@
 """Ring attention against Ulysses against one process's SDPA, on the same total sequence.
 
-    python benchmarks/context_parallel.py [--cp 2] [--seq-len 4096] [--heads 8] [--kv-heads 2]
-                                          [--head-dim 64] [--steps 5] [--sharding zigzag]
+    python benchmarks/context_parallel.py [--cp 2] [--seq-len 2048] [--heads 8] [--kv-heads 2]
+                                          [--head-dim 64] [--steps 3] [--sharding zigzag]
 
 On `cp` rank processes (CPU, gloo), float32, causal: one forward and backward of attention
 over a sequence of `seq-len` tokens, three ways:
@@ -75,11 +75,11 @@ def bench(T: int, H: int, K: int, D: int, steps: int, sharding: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sharding", choices=["zigzag", "contiguous"], default="zigzag")
     a = parser.parse_args()
     if a.heads % a.cp:

@@ -31,10 +31,9 @@ import tinyscale as ts
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.pipeline import (
-    Action, GPTStage, PipelineExecutor, add_communication, afab, gpt_loss, interleaved_1f1b,
+    GPTStage, PipelineExecutor, add_communication, afab, gpt_loss, interleaved_1f1b,
     one_f_one_b, partition_gpt, simulate, stages_on_rank, zb_h1,
 )
-from tinyscale.pipeline.simulator import Simulation, TimedAction
 
 OURS = {"afab": (lambda p, m: afab(p, m), 1), "1f1b": (lambda p, m: one_f_one_b(p, m), 1),
         "zb_h1": (lambda p, m: zb_h1(p, m), 1), "interleaved_1f1b": (lambda p, m: interleaved_1f1b(p, m, 2), 2)}

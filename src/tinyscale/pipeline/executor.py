@@ -120,6 +120,7 @@ class PipelineExecutor:
             return None
         return torch.stack(self.losses).sum()  # sum of loss_i / m: the mean loss
 
+    # --8<-- [start:compute]
     def _forward(self, a: Action) -> None:
         s, i = a.stage, a.microbatch
         if s == 0:
@@ -158,6 +159,7 @@ class PipelineExecutor:
         for p, g in zip(params, grads):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
+    # --8<-- [end:compute]
 
     def _outgoing(self, a: Action) -> tuple[torch.Tensor, int]:
         """The tensor a send carries and the pipeline rank it goes to."""
@@ -166,6 +168,7 @@ class PipelineExecutor:
             return self.saved[(s, i)][1].detach(), self.where[s + 1]
         return self.inbox.pop(("out", s, i)), self.where[s - 1]
 
+    # --8<-- [start:communicate]
     def _communicate(self, actions: list[Action]) -> None:
         """Post a run's sends together (header, then data, per message), then take its
         receives in order, each header before its data. Sends never wait, as the simulator
@@ -184,6 +187,7 @@ class PipelineExecutor:
             buffer = _empty_from_header(header)
             comm.irecv(buffer, peer, self.group).wait()
             self.inbox[(F if a.kind == RECV_F else B, a.stage, a.microbatch)] = buffer
+    # --8<-- [end:communicate]
 
     @property
     def _device(self) -> torch.device:
@@ -202,6 +206,7 @@ def _empty_from_header(h: torch.Tensor) -> torch.Tensor:
     return torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=h.device)
 
 
+# --8<-- [start:tied]
 def exchange_tied_grads(param: nn.Parameter, peer: int, group=None) -> None:
     """A weight used on two ranks (a tied embedding on the first stage and head on the last)
     gets the sum of both ranks' gradients on both, as Megatron does, so both copies step alike."""
@@ -214,3 +219,4 @@ def exchange_tied_grads(param: nn.Parameter, peer: int, group=None) -> None:
     # Fixed order (lower rank's addend first) so both ranks compute bit-identical sums.
     first, second = (grad, theirs) if dist.get_rank() < peer else (theirs, grad)
     param.grad = first + second
+# --8<-- [end:tied]

@@ -84,6 +84,7 @@ def afab(num_stages: int, num_microbatches: int) -> Schedule:
             for s in range(num_stages)]
 
 
+# --8<-- [start:one-f-one-b]
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """1F1B: stage s runs p-s-1 warm-up forwards, then alternates one forward and one
     backward, then drains the remaining backwards. Same bubble as GPipe, but stage s never
@@ -99,6 +100,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         actions += [Action(s, BW, i) for i in range(m - warmup, m)]  # cool-down
         schedule.append(actions)
     return schedule
+# --8<-- [end:one-f-one-b]
 
 
 def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
@@ -145,6 +147,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int
     return schedule
 
 
+# --8<-- [start:zb-h1]
 def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B with each backward split into B (input gradient, on the critical path
     between stages) and W (weight gradient, needed only by the optimizer step).
@@ -173,6 +176,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
         actions += [Action(s, W, i) for i in range(next_w, m)]
         schedule.append(actions)
     return schedule
+# --8<-- [end:zb-h1]
 
 
 def stage_ranks(schedule: Schedule) -> dict[int, int]:
@@ -192,6 +196,7 @@ def stage_ranks(schedule: Schedule) -> dict[int, int]:
     return where
 
 
+# --8<-- [start:lowering]
 def add_communication(schedule: Schedule) -> Schedule:
     """Lower a compute-only schedule: a receive just before each compute action whose input
     comes from another rank, a send just after each one whose output goes to another rank.
@@ -222,6 +227,7 @@ def add_communication(schedule: Schedule) -> Schedule:
                 out.append(Action(s, SEND_B, i))
         lowered.append(out)
     return lowered
+# --8<-- [end:lowering]
 
 
 def format_schedule(schedule: Schedule) -> str:

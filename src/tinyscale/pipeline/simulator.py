@@ -58,6 +58,7 @@ class Simulation:
     def num_ranks(self) -> int:
         return len(self.timelines)
 
+    # --8<-- [start:bubble]
     @property
     def bubble_fraction(self):
         """Idle share of the ranks' time; a Fraction when the costs were exact."""
@@ -67,6 +68,7 @@ class Simulation:
         if isinstance(total, Rational):
             return 1 - Fraction(sum(self.busy)) / total
         return 1 - sum(self.busy) / total
+    # --8<-- [end:bubble]
 
 
 def _matching_send(a: Action) -> Action:

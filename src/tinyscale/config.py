@@ -168,6 +168,8 @@ class EngineConfig(Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig | None = None
     gradient_clipping: Float = Field(0.0, ge=0)  # max global gradient norm; 0 = off
+    # ZeRO stages 1-3: the dtype gradients are reduced in (DeepSpeed's); null: their own dtype
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     zero_optimization: ZeroConfig = ZeroConfig()
     fp16: Fp16Config = Fp16Config()
     bf16: Bf16Config = Bf16Config()

@@ -142,6 +142,9 @@ def runtime_notes(config, *, has_gpu: bool) -> list[str]:
     if zero.stage != 3 and zero.stage3_param_persistence_threshold:
         notes.append("zero_optimization.stage3_param_persistence_threshold: no effect at stages 0-2, whose "
                      "parameters are always whole on every rank")
+    if zero.stage == 0 and config.communication_data_type is not None:
+        notes.append(f"communication_data_type = {config.communication_data_type}: no effect at stage 0, whose "
+                     "data-parallel wrapper reduces gradients in their own dtype (ZeRO stages 1-3 honour it)")
     if zero.stage in (0, 3) and "allgather_bucket_size" in zero.model_fields_set:
         notes.append("zero_optimization.allgather_bucket_size: no effect at stages 0 and 3 (DeepSpeed reads it "
                      "at stages 1-2, which all-gather the updated parameters after the step)")

@@ -98,8 +98,9 @@ KEYS: tuple[Key, ...] = (
        "an fp16 sum cannot overflow", _is(True), _TRUE),
     _n("gradient_predivide_factor", "DeepSpeed divides by this factor before the sum and by dp / factor after; "
        "tinyscale divides by the whole data-parallel size before the sum (factor = dp): the same mean"),
-    _r("communication_data_type", "DeepSpeed casts gradients to this dtype for the reduction; tinyscale "
-       "reduces them in their own dtype (fp16/bf16 under mixed precision)", _is(None), "null"),
+    _h("communication_data_type", "ZeRO stages 1-3: gradients are cast to fp32, fp16 or bf16 for their "
+       "reduction (16-bit: half the bytes of fp32), the sum added into the shard in its own dtype; null: the "
+       "gradients' dtype; stage 0: noted"),
     _r("sparse_gradients", "DeepSpeed reduces nn.Embedding's sparse gradients as sparse tensors; tinyscale's "
        "gradients are dense", _is(False), _FALSE),
     _r("data_types", "DeepSpeed can accumulate gradients in another dtype (grad_accum_dtype); tinyscale "

@@ -415,3 +415,70 @@ def test_deepspeed_config_allgather_bucket_size_cuts_the_parameter_gathers(stage
 def test_deepspeed_config_allgather_bucket_size_is_noted_at_stages_0_and_3(stage):
     engine = _engine({"zero_optimization": {"stage": stage, "allgather_bucket_size": 1000}})
     assert any("allgather_bucket_size: no effect at stages 0 and 3" in n for n in engine.config_notes)
+
+
+# --- communication_data_type: gradients reduced in that dtype (ZeRO stages 1-3)
+
+_SGD = {"type": "SGD", "params": {"lr": 0.1}}
+
+
+def _comm_dtype_run(stage, dtype):
+    config = {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1, "optimizer": _SGD,
+              "zero_optimization": {"stage": stage}, "communication_data_type": dtype}
+    engine = ts.initialize(TinyMLP(seed=0), config)
+    engine.comm_ledger.clear()
+    for batch in synthetic_regression_batches(num_batches=2, batch_size=6, dim=8, seed=0):
+        engine.train_batch(batch)
+    grads = [r for r in engine.comm_ledger.rows if r.op == "reduce_scatter"]
+    return engine.full_state_dict(), sum(r.bytes for r in grads), {r.dtype for r in grads}
+
+
+def _sgd_with_row_gradient_sums():
+    """One process, SGD on the mean loss; also, per parameter element, the sum over steps and
+    rows of |that row's contribution to the gradient| (what rounding a reduction scales with)."""
+    model, rows = TinyMLP(seed=0), 6
+    abs_sums = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for x, y in synthetic_regression_batches(num_batches=2, batch_size=rows, dim=8, seed=0):
+        model.zero_grad()
+        for i in range(rows):
+            before = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+            (model(x[i:i + 1], y[i:i + 1]) / rows).backward()  # the mean loss, one row at a time
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    abs_sums[n] += (p.grad - before[n]).abs()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+    return model.state_dict(), abs_sums
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_config_communication_data_type_halves_bytes_and_rounds_the_sum(stage):
+    from tinyscale.testing import run_on_ranks
+
+    n = 3
+    reference, abs_sums = _sgd_with_row_gradient_sums()
+    runs = {dtype: run_on_ranks(_comm_dtype_run, n, stage, dtype) for dtype in (None, "fp32", "bf16", "fp16")}
+    for rank in range(n):
+        (_, b64, t64), (_, b32, t32), (_, bbf, tbf), (_, bhalf, thalf) = (runs[d][rank] for d in runs)
+        assert (t64, t32, tbf, thalf) == ({"float64"}, {"float32"}, {"bfloat16"}, {"float16"})
+        assert b64 == 2 * b32 and b32 == 2 * bbf == 2 * bhalf  # bytes halve per halving of the dtype
+        for dtype, unit_roundoff in (("fp32", 2.0 ** -24), ("bf16", 2.0 ** -8)):
+            state = runs[dtype][rank][0]
+            # Why this bound: each rank's term t_r (its rows' gradient / N) is rounded once to the
+            # dtype (error <= u |t_r|) and the N terms are summed in it (<= (N-1) u sum |t_r|):
+            # per reduction <= N u sum_r |t_r| <= N u sum over rows |row gradient|, elementwise.
+            # SGD moves a parameter by lr x gradient, so after the steps its error is at most
+            # lr N u (sum over steps and rows of |row gradient|); x2 for the second-order effect
+            # of step 1's error on step 2's gradient. fp16 is left out: its subnormals below
+            # 6e-5 round absolutely, not relatively; its bytes are checked above.
+            diffs = {k: (state[k] - reference[k]).abs() for k in abs_sums}
+            for k, d in diffs.items():
+                assert (d <= 2 * 0.1 * n * unit_roundoff * abs_sums[k]).all(), (dtype, k)
+            assert max(d.max().item() for d in diffs.values()) > 1e-15  # the rounding is real: not float64
+
+
+def test_deepspeed_config_communication_data_type_is_noted_at_stage0():
+    engine = _engine({"communication_data_type": "bf16"})
+    assert any("communication_data_type = bf16: no effect at stage 0" in n for n in engine.config_notes)

@@ -73,6 +73,7 @@ from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, op
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.tensor_parallel import full_state_dict_from_tp
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
+from tinyscale.zero.optimizer import COMM_DTYPES
 from tinyscale.zero.stage3 import Wrap
 from tinyscale.zero.state_dict import (
     gather_masters,
@@ -190,6 +191,7 @@ class Engine:
                 if zero.stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
                     self.zero.sharded.reduce_scatter = zero.reduce_scatter
                     self.zero.sharded.allgather_bucket_size = zero.allgather_bucket_size
+                self.zero.sharded.comm_dtype = COMM_DTYPES[config.communication_data_type]
                 if self.compute_dtype is not None:  # frozen parameters compute in it too; buffers
                     with torch.no_grad():              # (the GPT's fp32 RoPE tables) stay as they are
                         for p in self.model.parameters():

@@ -39,6 +39,8 @@ from tinyscale.dist import comm
 from tinyscale.zero.flat import FlatUnit, split_into_units
 from tinyscale.zero.offload import OFFLOAD_DEVICES, DiskSwapper, host_device
 
+COMM_DTYPES = {None: None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 
 
@@ -290,6 +292,11 @@ class ShardedOptimizer:
     # whole and each rank keeps its slice: the same sums, twice the bytes on the wire (a ring
     # all-reduce sends 2(N-1)/N of the buffer, a reduce-scatter (N-1)/N). The engine sets it.
     reduce_scatter: bool = True
+    # DeepSpeed's communication_data_type: gradients are cast to this dtype for the reduction
+    # (fp16/bf16: half the bytes, and each rank's term and every partial sum rounded to it),
+    # and the result is added into the gradient shard in the unit's dtype. None: the unit's
+    # own dtype. The engine sets it.
+    comm_dtype: torch.dtype | None = None
 
     def reduce_scatter_into(self, unit_index: int, grads: Sequence[torch.Tensor | None], async_op: bool = False):
         """Sum `grads` (shaped like the unit's params) over ranks; add this rank's averaged
@@ -303,11 +310,13 @@ class ShardedOptimizer:
         # Divide before summing (as torch DDP does): in fp16 the sum of N scaled gradients can
         # overflow where their mean would not. (A power-of-two N divides exactly either way.)
         flat.div_(self.world_size)
+        if self.comm_dtype is not None:
+            flat = flat.to(self.comm_dtype)
         if not self.reduce_scatter:  # all-reduce the whole unit, keep this rank's slice of it
             lo, hi = unit.shard_range()
             work = comm.all_reduce(flat, group=self.process_group, async_op=async_op)
             return _PendingShard(work, flat, flat[lo:hi], self.grad[unit_index])
-        out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+        out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=unit.device)
         work = comm.reduce_scatter(out, flat, group=self.process_group, async_op=async_op)
         return _PendingShard(work, flat, out, self.grad[unit_index])
 

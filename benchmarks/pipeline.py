@@ -1,6 +1,6 @@
 """Our pipeline executor's schedules against PyTorch's torch.distributed.pipelining, same run.
 
-    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 5]
+    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 4]
 
 Two CPU ranks (gloo), one GPT (float32) cut into the same stages by
 `tinyscale.pipeline.partition_gpt`, the same batch of m micro-batches, timed six ways:
@@ -114,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     m, p = args.microbatches, 2
     start = time.perf_counter()

@@ -201,7 +201,7 @@ class Engine:
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
-                                     num_devices=self.dp_size if self.device.type == "cuda" else 1)
+                                     num_devices=self.dp_size * self.tp_size if self.device.type == "cuda" else 1)
         self.last_step: dict = {}
         self._clock = time.perf_counter  # tests script it
         # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed

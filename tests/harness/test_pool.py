@@ -93,3 +93,16 @@ def test_harness_hypothesis_examples_reach_every_rank_identically(values, world_
     expected = torch.tensor(values, dtype=torch.float64) * factor
     for r in results:
         torch.testing.assert_close(r, expected, rtol=1e-15, atol=0)
+
+
+def test_hung_rank_stack_dump_with_blank_blocks_names_the_main_thread():
+    """A dump with empty blocks (blank lines doubled, a trailing newline) once raised IndexError
+    inside the hang report, hiding which rank hung; the main thread's block must come back."""
+    from tinyscale.dist.procs import main_thread_stack
+
+    dump = ("main thread 0x7f01\n"
+            "Thread 0x7f02 (most recent call first):\n  File \"a.py\", line 1 in helper\n\n\n"
+            "Current thread 0x7f01 (most recent call first):\n  File \"b.py\", line 9 in body\n\n")
+    assert main_thread_stack(dump) == ("Current thread 0x7f01 (most recent call first):\n"
+                                       "  File \"b.py\", line 9 in body")
+    assert main_thread_stack("main thread 0x1\nno blocks here") == "no blocks here"

@@ -211,13 +211,20 @@ def dump_stacks(procs, outcomes: dict[int, Outcome], stack_dir: str) -> None:
     for r in hung:
         try:
             with open(os.path.join(stack_dir, f"rank{r}.txt")) as f:
-                header, _, text = f.read().partition("\n")
+                outcomes[r].stack = main_thread_stack(f.read())
         except OSError:
             continue
-        main_id = header.removeprefix("main thread ")
-        blocks = text.split("\n\n")
-        main = [b for b in blocks if main_id in b.splitlines()[0]] if blocks else []
-        outcomes[r].stack = (main[-1] if main else text).strip()
+
+
+def main_thread_stack(dump: str) -> str:
+    """The main thread's block of a stack dump ("main thread ID" header, then faulthandler's
+    blocks separated by blank lines); the whole dump when no block names that thread."""
+    header, _, text = dump.partition("\n")
+    main_id = header.removeprefix("main thread ")
+    # Blank lines can leave empty blocks (a dump written twice, a trailing newline): skip them.
+    blocks = [b.strip() for b in text.split("\n\n") if b.strip()]
+    main = [b for b in blocks if main_id in b.splitlines()[0]]
+    return (main[-1] if main else text).strip()
 
 
 def kill_all(procs, grace_s: float = 1.0) -> None:

@@ -188,7 +188,7 @@ KEYS: tuple[Key, ...] = (
        "tinyscale offloads all of it", _is(1, 1.0), "1.0"),
     # --- activation checkpointing (DeepSpeed's keys configure its checkpoint(); ours pick a policy)
     _r(AC + "partition_activations", "DeepSpeed splits checkpointed activations over tensor-parallel ranks; "
-       "tensor parallelism is not built yet", _is(False), _FALSE),
+       "tinyscale's parallel.tensor does not compose with activation checkpointing yet", _is(False), _FALSE),
     _r(AC + "cpu_checkpointing", "DeepSpeed moves checkpointed (partitioned) inputs to the host; the nearest "
        "here is activation_checkpointing.policy \"offload\" (every block's saved tensors on the host, no "
        "recompute)", _is(False), _FALSE),

@@ -165,7 +165,7 @@ def test_tp_gpt_full_state_dict_is_the_original(tied, sequence_parallel):
     ({"n_head": 6, "d_model": 24}, 4, ["n_head", "6", "tp=4"]),
     ({"n_head": 6, "n_kv_head": 3, "d_model": 24}, 2, ["n_kv_head", "3", "tp=2"]),
     ({"ffn_hidden": 10}, 4, ["ffn_hidden", "10", "tp=4"]),
-    ({"dropout": 0.1}, 2, ["dropout=0.1", "set dropout=0"]),
+    ({"n_head": 6, "n_kv_head": 2, "d_model": 24}, 3, ["n_kv_head", "2", "tp=3"]),  # 2 neither divides nor is divided by 3
 ])
 def test_tp_gpt_rejects_layouts_it_cannot_split(changes, tp, words):
     cfg = GPTConfig(n_head=4, d_model=16, ffn_hidden=12).with_(**changes)

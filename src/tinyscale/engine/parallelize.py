@@ -83,6 +83,16 @@ def check_gpt_split(gpt_config, tp: int, world_size: int) -> None:
         check_tensor_parallel(gpt_config, tp)
     except ValueError as exc:
         raise ConfigError(f"parallel.tensor={tp}: {exc}") from None
+    # apply_tensor_parallel serves these, but the engine does not wire them yet: its dropout seed and
+    # mode, checkpoint resharding and clipping norm of replicated K/V heads. Refused, not silently wrong.
+    if gpt_config.dropout > 0:
+        raise ConfigError(f"parallel.tensor={tp} with GPTConfig.dropout={gpt_config.dropout}: the engine does not "
+                          "pass a dropout seed or exact_dropout to apply_tensor_parallel yet; set dropout=0, or "
+                          "call tinyscale.tensor_parallel.apply_tensor_parallel yourself")
+    if gpt_config.kv_heads < tp:
+        raise ConfigError(f"parallel.tensor={tp} with GPTConfig.n_kv_head={gpt_config.kv_heads}: replicated K/V "
+                          "heads are not wired into the engine's checkpoints and clipping yet; use n_kv_head a "
+                          f"multiple of {tp}, or call tinyscale.tensor_parallel.apply_tensor_parallel yourself")
     if world_size % tp != 0:
         raise ConfigError(f"parallel.tensor={tp} does not divide the world size {world_size}: the ranks are "
                           f"dp x tp; choose parallel.tensor among "

@@ -59,24 +59,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str = "sdpa",
-                     dropout_p: float = 0.0) -> torch.Tensor:
+                     dropout_p: float = 0.0, dropout_fn=None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(D)) v. q (B, H, T, D); k, v (B, K, T, D) -> (B, H, T, D).
 
     GQA by repeating each K/V head for its group of H/K query heads (query head h reads K/V head
     h // (H/K)): it materialises full-size K/V, where a fused GQA kernel indexes, but keeps one
-    readable path for both impls."""
+    readable path for both impls. dropout_fn, if given, drops the probabilities instead of
+    dropout_p (explicit matmuls; tensor parallelism passes its RNG-aware dropout here)."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)  # (B, H, T, D)
         v = v.repeat_interleave(group, dim=1)  # (B, H, T, D)
-    if impl == "sdpa":
+    if impl == "sdpa" and dropout_fn is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     T = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
     scores = scores.masked_fill(future, float("-inf"))
     probs = scores.softmax(dim=-1, dtype=_compute_dtype(q.dtype)).to(q.dtype)  # (B, H, T, T)
-    if dropout_p > 0:
+    if dropout_fn is not None:
+        probs = dropout_fn(probs)
+    elif dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
     return probs @ v  # (B, H, T, T) @ (B, H, T, D) -> (B, H, T, D)
 

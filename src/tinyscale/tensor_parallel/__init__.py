@@ -8,6 +8,8 @@ rank stores and multiplies 1/t of it; activations are exchanged inside every lay
     layers.py         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                       SequenceParallelRMSNorm, each built from the full layer
     cross_entropy.py  vocab_parallel_cross_entropy: the loss without gathering the logits
+    kv_heads.py       ReplicatedKVLinear: K/V heads copied when n_kv_head divides t
+    random.py         dropout: Megatron's RNG tracker, or exact_dropout (one process's masks)
     apply.py          apply_tensor_parallel(gpt, mesh_or_group, sequence_parallel=...) in place,
                       full_state_dict_from_tp(model) its inverse
 

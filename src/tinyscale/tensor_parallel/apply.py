@@ -14,11 +14,12 @@ the loss `vocab_parallel_cross_entropy` on the local logits. Two all-reduces of 
 block forward and two backward; with sequence parallelism two all-gathers and two reduce-scatters
 each way, the same bytes on the wire.
 
-What it refuses (ValueError naming the numbers and the fix): n_head or n_kv_head not divisible
-by t (GQA: K/V heads are split like query heads, each rank keeping the K/V heads its query heads
-read; replicating K/V heads when n_kv_head < t is not implemented), ffn hidden size not divisible
-by t, dropout > 0 (equal-to-one-process dropout needs an RNG tracker, not built yet), and a
-sequence length not divisible by t under sequence parallelism. A vocab that t does not divide is
+GQA: K/V heads are split like query heads when t divides n_kv_head, each rank keeping the K/V
+heads its query heads read; when n_kv_head divides t they are replicated (`kv_heads.py`).
+Dropout: an RNG tracker, or with exact_dropout=True the full masks of one process (`random.py`).
+What it refuses (ValueError naming the numbers and the fix): n_head not divisible by t, n_kv_head
+neither dividing nor divided by t, ffn hidden size not divisible by t, and a sequence length not
+divisible by t under sequence parallelism. A vocab that t does not divide is
 padded (`layers.VocabParallelEmbedding`). Tied embedding and head: both are split by vocab rows,
 so they share one local shard, one Parameter, as in the single-process model.
 
@@ -36,12 +37,14 @@ from tinyscale.dist import ParallelMesh
 from tinyscale.models.gpt import GPT, Block, _check_ids, _compute_dtype
 from tinyscale.tensor_parallel.comm_ops import copy_to_region, gather_from_region, gather_from_sequence
 from tinyscale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear
 from tinyscale.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceParallelRMSNorm,
     VocabParallelEmbedding,
 )
+from tinyscale.tensor_parallel.random import RNGTracker, add_tensor_parallel_dropout
 
 
 def _tp_group(mesh_or_group):
@@ -53,17 +56,17 @@ def check_tensor_parallel(config, tp: int) -> None:
     """Raise ValueError if the GPT `config` cannot be split over `tp` ranks (no processes needed)."""
     rules = [
         ("n_head", config.n_head, "query heads are split whole over the ranks"),
-        ("n_kv_head", config.kv_heads, "K/V heads are split whole over the ranks (replicating them is not "
-                                       "implemented); use n_kv_head=None or a multiple of tp"),
         ("ffn_hidden", config.ffn_dim, "w_gate/w_up rows and w_down columns are split evenly"),
     ]
     for field, value, why in rules:
         if value % tp != 0:
             raise ValueError(f"tensor parallel: GPTConfig.{field} resolves to {value}, not divisible by tp={tp} "
                              f"({why}): choose tp dividing {value}, or change {field}")
-    if config.dropout > 0:
-        raise ValueError(f"tensor parallel: GPTConfig.dropout={config.dropout} > 0 is not supported (the masks "
-                         "would differ from one process without an RNG tracker): set dropout=0")
+    kv = config.kv_heads
+    if kv % tp != 0 and tp % kv != 0:
+        raise ValueError(f"tensor parallel: GPTConfig.n_kv_head resolves to {kv}, neither divisible by tp={tp} "
+                         f"(K/V heads split) nor dividing it (K/V heads replicated): choose n_kv_head a "
+                         f"multiple or a divisor of {tp}")
 # --8<-- [end:check]
 
 
@@ -78,14 +81,21 @@ def _enter_region(group, sequence_parallel: bool):
 
 
 # --8<-- [start:block]
-def parallelize_block(block: Block, group, *, sequence_parallel: bool = False) -> Block:
+def parallelize_block(block: Block, group, *, sequence_parallel: bool = False, n_kv_head: int | None = None,
+                      exact_dropout: bool = False, tracker: RNGTracker | None = None) -> Block:
     """Split one transformer block over `group`, in place (the per-block part of apply_tensor_parallel).
-    Under sequence parallelism the block takes and returns (B, T/t, C) sequence shards."""
+    Under sequence parallelism the block takes and returns (B, T/t, C) sequence shards.
+    n_kv_head below t: wk, wv replicated by head; block.dropout > 0 needs the `tracker`."""
     sp = sequence_parallel
     attn, mlp = block.attn, block.mlp
     col = dict(prepare_input=False)  # the pre-hooks below enter each region once
+    replicate_kv = n_kv_head is not None and n_kv_head < dist.get_world_size(group)
     for name in ("wq", "wk", "wv"):  # (C -> H*D or K*D): contiguous rows are whole heads
-        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group, **col))
+        full = getattr(attn, name)
+        if name != "wq" and replicate_kv:
+            setattr(attn, name, ReplicatedKVLinear(full, n_kv_head, group))
+        else:
+            setattr(attn, name, ColumnParallelLinear.from_linear(full, group, **col))
     attn.wo = RowParallelLinear.from_linear(attn.wo, group, sequence_parallel=sp)
     mlp.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, **col)
     mlp.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, **col)
@@ -95,12 +105,17 @@ def parallelize_block(block: Block, group, *, sequence_parallel: bool = False) -
     if sp:
         block.attn_norm = SequenceParallelRMSNorm(block.attn_norm, group)
         block.mlp_norm = SequenceParallelRMSNorm(block.mlp_norm, group)
+    if block.dropout > 0:
+        add_tensor_parallel_dropout(block, group, sequence_parallel=sp, exact=exact_dropout, tracker=tracker)
     return block
 # --8<-- [end:block]
 
 
-def apply_tensor_parallel(model: GPT, mesh_or_group, *, sequence_parallel: bool = False) -> GPT:
-    """Split `model` (the same full GPT on every rank) over the TP group, in place; returns it."""
+def apply_tensor_parallel(model: GPT, mesh_or_group, *, sequence_parallel: bool = False,
+                          exact_dropout: bool = False, dropout_seed: int = 0) -> GPT:
+    """Split `model` (the same full GPT on every rank) over the TP group, in place; returns it.
+    Dropout: the tracker seeds each rank's own stream with dropout_seed (+ offset + tp rank);
+    exact_dropout=True draws one process's masks instead (see `random.py` for the costs)."""
     if not isinstance(model, GPT):
         raise TypeError(f"apply_tensor_parallel takes a tinyscale GPT, got {type(model).__name__}")
     if isinstance(model, TensorParallelGPT):
@@ -110,8 +125,10 @@ def apply_tensor_parallel(model: GPT, mesh_or_group, *, sequence_parallel: bool 
     check_tensor_parallel(cfg, tp)
     sp = sequence_parallel
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sequence_parallel=sp)
+    tracker = RNGTracker(dropout_seed, dist.get_rank(group), model.embed.weight.device)
     for block in model.blocks:
-        parallelize_block(block, group, sequence_parallel=sp)
+        parallelize_block(block, group, sequence_parallel=sp, n_kv_head=cfg.kv_heads, exact_dropout=exact_dropout,
+                          tracker=tracker)
     if sp:
         model.norm = SequenceParallelRMSNorm(model.norm, group)
     tied = cfg.tie_embeddings

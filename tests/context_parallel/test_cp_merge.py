@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from tinyscale.context_parallel.merge import block_attention, block_attention_backward, merge_lse, merge_partials
 
 
+# Tolerance 1e-12 below: float64 on shapes this small differs only in summation order (a few ulps,
+# ~1e-15); a wrong mask, a merge without its weights or a dropped block is off by 1e-2 or more.
 def _qkv(B=2, H=4, K=2, Tq=6, Tk=6, D=8, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(B, H, Tq, D, generator=g, dtype=dtype), torch.randn(B, K, Tk, D, generator=g, dtype=dtype),

@@ -34,6 +34,21 @@ def test_mesh_layout_groups_partition_the_ranks_along_every_axis(dp, tp, pp, cp)
         assert layout.rank_of(**layout.coords(rank)) == rank
 
 
+@given(dp=degrees, tp=degrees, pp=degrees, cp=degrees)
+def test_mesh_layout_flat_dp_cp_groups_join_the_cp_groups_of_a_dp_group(dp, tp, pp, cp):
+    layout = MeshLayout(dp=dp, tp=tp, pp=pp, cp=cp)
+    groups = layout.flat_groups(("cp", "dp"))  # given in any order: mesh order (dp, cp)
+    assert sorted(itertools.chain(*groups)) == list(range(layout.world_size))
+    for g in groups:
+        assert len(g) == dp * cp and g == sorted(g)
+        coords = [layout.coords(r) for r in g]
+        assert [(c["dp"], c["cp"]) for c in coords] == [(i, j) for i in range(dp) for j in range(cp)]
+        assert len({(c["pp"], c["tp"]) for c in coords}) == 1
+    assert layout.flat_groups(("dp",)) == layout.groups("dp")
+    with pytest.raises(ValueError, match="unknown or repeated mesh dims"):
+        layout.flat_groups(("dp", "dp"))
+
+
 def test_mesh_layout_tp_is_fastest_and_pp_slowest():
     layout = MeshLayout(dp=2, tp=2, pp=2)
     assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -64,6 +79,7 @@ def _mesh_groups(dp, tp, pp, cp):
     out = {}
     for axis in DIMS:
         out[axis] = (mesh.rank(axis), mesh.size(axis), dist.get_process_group_ranks(mesh.group(axis)))
+    out["dp_cp"] = (mesh.rank("dp", "cp"), mesh.size("dp", "cp"), dist.get_process_group_ranks(mesh.group("dp", "cp")))
     return out
 
 
@@ -79,6 +95,9 @@ def test_mesh_process_groups_match_the_layout(shape):
             assert coord == layout.coords(rank)[axis]
             assert size == getattr(layout, axis)
             assert ranks == layout.group_ranks(axis, rank)
+        coord, size, ranks = groups["dp_cp"]  # the flattened group context parallelism reduces over
+        assert ranks == next(g for g in layout.flat_groups(("dp", "cp")) if rank in g)
+        assert (coord, size) == (ranks.index(rank), layout.dp * layout.cp)
 
 
 def _mesh_wrong_size():

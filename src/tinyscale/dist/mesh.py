@@ -13,6 +13,10 @@ the matching `torch.distributed.device_mesh.DeviceMesh` and hands out its proces
 
     mesh = ParallelMesh(dp=2, tp=2)       # inside a 4-rank job
     mesh.group("tp"), mesh.rank("tp"), mesh.size("dp")
+
+Several axes name their flattened group: ``mesh.group("dp", "cp")`` holds the ranks that
+differ only in dp and cp (torchtitan's ``dp_cp`` mesh, which FSDP shards over when the
+batch is split over dp and the sequence over cp).
 """
 
 from __future__ import annotations
@@ -107,10 +111,30 @@ class MeshLayout:
         c = self.coords(rank)
         return [self.rank_of(**{**c, axis: i}) for i in range(getattr(self, axis))]
 
+    def flat_groups(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group over several axes flattened: global ranks that differ only in `axes`,
+        ascending (row-major over `axes`, the last of them fastest, as in the whole mesh)."""
+        axes = self._check_axes(axes)
+        others = [n for n in DIMS if n not in axes]
+        out = []
+        for fixed in itertools.product(*(range(getattr(self, n)) for n in others)):
+            base = dict(zip(others, fixed))
+            out.append([self.rank_of(**base, **dict(zip(axes, inner)))
+                        for inner in itertools.product(*(range(getattr(self, a)) for a in axes))])
+        return out
+
+    def _check_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """`axes` in mesh order; unknown or repeated names raise."""
+        unknown = [a for a in axes if a not in DIMS]
+        if unknown or len(set(axes)) != len(axes) or not axes:
+            raise ValueError(f"unknown or repeated mesh dims in {axes}; dims are {DIMS}, each at most once")
+        return tuple(n for n in DIMS if n in axes)
+
 
 # DeviceMeshes built in this process, by (shape, device type). Building one is a collective
 # (new process groups); a persistent test worker would otherwise build hundreds.
 _cache: dict[tuple, object] = {}
+_flat_cache: dict[tuple, object] = {}  # flattened groups, by (shape, axes, world)
 
 
 class ParallelMesh:
@@ -138,27 +162,33 @@ class ParallelMesh:
         self.device_mesh = _cache[key]
         self._rank = dist.get_rank()
 
-    def group(self, axis: str):
-        """The process group of this rank along `axis` ("pp", "dp", "cp" or "tp")."""
-        self._check_axis(axis)
-        return self.device_mesh.get_group(axis)
+    def group(self, *axes: str):
+        """The process group of this rank along `axes` ("pp", "dp", "cp" or "tp"; several:
+        their flattened group, e.g. ``group("dp", "cp")``)."""
+        axes = self.layout._check_axes(axes)
+        wide = [a for a in axes if getattr(self.layout, a) > 1]
+        if len(wide) <= 1:  # the same ranks as one axis's group: no new group needed
+            return self.device_mesh.get_group(wide[0] if wide else axes[0])
+        key = (self.layout.shape, axes, id(dist.group.WORLD))
+        if key not in _flat_cache:  # collective: every rank creates every group, in the same order
+            _flat_cache[key], _ = dist.new_subgroups_by_enumeration(self.layout.flat_groups(axes))
+        return _flat_cache[key]
 
-    def rank(self, axis: str) -> int:
-        """This rank's coordinate along `axis` (its rank within that group)."""
-        self._check_axis(axis)
-        return self.layout.coords(self._rank)[axis]
+    def rank(self, *axes: str) -> int:
+        """This rank's coordinate along `axes` (its rank within that group; several axes:
+        row-major over them, the rank in their flattened group)."""
+        coords = self.layout.coords(self._rank)
+        out = 0
+        for axis in self.layout._check_axes(axes):
+            out = out * getattr(self.layout, axis) + coords[axis]
+        return out
 
-    def size(self, axis: str) -> int:
-        self._check_axis(axis)
-        return getattr(self.layout, axis)
+    def size(self, *axes: str) -> int:
+        return math.prod(getattr(self.layout, a) for a in self.layout._check_axes(axes))
 
     def group_ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along `axis`."""
         return self.layout.group_ranks(axis, self._rank)
-
-    def _check_axis(self, axis: str) -> None:
-        if axis not in DIMS:
-            raise ValueError(f"unknown mesh dim {axis!r}; dims are {DIMS}")
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={getattr(self.layout, n)}" for n in DIMS)

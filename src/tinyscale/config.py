@@ -149,6 +149,7 @@ class ParallelConfig(Section):
     pipeline_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
     virtual_stages: PositiveInt = 1
     context_algorithm: Literal["ring", "ulysses"] = "ring"
+    context_sharding: Literal["zigzag", "contiguous"] = "zigzag"  # tinyscale.context_parallel.sharding
 
 
 @dataclass(frozen=True)

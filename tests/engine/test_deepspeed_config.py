@@ -263,8 +263,7 @@ def test_deepspeed_config_steps_per_print_logs_every_n_steps(caplog):
     assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"] and "loss scale" in lines[0]
 
 
-@pytest.mark.parametrize("key, value", [("pipeline_schedule", "afab"), ("virtual_stages", 2),
-                                        ("context_algorithm", "ulysses")])
+@pytest.mark.parametrize("key, value", [("pipeline_schedule", "afab"), ("virtual_stages", 2)])
 def test_deepspeed_config_parallel_keys_of_unbuilt_topics_are_refused(key, value):
     with pytest.raises(ConfigError, match=rf"parallel\.{key}\b.*not built yet"):
         check_supported(EngineConfig.load({**BASE, "parallel": {key: value}}))

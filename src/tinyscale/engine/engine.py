@@ -42,7 +42,10 @@ Every rank ends the step with identical parameters (stage 3: identical shards of
 tensor parallel: the ranks of a dp group hold the same TP shard), which is what
 `full_state_dict` returns (stage 3 gathers them for it, tensor parallelism over its group).
 With `parallel.tensor` = t the "dp ranks" above are world / t: every rank of a TP group
-gets the same rows, and all reductions above run over the dp axis only.
+gets the same rows, and all reductions above run over the dp axis only. With
+`parallel.context` = c every rank of a cp group gets the same rows too, cuts its sequence
+shard of each micro-batch, and the reductions run over dp x cp with the loss scaled by c, so
+they sum over cp and average over dp (`engine/context.py`).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
-from tinyscale.engine import checkpoint, parallelize, tp_state
+from tinyscale.engine import checkpoint, context, parallelize, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, split_parameters
@@ -95,12 +98,11 @@ def check_supported(config: EngineConfig) -> None:
     """Reject what this build cannot do yet, naming the field (before any work is done)."""
     todo = []
     par = config.parallel
-    for name in ("pipeline", "context"):
+    for name in ("pipeline",):
         if getattr(par, name) != 1:
             todo.append(f"parallel.{name}={getattr(par, name)} (not built yet; use 1)")
-    todo += parallelize.check_config(config)  # tensor parallelism's combinations not served yet
-    for name, topic in (("pipeline_schedule", "pipeline"), ("virtual_stages", "pipeline"),
-                        ("context_algorithm", "context")):
+    todo += parallelize.check_config(config)  # tensor and context parallelism's combinations not served yet
+    for name, topic in (("pipeline_schedule", "pipeline"), ("virtual_stages", "pipeline")):
         if name in par.model_fields_set:  # a setting of an unbuilt topic would silently do nothing
             todo.append(f"parallel.{name} ({topic} parallelism is not built yet; remove it)")
     if todo:
@@ -125,6 +127,9 @@ class Engine:
         self.dp_group = mesh.group("dp") if mesh is not None else None
         self.dp_rank = mesh.rank("dp") if mesh is not None else 0
         self.dp_size = mesh.size("dp") if mesh is not None else 1
+        # Gradients are averaged over dp x cp (engine/context.py; just dp without context parallelism).
+        self.reduce_group, self.reduce_rank, self.reduce_size = context.reduce_group(mesh)
+        self.cp_size = config.parallel.context
         self.batch = config.batch(self.dp_size)
         self.device = device()
         # DeepSpeed keys accepted with no effect here: said once, with the reason (rank 0).
@@ -159,29 +164,29 @@ class Engine:
                 if self.compute_dtype is not None:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, make, dtype=self.compute_dtype,
-                        loss_scaler=self.loss_scaler, process_group=self.dp_group)  # rounds frozen ones too
+                        loss_scaler=self.loss_scaler, process_group=self.reduce_group)  # rounds frozen ones too
                 else:
                     self.optimizer = make(groups)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
-                if self.dp_size > 1:
-                    self.ddp = BucketedDDP(self.model, process_group=self.dp_group,
+                if self.reduce_size > 1:
+                    self.ddp = BucketedDDP(self.model, process_group=self.reduce_group,
                                            bucket_cap_mb=bucket_bytes / 2**20, overlap=zero.overlap_comm)
             else:
                 # ZeRO: the ranks start identical, then each builds its shards of the state
                 # (stage 3: of the parameters too, and hooks on the model that gather them).
-                if self.dp_size > 1:
-                    broadcast_parameters(self.model, self.dp_group)
+                if self.reduce_size > 1:
+                    broadcast_parameters(self.model, self.reduce_group)
                 off = {"offload_optimizer": zero.offload_optimizer.device, "param_dtype": self.compute_dtype,
                        "loss_scaler": self.loss_scaler}
                 if zero.stage == 1:  # reduce-scatters in units of at most reduce_bucket_size
-                    self.zero = ZeroStage1(groups, make, self.dp_group, **off, bucket_bytes=bucket_bytes,
+                    self.zero = ZeroStage1(groups, make, self.reduce_group, **off, bucket_bytes=bucket_bytes,
                                            nvme_path=zero.offload_optimizer.nvme_path)
                 elif zero.stage == 2:
-                    self.zero = ZeroStage2(groups, make, self.dp_group, bucket_bytes=bucket_bytes,
+                    self.zero = ZeroStage2(groups, make, self.reduce_group, bucket_bytes=bucket_bytes,
                                            overlap=zero.overlap_comm, **off, nvme_path=zero.offload_optimizer.nvme_path)
                 else:
                     # overlap_comm: prefetch, i.e. the next unit's all-gather overlaps this one's compute
-                    self.zero = ZeroStage3(groups, make, self.dp_group, module=self.model, wrap=zero3_wrap, **off,
+                    self.zero = ZeroStage3(groups, make, self.reduce_group, module=self.model, wrap=zero3_wrap, **off,
                                            prefetch=zero.overlap_comm,
                                            optimizer_nvme_path=zero.offload_optimizer.nvme_path,
                                            offload_param=zero.offload_param.device,
@@ -201,7 +206,7 @@ class Engine:
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
-                                     num_devices=self.dp_size * self.tp_size if self.device.type == "cuda" else 1)
+                                     num_devices=self.reduce_size * self.tp_size if self.device.type == "cuda" else 1)
         self.last_step: dict = {}
         self._clock = time.perf_counter  # tests script it
         # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed
@@ -263,9 +268,11 @@ class Engine:
                     # Gradients are averaged once per step: by the last micro-batch's backward.
                     with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
                         with phase("forward"):
-                            loss = forward(*(t.to(self.device) for t in chunk))
-                        with phase("backward"):
-                            self._scaled(loss / len(micro)).backward()
+                            # context parallel: this rank's sequence shard (else the chunk itself)
+                            shard = context.shard_micro_batch(chunk, self.config, self.mesh)
+                            loss = forward(*(t.to(self.device) for t in shard))
+                        with phase("backward"):  # x cp: the mean over dp x cp ranks sums over cp
+                            self._scaled(loss * self.cp_size / len(micro)).backward()
                     total += loss.detach().double()
                 # --8<-- [end:accumulate]
             except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then it is re-raised
@@ -275,15 +282,15 @@ class Engine:
             # that those no rank used are not stepped (as in one process) at no extra collective;
             # so does whether this rank's forward or backward raised.
             used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
-            failed = torch.zeros(self.dp_size, dtype=torch.float64, device=self.device)
-            failed[self.dp_rank] = float(error is not None)
-            if self.dp_size > 1:
+            failed = torch.zeros(self.reduce_size, dtype=torch.float64, device=self.device)
+            failed[self.reduce_rank] = float(error is not None)
+            if self.reduce_size > 1:  # cp ranks report the same loss (their rows'): / (dp cp) below
                 sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))
-                comm.all_reduce(sent, group=self.dp_group)
-                total, failed = sent[0], sent[1:1 + self.dp_size]
-                used = None if used is None else sent[1 + self.dp_size:]
+                comm.all_reduce(sent, group=self.reduce_group)
+                total, failed = sent[0], sent[1:1 + self.reduce_size]
+                used = None if used is None else sent[1 + self.reduce_size:]
         used = None if used is None else used.cpu() > 0
-        mean_loss = total.item() / (len(micro) * self.dp_size)
+        mean_loss = total.item() / (len(micro) * self.reduce_size)
         failed_ranks = [r for r, f in enumerate(failed.tolist()) if f]
         # The same value on every rank, so all raise together. fp16: an overflow is the
         # scaler's business (the step is skipped below), not divergence.
@@ -338,7 +345,7 @@ class Engine:
     def _complete_abandoned(self, micro_batches_left: int) -> None:
         """This rank's forward or backward raised: make the collectives the other ranks make
         in the rest of the step (they must not wait for it), then forget this rank's part."""
-        if self.dp_size > 1:
+        if self.reduce_size > 1:
             if self.ddp is not None:
                 self.ddp.complete_abandoned()
             elif self.zero is not None:

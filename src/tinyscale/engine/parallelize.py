@@ -10,17 +10,19 @@ shards; ZeRO then shards those over the dp axis only (torchtitan's FSDP + TP 2D 
 The optimizer must be built after every transform that replaces parameters and before
 mixed precision rounds them (its fp32 masters are taken first), so the last two steps are
 built by `Engine.__init__`, which calls `parallelize_model` first and then builds them over
-`mesh.group("dp")`.
+`mesh.group("dp", "cp")` (the dp axis; with context parallelism, dp x cp flattened).
 
 Everything a layout can refuse is refused here before any process group is created
 (`check_layout`, `ConfigError` naming the field and the fix). Built so far: tensor and
 sequence parallelism (`tinyscale.tensor_parallel`) for the GPT, with data parallelism and
-ZeRO stages 1-3 over the dp axis. Pipeline and context parallelism are refused by
-`engine.check_supported` until they land here.
+ZeRO stages 1-3 over the dp axis; context parallelism (`engine/context.py`: ring or Ulysses
+over the cp axis, gradients reduced over dp x cp), not yet together with tensor parallelism.
+Pipeline parallelism is refused by `engine.check_supported` until it lands here.
 
-The mesh is `ParallelMesh(dp=world // tp, tp=tp)`: ranks 0..tp-1 form the first TP group,
-and the ranks holding the same TP shard form a dp group. Tests:
-`pytest tests/engine/test_engine_tensor_parallel.py` (keys tp, tensor_parallel).
+The mesh is `ParallelMesh(dp=world // (cp tp), cp=cp, tp=tp)`: ranks 0..tp-1 form the first
+TP group, and the ranks holding the same TP shard form a dp group. Tests:
+`pytest tests/engine/test_engine_tensor_parallel.py` (keys tp, tensor_parallel),
+`pytest tests/engine/test_engine_context_parallel.py` (key engine_context_parallel).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ import torch
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
+from tinyscale.engine import context
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 
 def check_config(config: EngineConfig) -> list[str]:
-    """What the config alone asks of tensor parallelism that cannot be served (no model needed)."""
-    par, problems = config.parallel, []
+    """What the config alone asks of tensor (and context) parallelism that cannot be served (no model needed)."""
+    par, problems = config.parallel, context.check_config(config)
     if par.sequence_parallel and par.tensor == 1:
         problems.append("parallel.sequence_parallel=true needs parallel.tensor > 1 (sequence parallelism splits "
                         "activations over the tensor-parallel group): set parallel.tensor, or sequence_parallel false")
@@ -65,6 +68,7 @@ def check_config(config: EngineConfig) -> list[str]:
 def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
                  mesh: ParallelMesh | None = None) -> None:
     """Refuse a layout this model and world cannot take, naming the field and the fix (no collectives)."""
+    context.check_layout(config, model, world_size, mesh)
     tp = config.parallel.tensor
     if mesh is not None and mesh.size("tp") != tp:
         raise ConfigError(f"parallel.tensor={tp} but the mesh passed to initialize has tp={mesh.size('tp')}: "
@@ -100,11 +104,11 @@ def check_gpt_split(gpt_config, tp: int, world_size: int) -> None:
 
 
 def build_mesh(config: EngineConfig, world_size: int, mesh: ParallelMesh | None) -> ParallelMesh | None:
-    """The caller's mesh, or dp = world / tp by tp (none in a plain single process)."""
+    """The caller's mesh, or dp = world / (cp tp) by cp by tp (none in a plain single process)."""
     if mesh is not None or world_size == 1:
         return mesh
-    tp = config.parallel.tensor
-    return ParallelMesh(dp=world_size // tp, tp=tp)
+    tp, cp = config.parallel.tensor, config.parallel.context
+    return ParallelMesh(dp=world_size // (tp * cp), cp=cp, tp=tp)
 
 
 def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> torch.nn.Module:
@@ -112,6 +116,7 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
     activation checkpointing (it rebuilds blocks, which the DP/ZeRO hooks then attach to)."""
     if config.parallel.tensor > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=config.parallel.sequence_parallel)
+    context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
     ac = config.activation_checkpointing
     if ac.policy != "none":
         apply_policy(model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant)

@@ -1,0 +1,121 @@
+"""Context parallelism in the engine: `parallel.context`, `context_algorithm`, `context_sharding`.
+
+    {"parallel": {"context": 2, "context_algorithm": "ring", "context_sharding": "zigzag"}}
+
+With ``parallel.context`` = cp the world is dp x cp ranks (mesh dims (pp, dp, cp, tp), so a
+cp group is a run of consecutive ranks). What the engine does with it:
+
+- rows: every rank of a cp group gets the same rows (the batch is split over dp only), and
+  each micro-batch is cut along the sequence by `shard_micro_batch`
+  (`tinyscale.context_parallel.shard_batch`: zigzag or contiguous, padded to the chunk count);
+- model: `apply_context_parallel` over ``mesh.group("cp")`` (`engine/parallelize.py`, after
+  tensor parallelism). Its loss is the full rows' mean on every cp rank; each rank's
+  gradient is its own tokens' share, so the true gradient is their SUM over cp;
+- gradients: DDP or ZeRO run over the flattened dp x cp group (`reduce_group`), which
+  averages over dp*cp ranks; the engine multiplies each micro-batch's loss by cp before
+  backward (`grad_scale`), so the result is the sum over cp and the mean over dp. ZeRO thus
+  shards its states over dp*cp ranks (torchtitan's FSDP over ``dp_cp``): the cp ranks hold the
+  same parameters and all of them need every parameter, so sharding over them saves memory at
+  no extra traffic per gradient byte. The loss all-reduce runs over that group too: each of
+  its dp*cp ranks reports the same mean for its rows, so sum / (dp*cp) is the global mean.
+
+Refused by name before any process group exists (`check_config`, `check_layout`): tensor
+parallelism together with cp (the two replace the GPT's forward differently), fp16/bf16,
+activation checkpointing and offload (untested with cp), dropout > 0, models other than the
+GPT, Ulysses with heads % cp != 0, a world that is not dp x cp.
+Lesson: lessons/09-context-parallel.md. Tests: `pytest -k engine_context_parallel`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.context_parallel import apply_context_parallel, kv_replication, shard_batch
+from tinyscale.dist import ParallelMesh
+from tinyscale.models.gpt import GPT
+
+
+def check_config(config: EngineConfig) -> list[str]:
+    """What the config alone asks of context parallelism that cannot be served (no model needed)."""
+    par, problems = config.parallel, []
+    cp = par.context
+    if cp == 1:
+        return problems
+    if par.tensor > 1:
+        problems.append(f"parallel.tensor={par.tensor} with parallel.context={cp} (tensor and context "
+                        "parallelism together are not built yet): set one of them to 1")
+    for section in ("fp16", "bf16"):
+        if getattr(config, section).enabled:
+            problems.append(f"{section}.enabled with parallel.context={cp} (mixed precision with context "
+                            "parallelism is not tested yet); use float32/float64 parameters")
+    if config.activation_checkpointing.policy != "none":
+        problems.append(f"activation_checkpointing.policy={config.activation_checkpointing.policy!r} with "
+                        f"parallel.context={cp} (not tested yet); use policy \"none\"")
+    zero = config.zero_optimization
+    if zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
+        problems.append(f"zero_optimization offload with parallel.context={cp} (not tested yet); "
+                        "use offload device \"none\"")
+    return problems
+
+
+def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
+                 mesh: ParallelMesh | None = None) -> None:
+    """Refuse a cp layout this model and world cannot take, naming the field and the fix (no collectives)."""
+    par = config.parallel
+    cp = par.context
+    if mesh is not None and mesh.size("cp") != cp:
+        raise ConfigError(f"parallel.context={cp} but the mesh passed to initialize has cp={mesh.size('cp')}: "
+                          "make them equal (or pass no mesh)")
+    if cp == 1:
+        return
+    if not isinstance(model, GPT):
+        raise ConfigError(f"parallel.context={cp}: context parallelism splits tinyscale's GPT's sequence, not a "
+                          f"{type(model).__name__}'s; use parallel.context 1 for this model")
+    gpt = model.config
+    if gpt.dropout > 0:
+        raise ConfigError(f"parallel.context={cp} with GPTConfig.dropout={gpt.dropout}: a rank would need the "
+                          "dropout mask of keys it does not hold; set dropout=0")
+    if par.context_algorithm == "ulysses":
+        try:
+            kv_replication(gpt.n_head, gpt.kv_heads, cp)
+        except ValueError as exc:
+            raise ConfigError(f"parallel.context={cp} with parallel.context_algorithm=\"ulysses\": {exc}") from None
+    per_dp = par.tensor * par.pipeline * cp
+    if world_size % per_dp != 0:
+        raise ConfigError(f"parallel.context={cp} (x tensor {par.tensor} x pipeline {par.pipeline}) does not divide "
+                          f"the world size {world_size}: the ranks are dp x cp; choose parallel.context among "
+                          f"{[d for d in range(1, world_size + 1) if world_size % (d * par.tensor * par.pipeline) == 0]}")
+
+
+def reduce_group(mesh: ParallelMesh | None) -> tuple[object, int, int]:
+    """(group, rank in it, size) of the gradient reduction: dp x cp flattened (dp when cp = 1)."""
+    if mesh is None:
+        return None, 0, 1
+    return mesh.group("dp", "cp"), mesh.rank("dp", "cp"), mesh.size("dp", "cp")
+
+
+def grad_scale(config: EngineConfig) -> int:
+    """What each loss is multiplied by before backward: cp, so that DDP/ZeRO's mean over the
+    dp*cp ranks is the sum over cp (each rank's share) and the mean over dp."""
+    return config.parallel.context
+
+
+def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> None:
+    """Context parallelism over the mesh's cp axis, in place (nothing when cp = 1)."""
+    par = config.parallel
+    if par.context > 1:
+        apply_context_parallel(model, mesh.group("cp"), algorithm=par.context_algorithm,
+                               sharding=par.context_sharding)
+
+
+def shard_micro_batch(chunk: tuple[torch.Tensor, ...], config: EngineConfig,
+                      mesh: ParallelMesh | None) -> tuple[torch.Tensor, ...]:
+    """This rank's sequence shard of a micro-batch (inputs, targets), each (b, T) -> (b, Tl)."""
+    par = config.parallel
+    if par.context == 1:
+        return chunk
+    if len(chunk) != 2:
+        raise ValueError(f"train_batch with parallel.context={par.context}: a batch is (inputs, targets), "
+                         f"got {len(chunk)} tensors")
+    return shard_batch(chunk, mesh.group("cp"), par.context_sharding)

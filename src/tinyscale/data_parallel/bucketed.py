@@ -30,6 +30,7 @@ flattened and concatenated in bucket order.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,8 +78,33 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[list[torc
 # --8<-- [end:assign]
 
 
+def _all_reduce_in(buffer: torch.Tensor, dtype: torch.dtype | None, group):
+    """Start the sum of `buffer` over `group`, sent in `dtype`; wait() leaves it in `buffer`."""
+    if dtype is None or dtype == buffer.dtype:
+        return comm.all_reduce(buffer, group=group, async_op=True)
+    wire = buffer.to(dtype)  # the usage flags too: counts up to N are exact in fp16 and bf16 (N <= 256)
+    return _CastBack(comm.all_reduce(wire, group=group, async_op=True), wire, buffer)
+
+
+class _CastBack:
+    """An all-reduce of a cast copy: wait() copies the sum back into the bucket's own dtype."""
+
+    def __init__(self, work, wire: torch.Tensor, buffer: torch.Tensor):
+        self._work, self._wire, self._buffer = work, wire, buffer
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._buffer.copy_(self._wire)
+
+
 class BucketedDDP(DataParallelBase):
     """Data parallelism with bucketed, asynchronous all-reduces launched during backward."""
+
+    # DeepSpeed's communication_data_type (the engine sets it): each bucket, already divided by N,
+    # is cast to this dtype for its all-reduce and the sum cast back into the bucket; fp16/bf16
+    # halve the bytes and round each rank's term and the sum. None: the gradients' own dtype.
+    # (A comm hook, when registered, sends what it decides instead.)
+    comm_dtype: torch.dtype | None = None
 
     def __init__(self, module, process_group=None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, overlap: bool = True):
@@ -108,6 +134,18 @@ class BucketedDDP(DataParallelBase):
         self._index = {p: i for i, p in enumerate(self.params)}
         self._next_launch = 0
         self.events: list[tuple[str, int | None, float]] = []  # ("launch", bucket, t) / ("backward_end", None, t)
+        self._comm_hook: tuple[object, Callable] | None = None
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """torch DDP's API: `hook(state, bucket) -> Future[Tensor]` replaces each bucket's
+        all-reduce (gradient compression: `tinyscale.compression`). `bucket` offers torch's
+        `GradBucket` methods; `bucket.buffer()` holds this rank's gradients, not divided by the
+        world size, and the future's value is the averaged bucket. The usage flags then go in a
+        small all-reduce of their own, so the hook never compresses them."""
+        if self._comm_hook is not None:
+            raise RuntimeError("BucketedDDP.register_comm_hook: a hook is registered already (one per model, "
+                               "as in torch's DDP)")
+        self._comm_hook = (state, hook)
 
     def _backward_started(self) -> None:
         self.events = []
@@ -151,8 +189,15 @@ class BucketedDDP(DataParallelBase):
         # Divide before summing (torch DDP does): in fp16 the sum of N gradients can overflow
         # where their mean would not. The flags (after the gradients) stay counts.
         gradients = bucket.offsets[-1] + bucket.params[-1].numel()
-        bucket.buffer[:gradients].div_(self.world_size)
-        bucket.work = comm.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        if self._comm_hook is not None:
+            flags = None
+            if b == len(self.buckets) - 1:
+                flags = comm.all_reduce(self._flags, group=self.process_group, async_op=True)
+            state, hook = self._comm_hook
+            bucket.work = _HookWork(hook(state, _BucketView(self, b, gradients)), bucket.buffer[:gradients], flags)
+        else:
+            bucket.buffer[:gradients].div_(self.world_size)
+            bucket.work = _all_reduce_in(bucket.buffer, self.comm_dtype, self.process_group)
         self.events.append(("launch", b, time.perf_counter()))
         self._next_launch = b + 1
     # --8<-- [end:grad_ready]
@@ -186,3 +231,40 @@ class BucketedDDP(DataParallelBase):
             bucket.work = None
         self._next_launch = 0
     # --8<-- [end:finish]
+
+
+class _BucketView:
+    """What a comm hook sees of bucket `b`: the methods of torch's `dist.GradBucket`."""
+
+    def __init__(self, ddp: BucketedDDP, b: int, gradients: int):
+        self._ddp, self._b, self._n = ddp, b, gradients
+
+    def index(self) -> int:
+        return self._b
+
+    def is_last(self) -> bool:
+        return self._b == len(self._ddp.buckets) - 1
+
+    def buffer(self) -> torch.Tensor:
+        return self._ddp.buckets[self._b].buffer[: self._n]  # (gradients,) without the usage flags
+
+    def gradients(self) -> list[torch.Tensor]:
+        bucket = self._ddp.buckets[self._b]
+        return [bucket.slot(i) for i in range(len(bucket.params))]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._ddp.buckets[self._b].params)
+
+
+class _HookWork:
+    """A hook's future as a `Work`: waiting copies its value into the bucket."""
+
+    def __init__(self, future, out: torch.Tensor, flags: comm.Work | None):
+        self._future, self._out, self._flags = future, out, flags
+
+    def wait(self) -> None:
+        if self._flags is not None:
+            self._flags.wait()
+        value = self._future.wait()
+        if value.data_ptr() != self._out.data_ptr():
+            self._out.copy_(value)

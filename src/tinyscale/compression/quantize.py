@@ -1,0 +1,89 @@
+"""Stochastic quantization (QSGD, Alistarh et al. 2017) to 8 or 4 bits, unbiased.
+
+Every element becomes a signed integer level in [-s, s], s = 2^(bits-1) - 1 (127 or 7),
+against a scale every rank agrees on first (the largest |x| over the group: one all-reduce
+MAX of one number). Rounding is stochastic: y = |x| / scale * s lies between the levels
+floor(y) and floor(y) + 1, and rounds up with probability y - floor(y), so the expected
+level is y itself and E[decompress(compress(x))] = x: the estimate is unbiased, its
+variance at most scale^2 / (4 s^2) per element.
+
+Why agree on the scale: with one scale every rank's codes mean the same thing, and with a
+scale that can be zero (an all-zero gradient) the codes are zero, never NaN. Codes are still
+all-gathered, not all-reduced: a sum of N int8 codes overflows int8. Four-bit codes are packed
+two per byte (an int4 "stored in int8" saves nothing over int8).
+
+Shape legend: n elements. Lesson: lessons/10-compression.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tinyscale.compression.base import Compressor, Payload, _check_flat
+from tinyscale.dist import comm
+
+BITS = (8, 4)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-7, 7] (n,) -> uint8 (ceil(n/2),), two codes per byte (low nibble first)."""
+    u = (codes.to(torch.int16) + 8).to(torch.uint8)  # [1, 15]: fits 4 bits
+    if u.numel() % 2:
+        u = torch.cat([u, u.new_zeros(1)])
+    return u[0::2] | (u[1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: uint8 (ceil(n/2),) -> int8 codes (n,)."""
+    u = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:numel]  # (n,) interleaved back
+    return (u.to(torch.int16) - 8).to(torch.int8)
+
+
+# --8<-- [start:qsgd]
+class QSGD(Compressor):
+    """Unbiased stochastic quantization to `bits` (8 or 4) with a scale agreed over the group."""
+
+    def __init__(self, bits: int = 8, seed: int = 0):
+        if bits not in BITS:
+            raise ValueError(f"QSGD: bits={bits} is not supported; use one of {BITS}")
+        self.bits, self.levels, self.seed = bits, 2 ** (bits - 1) - 1, seed
+        self.scale: torch.Tensor | None = None
+        self._gen: torch.Generator | None = None
+
+    def agree(self, x: torch.Tensor, group=None) -> None:
+        scale = x.detach().abs().max().reshape(1).clone()  # (1,)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            comm.all_reduce(scale, op=comm.ReduceOp.MAX, group=group)
+        self.scale = scale
+
+    def _generator(self, device) -> torch.Generator:
+        if self._gen is None:  # each rank its own stream (independent rounding), reproducible
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self._gen = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
+        return self._gen
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        _check_flat(x, "QSGD.compress")
+        scale = self.scale if self.scale is not None else x.detach().abs().max().reshape(1)
+        self.scale = None  # one agreed scale per compress
+        safe = scale.clamp_min(torch.finfo(x.dtype).tiny)  # an all-zero x gives zero codes, not NaN
+        y = x.abs() / safe * self.levels  # (n,) in [0, s]
+        low = y.floor()
+        up = torch.rand(y.shape, generator=self._generator(x.device), dtype=y.dtype, device=y.device) < (y - low)
+        codes = (torch.sign(x) * (low + up)).to(torch.int8)  # (n,) in [-s, s]
+        wire = pack_nibbles(codes) if self.bits == 4 else codes
+        return Payload({"codes": wire}, x.numel(), x.dtype, {"scale": scale})
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        codes = payload.tensors["codes"]
+        if self.bits == 4:
+            codes = unpack_nibbles(codes, payload.numel)
+        return codes.to(payload.dtype) * (payload.meta["scale"] / self.levels)
+# --8<-- [end:qsgd]
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return numel if self.bits == 8 else (numel + 1) // 2
+
+    def agree_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return dtype.itemsize  # the max |x|, all-reduced once

@@ -68,19 +68,27 @@ def _train_layouts(layouts: list[dict]) -> list:
     for layout in layouts:
         engine = ts.initialize(model(), run_config(**layout))
         losses = [engine.train_batch(b) for b in batches()]
-        out.append((losses, engine.full_state_dict()))
+        out.append((losses, engine.full_state_dict(), engine.memory_report().bytes("parameters")))
     return out
 
 
 def _check(results: list, layouts: list[dict]) -> None:
+    full_bytes = sum(p.numel() * p.element_size() for p in model().parameters() if p.requires_grad)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in model().parameters() if not p.requires_grad)
     for rank, per_layout in enumerate(results):
-        for layout, (losses, state) in zip(layouts, per_layout):
+        for layout, (losses, state, param_bytes) in zip(layouts, per_layout):
             expected_losses, expected = reference(layout.get("optimizer", "sgd"), layout.get("clip", 0.0))
             what = f"rank {rank}, {layout}"
             assert_losses_close(losses, expected_losses)
             assert list(state) == list(expected)  # the original keys, in order
             assert_state_dicts_close(state, expected, what=what)
             assert torch.equal(state["unused"], torch.ones(3, dtype=torch.float64)), what  # never stepped
+            if layout.get("stage", 0) == 3:  # ZeRO-3 shards over all dp*cp ranks (frozen ones stay whole)
+                ranks = layout["dp"] * layout["cp"]
+                # 2 units (the block; the rest), each padded to a multiple of `ranks` float64 elements
+                assert param_bytes - frozen_bytes <= full_bytes / ranks + 2 * (ranks - 1) * 8, what
+            else:
+                assert param_bytes == full_bytes + frozen_bytes, what
 
 
 CP2_LAYOUTS = {  # on 2 ranks: cp = 2, dp = 1

@@ -13,7 +13,7 @@ cp group is a run of consecutive ranks). What the engine does with it:
   gradient is its own tokens' share, so the true gradient is their SUM over cp;
 - gradients: DDP or ZeRO run over the flattened dp x cp group (`reduce_group`), which
   averages over dp*cp ranks; the engine multiplies each micro-batch's loss by cp before
-  backward (`grad_scale`), so the result is the sum over cp and the mean over dp. ZeRO thus
+  backward, so the result is the sum over cp and the mean over dp. ZeRO thus
   shards its states over dp*cp ranks (torchtitan's FSDP over ``dp_cp``): the cp ranks hold the
   same parameters and all of them need every parameter, so sharding over them saves memory at
   no extra traffic per gradient byte. The loss all-reduce runs over that group too: each of
@@ -88,17 +88,15 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
                           f"{[d for d in range(1, world_size + 1) if world_size % (d * par.tensor * par.pipeline) == 0]}")
 
 
+# --8<-- [start:reduce-group]
 def reduce_group(mesh: ParallelMesh | None) -> tuple[object, int, int]:
-    """(group, rank in it, size) of the gradient reduction: dp x cp flattened (dp when cp = 1)."""
+    """(group, rank in it, size) of the gradient reduction: dp x cp flattened (dp when cp = 1).
+    DDP and ZeRO average over it, so the engine multiplies each loss by cp before backward:
+    the mean over dp*cp ranks of cp x (each rank's share) = the sum over cp, the mean over dp."""
     if mesh is None:
         return None, 0, 1
     return mesh.group("dp", "cp"), mesh.rank("dp", "cp"), mesh.size("dp", "cp")
-
-
-def grad_scale(config: EngineConfig) -> int:
-    """What each loss is multiplied by before backward: cp, so that DDP/ZeRO's mean over the
-    dp*cp ranks is the sum over cp (each rank's share) and the mean over dp."""
-    return config.parallel.context
+# --8<-- [end:reduce-group]
 
 
 def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> None:

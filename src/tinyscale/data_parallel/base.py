@@ -82,6 +82,12 @@ class DataParallelBase(nn.Module):
             self._sync = previous  # restored even if the forward or backward raised
     # --8<-- [end:no_sync]
 
+    def sync_gradients(self) -> None:
+        """Synchronise what ``.grad`` holds now, once: after backwards run under `no_sync()`
+        whose gradients do not all pass autograd's hooks (a pipeline schedule's zero-bubble W
+        passes write ``.grad`` themselves), the engine calls this after the last of them."""
+        self._finish_backward()
+
     # --8<-- [start:hooks]
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._sync:

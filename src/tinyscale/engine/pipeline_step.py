@@ -1,0 +1,177 @@
+"""The engine's step with pipeline parallelism (`parallel.pipeline` = p > 1).
+
+`build` (called by `engine/parallelize.py`, first in its order) cuts the GPT into p x v model
+stages (`tinyscale.pipeline.partition_gpt`, v = `parallel.virtual_stages`), keeps this rank's
+(`tinyscale.pipeline.apply_pipeline`: the model keeps only its parameters, under their
+original names) and lowers the schedule `parallel.pipeline_schedule` (afab, 1f1b,
+interleaved_1f1b, zb_h1) for m = `gradient_accumulation_steps` micro-batches. The mesh is
+(pp, dp, tp = 1): the ranks of one pipeline are dp x tp apart.
+
+One step (`PipelineStep.train_step`), on every rank of every pipeline:
+
+1. this dp rank's rows of the global batch, cut into m micro-batches (the engine's rule,
+   `tinyscale.data.local_micro_batches`), ids into the first stage, targets into the last;
+2. the schedule's forwards, backwards and sends over the pp group (`PipelineExecutor`),
+   each backward scaled by 1/m, gradients accumulating in ``.grad``;
+3. a tied embedding/head: the first and last stage add their gradients (`exchange_tied_grads`);
+4. the data-parallel reduction over dp: stage 0 all-reduces DDP's buckets once, after the
+   schedule (its backwards ran under `no_sync`); ZeRO stage 1 reduce-scatters in its step;
+5. the loss: the last stage's mean over its m micro-batches, summed over the pp group (the
+   others add zero: a broadcast from the last stage), then averaged over dp;
+6. clipping by the norm of the whole model's gradient (squares summed over the pp group,
+   the tied table counted once, on the first stage), the learning rate, the optimizer step.
+
+A forward or backward that raises leaves the other stages waiting for its messages: the
+step cannot be dropped on every rank as the data-parallel engine does, so the engine refuses
+further steps (the process-group timeout ends the peers). Tests:
+`pytest tests/engine/test_engine_pipeline.py` (keys pipeline, pp_afab, pp_1f1b,
+pp_interleaved, pp_zero_bubble).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from tinyscale.config import EngineConfig
+from tinyscale.data import local_micro_batches
+from tinyscale.dist import ParallelMesh, comm
+from tinyscale.models.gpt import GPT
+from tinyscale.optim import check_elementwise_state, lr_at, set_lr
+from tinyscale.pipeline import (
+    add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
+)
+from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
+from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
+
+SCHEDULES = {  # parallel.pipeline_schedule -> (p, m, v) -> compute actions per rank
+    "afab": lambda p, m, v: afab(p, m),
+    "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": lambda p, m, v: zb_h1(p, m),
+}
+
+
+class PipelineStep:
+    """This rank's stages, its schedule's executor, and one training step over them."""
+
+    def __init__(self, model: GPT, config: EngineConfig, mesh: ParallelMesh) -> None:
+        par = config.parallel
+        p, v = par.pipeline, par.virtual_stages
+        m = config.batch(mesh.size("dp")).gradient_accumulation_steps
+        self.group, self.ranks, self.rank = mesh.group("pp"), mesh.group_ranks("pp"), mesh.rank("pp")
+        self.shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}  # the original keys
+        self.plan = partition_gpt(model.config, p, virtual_stages=v)
+        self.stages = apply_pipeline(model, self.plan, self.rank)
+        self.schedule = add_communication(SCHEDULES[par.pipeline_schedule](p, m, v))
+        self.executor = PipelineExecutor(self.schedule, self.rank, self.stages, loss_fn=gpt_loss,
+                                         ranks=self.ranks, group=self.group)
+        # A tied table lives on the first and last stage's ranks: their gradients are summed.
+        first, last = self.plan[0], self.plan[-1]
+        self.tied = None
+        if model.config.tie_embeddings and self.rank in (first.rank, last.rank):
+            mine, peer = (first, last) if self.rank == first.rank else (last, first)
+            stage = self.stages[mine.stage]
+            self.tied = (stage.embed.weight if mine is first else stage.head.weight, self.ranks[peer.rank])
+        # Each parameter counted once in the gradient norm: the tied table on the first stage.
+        skip = {id(self.tied[0])} if self.tied is not None and self.rank == last.rank else set()
+        self.counted = [q for q in model.parameters() if q.requires_grad and id(q) not in skip]
+
+    def full_state_dict(self, model: GPT) -> dict:
+        """Every stage's parameters, original keys and order, on every rank (a collective over pp)."""
+        return gather_full_state(model, self.shapes, self.plan, self.rank, self.ranks, self.group)
+
+    def no_checkpoint(self, what: str) -> str:
+        """Why checkpoints are refused under a pipeline, and what to do instead."""
+        return (f"{what} with parallel.pipeline={len(self.ranks)} is not built yet (each stage's optimizer state "
+                "is not gathered by parameter name): engine.full_state_dict() returns the whole model on every "
+                "rank; to checkpoint and resume, train with parallel.pipeline 1")
+
+    def train_step(self, engine, batch: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
+        """One optimizer step of `engine` over the global batch; returns (mean loss, skipped=False)."""
+        engine.model.train()
+        if engine.zero is not None:
+            engine.zero.abandon_backward()  # nothing to forget unless a caller ran backward itself
+        micro = local_micro_batches(batch, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
+                                    micro_batch_size=engine.batch.micro_batch_size)
+        inputs = [chunk[0].to(engine.device) for chunk in micro]  # (B, T) ids per micro-batch
+        targets = [chunk[1].to(engine.device) for chunk in micro]
+        rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None)
+        try:
+            with comm.record(engine.comm_ledger):
+                # --8<-- [start:step]
+                # DDP synchronises once, below: the schedule's backwards (and zero-bubble's W
+                # passes, which write .grad outside autograd's hooks) only accumulate.
+                with engine.ddp.no_sync() if engine.ddp is not None else contextlib.nullcontext():
+                    loss = self.executor.run(inputs, targets)
+                if self.tied is not None:
+                    exchange_tied_grads(*self.tied, group=self.group)
+                if engine.ddp is not None:
+                    engine.ddp.sync_gradients()
+                total = torch.zeros((), dtype=torch.float64, device=engine.device)
+                if loss is not None:
+                    total += loss.detach().double()
+                comm.all_reduce(total, group=self.group)  # only the last stage's is not zero
+                if engine.dp_size > 1:
+                    comm.all_reduce(total, group=engine.dp_group)
+                # --8<-- [end:step]
+        except Exception as exc:
+            # Peers wait for this rank's messages: no way to drop the step together.
+            engine._broken = f"step {engine.step} raised inside the pipeline schedule ({type(exc).__name__}: {exc})"
+            raise
+        mean_loss = total.item() / engine.dp_size
+        if not math.isfinite(mean_loss):  # the same value on every rank: all drop the step together
+            engine._roll_back(rng)
+            raise FloatingPointError(f"train_batch: the loss at step {engine.step} is {mean_loss}; training "
+                                     "diverged (the step was dropped on every rank)")
+        engine._before_step_report = engine.memory_report()  # the step's peak of model states
+        lr = lr_at(engine.step - engine.skipped_steps, engine.config) if engine._schedules_lr else None
+        try:
+            with comm.record(engine.comm_ledger):
+                self._optimizer_step(engine, lr)
+        except Exception as exc:
+            engine._broken = f"step {engine.step} raised in the optimizer step ({type(exc).__name__}: {exc})"
+            raise
+        engine.step += 1
+        return mean_loss, False
+
+    def _optimizer_step(self, engine, lr: float | None) -> None:
+        if engine.zero is not None:  # stage 1: reduce-scatter over dp, step the shard, all-gather
+            sharded = engine.zero.sharded
+            used = torch.tensor([q.grad is not None for q in sharded.params], dtype=torch.float64,
+                                device=engine.device)
+            if engine.dp_size > 1:
+                comm.all_reduce(used, group=engine.dp_group)  # got a gradient on some dp rank
+            if lr is not None:
+                engine.zero.set_lr(lr)
+            engine.zero.step(used=used.cpu() > 0)
+            if engine.step == engine.skipped_steps:  # the first step taken: the states now exist
+                check_elementwise_state(engine.optimizer)
+            return
+        if engine.config.gradient_clipping > 0:
+            clip_grad_norm_pp(engine.params, self.counted, engine.config.gradient_clipping, self.group)
+        if lr is not None:
+            set_lr(engine.optimizer, lr)
+        engine.optimizer.step()
+        engine.optimizer.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def clip_grad_norm_pp(params: list[torch.Tensor], counted: list[torch.Tensor], max_norm: float,
+                      group) -> torch.Tensor:
+    """Scale this stage's gradients so the whole model's gradient norm is at most `max_norm`:
+    the squares of `counted` (each parameter once over the pipeline) summed over the pp group,
+    then torch's `clip_grad_norm_` rule, min(1, max_norm / (norm + 1e-6)), on every stage."""
+    grads = [q.grad for q in params if q.grad is not None]
+    square = torch.zeros((), dtype=torch.float64, device=params[0].device)
+    for q in counted:
+        if q.grad is not None:
+            square += q.grad.double().pow(2).sum()
+    comm.all_reduce(square, group=group)
+    norm = square.sqrt()
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm

@@ -87,6 +87,11 @@ class ZeroConfig(Section):
     # stage 3: parameters with fewer elements stay whole on every rank (DeepSpeed's default is
     # 1e5; tinyscale's 0 shards every parameter, so the lesson's 3 Psi per micro-batch holds)
     stage3_param_persistence_threshold: Int = Field(0, ge=0)
+    sub_group_size: PositiveInt = 1_000_000_000  # stages 1-3: elements per optimizer step (tinyscale.zero.sub_groups)
+    # stage 3, elements (tinyscale.zero.stage3_prefetch): prefetch ahead while fewer than this are
+    # in flight (null: one unit, tinyscale's default; DeepSpeed's is 5e7), and never past this many gathered
+    stage3_prefetch_bucket_size: Int | None = Field(None, ge=0)
+    stage3_max_live_parameters: PositiveInt = 1_000_000_000
     offload_optimizer: OffloadConfig = OffloadConfig()
     offload_param: OffloadConfig = OffloadConfig()
 
@@ -141,12 +146,29 @@ class ActivationCheckpointingConfig(Section):
         return self
 
 
+class CompressionConfig(Section):
+    """Gradient compression (tinyscale.compression; engine/compression.py says what composes)."""
+
+    type: Literal["none", "topk", "randomk", "qsgd", "powersgd", "onebit_adam"] = "none"
+    ratio: Float = Field(0.01, gt=0, le=1)  # topk, randomk: the fraction of elements sent
+    bits: Literal[8, 4] = 8  # qsgd
+    error_feedback: Bool = True  # topk, randomk, qsgd, powersgd: what is not sent is sent later
+    rank: PositiveInt = 1  # powersgd: matrix_approximation_rank
+    start_iter: PositiveInt = 2  # powersgd: plain all-reduce before this step (torch's start_powerSGD_iter)
+    min_compression_rate: Float = Field(2.0, ge=0)  # powersgd: compress a matrix only if it saves this factor
+    freeze_step: PositiveInt = 100  # onebit_adam: exact Adam steps before the variance is frozen
+    seed: Int = 0  # randomk's shared indices, qsgd's rounding, powersgd's first Q
+
+
 class ParallelConfig(Section):
     tensor: PositiveInt = 1
     pipeline: PositiveInt = 1
     context: PositiveInt = 1
     sequence_parallel: Bool = False
-    pipeline_schedule: Literal["afab", "1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    # dropout with tensor > 1: "exact" draws one process's masks (equals it bit for bit, t times the
+    # random numbers); "tracker" each rank's own stream inside the region (Megatron's RNG tracker)
+    tensor_dropout: Literal["exact", "tracker"] = "exact"
+    pipeline_schedule: Literal["afab", "1f1b", "interleaved_1f1b", "zb_h1"] = "1f1b"  # tinyscale.pipeline
     virtual_stages: PositiveInt = 1
     context_algorithm: Literal["ring", "ulysses"] = "ring"
     context_sharding: Literal["zigzag", "contiguous"] = "zigzag"  # tinyscale.context_parallel.sharding
@@ -178,6 +200,7 @@ class EngineConfig(Section):
     wall_clock_breakdown: Bool = False  # profile every step (engine.profiler; tinyscale.mfu)
     steps_per_print: PositiveInt = 10  # log progress every this many steps (logger tinyscale.engine, INFO)
     parallel: ParallelConfig = ParallelConfig()
+    compression: CompressionConfig = CompressionConfig()  # tinyscale's own section (not DeepSpeed's)
     _notes: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")

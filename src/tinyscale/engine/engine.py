@@ -45,7 +45,10 @@ With `parallel.tensor` = t the "dp ranks" above are world / t: every rank of a T
 gets the same rows, and all reductions above run over the dp axis only. With
 `parallel.context` = c every rank of a cp group gets the same rows too, cuts its sequence
 shard of each micro-batch, and the reductions run over dp x cp with the loss scaled by c, so
-they sum over cp and average over dp (`engine/context.py`).
+they sum over cp and average over dp (`engine/context.py`). With `parallel.pipeline` = p
+the model keeps this rank's stages only and a step runs the pipeline schedule over the
+micro-batches instead of the loop above, then DDP or ZeRO stage 1 over dp
+(`engine/pipeline_step.py`).
 """
 
 from __future__ import annotations
@@ -66,10 +69,10 @@ from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
-from tinyscale.engine import checkpoint, context, parallelize, tp_state
+from tinyscale.engine import checkpoint, compression, context, parallelize, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
-from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, split_parameters
+from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, counted_parameters, sharded_clipper
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
@@ -96,15 +99,8 @@ class StepFailed(RuntimeError):
 
 def check_supported(config: EngineConfig) -> None:
     """Reject what this build cannot do yet, naming the field (before any work is done)."""
-    todo = []
-    par = config.parallel
-    for name in ("pipeline",):
-        if getattr(par, name) != 1:
-            todo.append(f"parallel.{name}={getattr(par, name)} (not built yet; use 1)")
-    todo += parallelize.check_config(config)  # tensor and context parallelism's combinations not served yet
-    for name, topic in (("pipeline_schedule", "pipeline"), ("virtual_stages", "pipeline")):
-        if name in par.model_fields_set:  # a setting of an unbuilt topic would silently do nothing
-            todo.append(f"parallel.{name} ({topic} parallelism is not built yet; remove it)")
+    todo = parallelize.check_config(config)  # tensor, context and pipeline parallelism's combinations not served yet
+    todo += compression.check_config(config)  # the compression section's refusals
     if todo:
         raise ConfigError("not supported by this engine yet:\n  " + "\n  ".join(todo))
 
@@ -136,6 +132,9 @@ class Engine:
         self.config_notes = (*config.notes, *runtime_notes(config, has_gpu=self.device.type == "cuda"))
         log_notes(self.config_notes)
         self.model = model.to(self.device)
+        # Pipeline partition first: from here on the model holds this rank's stages only, and
+        # train_batch runs the schedule (engine/pipeline_step.py); None without parallel.pipeline.
+        self.pipeline = parallelize.partition_pipeline(self.model, config, mesh)
         # Tensor parallel, then activation checkpointing (engine/parallelize.py, the one order);
         # mixed precision and DP/ZeRO below hook into what they leave.
         parallelize.parallelize_model(self.model, config, mesh)
@@ -165,19 +164,24 @@ class Engine:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, make, dtype=self.compute_dtype,
                         loss_scaler=self.loss_scaler, process_group=self.reduce_group)  # rounds frozen ones too
+                elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
+                    self.optimizer = compression.optimizer(groups, config, self.reduce_group)
                 else:
                     self.optimizer = make(groups)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
-                if self.reduce_size > 1:
+                if self.reduce_size > 1 and not compression.owns_communication(config):
                     self.ddp = BucketedDDP(self.model, process_group=self.reduce_group,
                                            bucket_cap_mb=bucket_bytes / 2**20, overlap=zero.overlap_comm)
+                    self.ddp.comm_dtype = COMM_DTYPES[config.communication_data_type]  # buckets sent in it
+                    compression.attach(self.ddp, config, self.reduce_group)  # a hook, if configured
             else:
                 # ZeRO: the ranks start identical, then each builds its shards of the state
                 # (stage 3: of the parameters too, and hooks on the model that gather them).
                 if self.reduce_size > 1:
                     broadcast_parameters(self.model, self.reduce_group)
                 off = {"offload_optimizer": zero.offload_optimizer.device, "param_dtype": self.compute_dtype,
-                       "loss_scaler": self.loss_scaler}
+                       "loss_scaler": self.loss_scaler, "sub_group_size": zero.sub_group_size,
+                       "pin_memory": zero.offload_optimizer.pin_memory}
                 if zero.stage == 1:  # reduce-scatters in units of at most reduce_bucket_size
                     self.zero = ZeroStage1(groups, make, self.reduce_group, **off, bucket_bytes=bucket_bytes,
                                            nvme_path=zero.offload_optimizer.nvme_path)
@@ -191,12 +195,19 @@ class Engine:
                                            optimizer_nvme_path=zero.offload_optimizer.nvme_path,
                                            offload_param=zero.offload_param.device,
                                            param_nvme_path=zero.offload_param.nvme_path,
-                                           persistence_threshold=zero.stage3_param_persistence_threshold)
+                                           persistence_threshold=zero.stage3_param_persistence_threshold,
+                                           pin_param_memory=zero.offload_param.pin_memory)
                 self.optimizer = self.zero.sharded.optimizer
                 if zero.stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
                     self.zero.sharded.reduce_scatter = zero.reduce_scatter
                     self.zero.sharded.allgather_bucket_size = zero.allgather_bucket_size
+                else:  # stage 3's prefetch bounds, in elements (DeepSpeed's; zero/stage3_prefetch.py)
+                    self.zero.prefetch_bucket_size = zero.stage3_prefetch_bucket_size
+                    self.zero.max_live_parameters = zero.stage3_max_live_parameters
                 self.zero.sharded.comm_dtype = COMM_DTYPES[config.communication_data_type]
+                if self.tp_size > 1:  # the clipping norm sums the TP shards too (engine/tp_grad_norm.py)
+                    self.zero.sharded.clip_grad_norm_ = sharded_clipper(
+                        self.zero.sharded, counted_parameters(self.model, self.model.tp_group))
                 if self.compute_dtype is not None:  # frozen parameters compute in it too; buffers
                     with torch.no_grad():              # (the GPT's fp32 RoPE tables) stay as they are
                         for p in self.model.parameters():
@@ -206,7 +217,8 @@ class Engine:
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
-                                     num_devices=self.reduce_size * self.tp_size if self.device.type == "cuda" else 1)
+                                     num_devices=self.reduce_size * self.tp_size * config.parallel.pipeline
+                                     if self.device.type == "cuda" else 1)
         self.last_step: dict = {}
         self._clock = time.perf_counter  # tests script it
         # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed
@@ -249,6 +261,8 @@ class Engine:
         if self._broken is not None:
             raise RuntimeError(f"train_batch: this engine cannot continue: {self._broken}; start a new "
                                "engine from the last checkpoint")
+        if self.pipeline is not None:
+            return self.pipeline.train_step(self, batch)
         self.model.train()
         if self.zero is not None:
             self.zero.abandon_backward()  # nothing to forget unless a caller ran backward itself
@@ -258,10 +272,12 @@ class Engine:
         forward = self.ddp if self.ddp is not None else self.model
         phase = self.profiler.phase
         # a dropped step must not have drawn random numbers (dropout): its draws are undone
-        rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None)
+        rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+               parallelize.rng_state(self.model))
         error, i = None, 0
         with comm.record(self.comm_ledger):
             try:
+                parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_rank)  # exact TP dropout
                 # --8<-- [start:accumulate]
                 for i, chunk in enumerate(micro):
                     last = i == len(micro) - 1
@@ -275,6 +291,7 @@ class Engine:
                             self._scaled(loss * self.cp_size / len(micro)).backward()
                     total += loss.detach().double()
                 # --8<-- [end:accumulate]
+                parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_size - 1 - self.dp_rank)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then it is re-raised
                 error = exc
                 self._complete_abandoned(len(micro) - i)
@@ -291,7 +308,10 @@ class Engine:
                 used = None if used is None else sent[1 + self.reduce_size:]
         used = None if used is None else used.cpu() > 0
         mean_loss = total.item() / (len(micro) * self.reduce_size)
-        failed_ranks = [r for r, f in enumerate(failed.tolist()) if f]
+        failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
+        if self.tp_size > 1:  # a TP peer's failure too: the whole world drops the step together
+            with comm.record(self.comm_ledger):
+                failed_ranks, where = parallelize.failed_ranks(error is not None, self.device), "rank(s)"
         # The same value on every rank, so all raise together. fp16: an overflow is the
         # scaler's business (the step is skipped below), not divergence.
         diverged = not math.isfinite(mean_loss) and self.loss_scaler is None
@@ -300,7 +320,7 @@ class Engine:
         if error is not None:
             raise error
         if failed_ranks:
-            raise StepFailed(f"train_batch: step {self.step} raised on dp rank(s) {failed_ranks} (see the error "
+            raise StepFailed(f"train_batch: step {self.step} raised on {where} {failed_ranks} (see the error "
                              "there); every rank dropped the step, so the engine is as it was before it: retry "
                              "the batch or skip it")
         if diverged:
@@ -325,8 +345,8 @@ class Engine:
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
                     if self.config.gradient_clipping > 0 and self.tp_size > 1:  # the full model's norm
-                        clip_grad_norm_tp(self.params, split_parameters(self.model), self.config.gradient_clipping,
-                                          self.model.tp_group)
+                        clip_grad_norm_tp(self.params, counted_parameters(self.model, self.model.tp_group),
+                                          self.config.gradient_clipping, self.model.tp_group)
                     elif self.config.gradient_clipping > 0:
                         torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
                     if lr is not None:
@@ -365,6 +385,7 @@ class Engine:
         torch.random.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1])
+        parallelize.restore_rng(self.model, rng[2])
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
@@ -372,7 +393,10 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict().
 
-        With stage 3 every unit is all-gathered for the copy (call it on every rank)."""
+        With stage 3 every unit is all-gathered for the copy, with pipeline parallelism every
+        stage's tensors are broadcast over the pp group (call it on every rank)."""
+        if self.pipeline is not None:
+            return self.pipeline.full_state_dict(self.model)
         gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
         with gathered:  # ZeRO-3's dp gather first, then tensor parallelism's over the TP group
             state = full_state_dict_from_tp(self.model) if self.tp_size > 1 else self.model.state_dict()
@@ -387,6 +411,8 @@ class Engine:
         name (the format is the same for every stage and world size;
         `tinyscale.zero.state_dict`); rank 0 writes, crash-safe (`tinyscale.engine.checkpoint_io`)."""
         client_state = {} if client_state is None else client_state
+        if self.pipeline is not None:  # refused on every rank alike, before any collective
+            raise NotImplementedError(self.pipeline.no_checkpoint("save_checkpoint"))
         try:
             json.dumps(client_state)
         except TypeError as exc:
@@ -401,10 +427,11 @@ class Engine:
         if self.loss_scaler is not None:
             optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        rng = [checkpoint.rng_state(self.device)]
+        mine = {**checkpoint.rng_state(self.device), **parallelize.rng_state(self.model)}  # + TP's tracker
+        rng = [mine]
         if world > 1:  # every rank's generators, to rank 0 (a few KB each)
             rng = [None] * world
-            dist.all_gather_object(rng, checkpoint.rng_state(self.device))
+            dist.all_gather_object(rng, mine)
         error = None
         if rank == 0:
             try:
@@ -451,6 +478,8 @@ class Engine:
         state, other parameter names or shapes. The new config wins over the saved one:
         hyperparameters (lr, weight decay, betas, ...) are this engine's, and rank 0 logs what
         changed."""
+        if self.pipeline is not None:
+            raise NotImplementedError(self.pipeline.no_checkpoint("load_checkpoint"))
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         stage3 = isinstance(self.zero, ZeroStage3)
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # full shapes
@@ -502,6 +531,8 @@ class Engine:
             self.loss_scaler.load_state_dict(scaler_state)
         self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
         warning = checkpoint.restore_rng(meta["rng"], rank, world, self.device)
+        if meta["rng"] is not None:  # tensor parallelism's tracker stream (same world: exact)
+            parallelize.restore_rng(self.model, meta["rng"]["ranks"].get(rank))
         changes = checkpoint.config_changes(meta.get("config"), self.config.model_dump(mode="json"))
         if rank == 0 and (changes or warning):
             log = get_logger("tinyscale.checkpoint")

@@ -93,9 +93,12 @@ def test_config_loads_json_and_yaml_files(tmp_path):
         EngineConfig.load(tmp_path / "c.toml")
 
 
-def test_config_features_not_built_yet_are_refused_by_name():
-    cfg = EngineConfig.load({"train_batch_size": 8, "parallel": {"pipeline": 2}})  # context: test_engine_context_parallel
+def test_config_pipeline_settings_without_a_pipeline_are_refused_by_name():
+    """They would silently do nothing (the pipeline itself: tests/engine/test_engine_pipeline.py)."""
+    check_supported(EngineConfig.load({"train_batch_size": 8, "parallel": {"pipeline": 2}}))
+    cfg = EngineConfig.load({"train_batch_size": 8, "parallel": {"pipeline_schedule": "zb_h1", "virtual_stages": 2}})
     with pytest.raises(ConfigError) as err:
         check_supported(cfg)
-    for field in ("parallel.pipeline=2",):
+    for field in ("parallel.pipeline_schedule='zb_h1' needs parallel.pipeline > 1",
+                  "parallel.virtual_stages=2 needs parallel.pipeline > 1"):
         assert field in str(err.value)

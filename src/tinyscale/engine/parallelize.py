@@ -17,7 +17,8 @@ Everything a layout can refuse is refused here before any process group is creat
 sequence parallelism (`tinyscale.tensor_parallel`) for the GPT, with data parallelism and
 ZeRO stages 1-3 over the dp axis; context parallelism (`engine/context.py`: ring or Ulysses
 over the cp axis, gradients reduced over dp x cp), not yet together with tensor parallelism.
-Pipeline parallelism is refused by `engine.check_supported` until it lands here.
+Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
+rank's stages) with DDP or ZeRO stage 1 over dp, not yet with tensor or context parallelism.
 
 The mesh is `ParallelMesh(dp=world // (cp tp), cp=cp, tp=tp)`: ranks 0..tp-1 form the first
 TP group, and the ranks holding the same TP shard form a dp group. Tests:
@@ -28,29 +29,30 @@ TP group, and the ranks holding the same TP shard form a dp group. Tests:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
-from tinyscale.dist import ParallelMesh
-from tinyscale.engine import context
+from tinyscale.dist import ParallelMesh, comm
+from tinyscale.engine import context, pipeline_layout
+from tinyscale.engine.pipeline_step import PipelineStep
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from tinyscale.tensor_parallel.random import share_stream, skip_exact_masks
 
 
 def check_config(config: EngineConfig) -> list[str]:
     """What the config alone asks of tensor (and context) parallelism that cannot be served (no model needed)."""
-    par, problems = config.parallel, context.check_config(config)
+    par, problems = config.parallel, context.check_config(config) + pipeline_layout.config_problems(config)
     if par.sequence_parallel and par.tensor == 1:
         problems.append("parallel.sequence_parallel=true needs parallel.tensor > 1 (sequence parallelism splits "
                         "activations over the tensor-parallel group): set parallel.tensor, or sequence_parallel false")
+    if "tensor_dropout" in par.model_fields_set and par.tensor == 1:
+        problems.append(f"parallel.tensor_dropout={par.tensor_dropout!r} needs parallel.tensor > 1 (it chooses how "
+                        "tensor-parallel ranks draw dropout masks): set parallel.tensor, or remove tensor_dropout")
     if par.tensor == 1:
         return problems
     # Each of these is a combination no test covers yet: refused, not silently wrong.
-    if config.gradient_clipping > 0 and config.zero_optimization.stage > 0:
-        problems.append(f"gradient_clipping={config.gradient_clipping} with parallel.tensor={par.tensor} and "
-                        f"zero_optimization.stage={config.zero_optimization.stage} (ZeRO's norm over its dp shards "
-                        "does not sum the TP shards yet; stage 0 clips with the full model's norm): "
-                        "set gradient_clipping 0 or stage 0")
     for section in ("fp16", "bf16"):
         if getattr(config, section).enabled:
             problems.append(f"{section}.enabled with parallel.tensor={par.tensor} (mixed precision with tensor "
@@ -69,6 +71,7 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
                  mesh: ParallelMesh | None = None) -> None:
     """Refuse a layout this model and world cannot take, naming the field and the fix (no collectives)."""
     context.check_layout(config, model, world_size, mesh)
+    pipeline_layout.check_layout(config, model, world_size, mesh)
     tp = config.parallel.tensor
     if mesh is not None and mesh.size("tp") != tp:
         raise ConfigError(f"parallel.tensor={tp} but the mesh passed to initialize has tp={mesh.size('tp')}: "
@@ -87,16 +90,6 @@ def check_gpt_split(gpt_config, tp: int, world_size: int) -> None:
         check_tensor_parallel(gpt_config, tp)
     except ValueError as exc:
         raise ConfigError(f"parallel.tensor={tp}: {exc}") from None
-    # apply_tensor_parallel serves these, but the engine does not wire them yet: its dropout seed and
-    # mode, checkpoint resharding and clipping norm of replicated K/V heads. Refused, not silently wrong.
-    if gpt_config.dropout > 0:
-        raise ConfigError(f"parallel.tensor={tp} with GPTConfig.dropout={gpt_config.dropout}: the engine does not "
-                          "pass a dropout seed or exact_dropout to apply_tensor_parallel yet; set dropout=0, or "
-                          "call tinyscale.tensor_parallel.apply_tensor_parallel yourself")
-    if gpt_config.kv_heads < tp:
-        raise ConfigError(f"parallel.tensor={tp} with GPTConfig.n_kv_head={gpt_config.kv_heads}: replicated K/V "
-                          "heads are not wired into the engine's checkpoints and clipping yet; use n_kv_head a "
-                          f"multiple of {tp}, or call tinyscale.tensor_parallel.apply_tensor_parallel yourself")
     if world_size % tp != 0:
         raise ConfigError(f"parallel.tensor={tp} does not divide the world size {world_size}: the ranks are "
                           f"dp x tp; choose parallel.tensor among "
@@ -107,17 +100,65 @@ def build_mesh(config: EngineConfig, world_size: int, mesh: ParallelMesh | None)
     """The caller's mesh, or dp = world / (cp tp) by cp by tp (none in a plain single process)."""
     if mesh is not None or world_size == 1:
         return mesh
-    tp, cp = config.parallel.tensor, config.parallel.context
-    return ParallelMesh(dp=world_size // (tp * cp), cp=cp, tp=tp)
+    tp, cp, pp = config.parallel.tensor, config.parallel.context, config.parallel.pipeline
+    return ParallelMesh(dp=world_size // (tp * cp * pp), cp=cp, tp=tp, pp=pp)
+
+
+def partition_pipeline(model: torch.nn.Module, config: EngineConfig,
+                       mesh: ParallelMesh | None) -> PipelineStep | None:
+    """First in the order: cut the GPT into pipeline stages and keep this rank's, in place
+    (`engine/pipeline_step.py`); None without parallel.pipeline."""
+    return PipelineStep(model, config, mesh) if config.parallel.pipeline > 1 else None
 
 
 def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> torch.nn.Module:
     """The model-changing steps of the order, in place: tensor / sequence parallel, then
     activation checkpointing (it rebuilds blocks, which the DP/ZeRO hooks then attach to)."""
-    if config.parallel.tensor > 1:
-        apply_tensor_parallel(model, mesh, sequence_parallel=config.parallel.sequence_parallel)
+    par = config.parallel
+    if par.tensor > 1:
+        exact, seed = par.tensor_dropout == "exact", 0
+        if model.config.dropout > 0:  # the shared stream equal where the masks must agree (random.py)
+            group, src = (None, 0) if exact else (mesh.group("tp"), mesh.group_ranks("tp")[0])
+            seed = share_stream(group, src, next(model.parameters()).device)
+        apply_tensor_parallel(model, mesh, sequence_parallel=par.sequence_parallel, exact_dropout=exact,
+                              dropout_seed=seed)
     context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
     ac = config.activation_checkpointing
     if ac.policy != "none":
         apply_policy(model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant)
     return model
+
+
+# --8<-- [start:dropout]
+def skip_dropout_masks(model: torch.nn.Module, config: EngineConfig, micro: list, forwards: int) -> None:
+    """Exact dropout over dp ranks: draw (and drop) the masks of `forwards` micro-batches of the
+    others, as one process draws the global batch's micro-batches in order (dp rank r's come after
+    r * len(micro) others'). Nothing to do without tensor parallelism's exact mode."""
+    if not (forwards and micro and config.parallel.tensor > 1 and config.parallel.tensor_dropout == "exact"
+            and model.config.dropout > 0):
+        return
+    rows, seq_len = micro[0][0].shape  # every dp rank's micro-batches have this shape
+    skip_exact_masks(model, rows, seq_len, forwards * len(micro))
+# --8<-- [end:dropout]
+
+
+def rng_state(model: torch.nn.Module) -> dict:
+    """The tracker's stream, for the checkpoint's and a dropped step's random state (none without TP)."""
+    tracker = getattr(model, "rng_tracker", None)
+    return {} if tracker is None else {"tp_tracker": tracker.get_state()}
+
+
+def restore_rng(model: torch.nn.Module, state: dict | None) -> None:
+    tracker = getattr(model, "rng_tracker", None)
+    if tracker is not None and state and "tp_tracker" in state:
+        tracker.set_state(state["tp_tracker"])
+
+
+def failed_ranks(failed_here: bool, device: torch.device) -> list[int]:
+    """The global ranks whose forward or backward raised this step, agreed over the whole world
+    (one all-reduce of a flag per rank): under tensor parallelism a rank's failure must stop its
+    TP peers as well as its dp peers, or the TP shards of one model would step apart."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    flags[dist.get_rank()] = float(failed_here)
+    comm.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]

@@ -24,7 +24,7 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
 A forward or backward that raises leaves the other stages waiting for its messages: the
 step cannot be dropped on every rank as the data-parallel engine does, so the engine refuses
 further steps (the process-group timeout ends the peers). Tests:
-`pytest tests/engine/test_engine_pipeline.py` (keys pipeline, pp_afab, pp_1f1b,
+`pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
 pp_interleaved, pp_zero_bubble).
 """
 

@@ -13,7 +13,7 @@ parameters under the original model's names (``blocks.3.attn.wq.weight`` stays
 stays on both the first stage's rank (``embed.weight``) and the last's (``head.weight``):
 two copies of one value, kept equal by summing their gradients (`exchange_tied_grads`).
 
-Tests: `pytest tests/engine/test_engine_pipeline.py` (keys pipeline, pp_afab, pp_1f1b,
+Tests: `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
 pp_interleaved, pp_zero_bubble).
 """
 

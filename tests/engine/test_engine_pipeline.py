@@ -1,0 +1,203 @@
+"""The engine with `parallel.pipeline` trains the GPT exactly like one process.
+
+- every schedule (afab, 1f1b, interleaved_1f1b with 2 chunks, zb_h1) at p = 2 and p = 4, and
+  dp x pp = 2 x 2 with DDP (clipping by the whole model's norm) and with ZeRO stage 1 over dp:
+  losses and `full_state_dict()` (original keys and order, on every rank) equal
+  `tinyscale.reference.train` (float64, rtol 1e-10), tied embeddings and layer counts the
+  stages do not divide included;
+- the ledger of one step: the sends and receives the schedule lowers to, each a 64-byte shape
+  header and the activation, m x activation x boundaries x 2 bytes of data in all;
+- checkpoints are refused by name (not built yet: full_state_dict() is);
+- layouts the engine cannot serve are refused with a ConfigError naming the field, before any
+  process group is made.
+The layouts of one world size run in one pooled multi-rank call (cached per module).
+Run: `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b, pp_interleaved,
+pp_zero_bubble).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tinyscale as ts
+from tinyscale.config import ConfigError
+from tinyscale.data import synthetic_token_batches
+from tinyscale.models import GPT, GPTConfig, TinyMLP
+from tinyscale.pipeline.schedules import SEND_B, SEND_F
+from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
+
+VOCAB, SEQ, STEPS = 32, 4, 2
+OPTIMIZERS = {  # SGD too: Adam hides a uniform gradient-scale bug (a missing or doubled reduction)
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.05}},
+    "sgd": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}},
+}
+KEYS = {"afab": "pp_afab", "1f1b": "pp_1f1b", "interleaved_1f1b": "pp_interleaved", "zb_h1": "pp_zero_bubble"}
+CLIP = 0.05  # the gradient norm here is ~1: every step clips
+
+
+def gpt(n_layer: int, tied: bool, seed: int = 5) -> GPT:
+    cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=n_layer, n_head=2, d_model=8, ffn_hidden=12,
+                    tie_embeddings=tied)
+    return GPT(cfg, seed=seed, dtype=torch.float64)
+
+
+def run_config(pp: int, dp: int, schedule: str, m: int, optimizer: str, v: int = 1, stage: int = 0,
+               clip: float = 0.0) -> dict:
+    parallel = {"pipeline": pp, "pipeline_schedule": schedule} | ({"virtual_stages": v} if v > 1 else {})
+    return {"train_batch_size": m * dp, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m,
+            "optimizer": OPTIMIZERS[optimizer], "gradient_clipping": clip, "zero_optimization": {"stage": stage},
+            "parallel": parallel}
+
+
+def batches(rows: int, steps: int = STEPS):
+    return synthetic_token_batches(num_batches=steps, batch_size=rows, seq_len=SEQ, vocab_size=VOCAB, seed=3)
+
+
+# (schedule, n_layer, tied, m, v, optimizer, dp, zero stage, clip): n_layer never a multiple of p x v
+P2 = [("afab", 3, True, 3, 1, "adamw", 1, 0, 0.0), ("1f1b", 3, True, 2, 1, "sgd", 1, 0, CLIP),
+      ("interleaved_1f1b", 5, True, 2, 2, "sgd", 1, 0, 0.0), ("zb_h1", 3, False, 3, 1, "sgd", 1, 0, CLIP)]
+P4 = [("afab", 5, False, 2, 1, "sgd", 1, 0, 0.0), ("1f1b", 5, True, 3, 1, "adamw", 1, 0, 0.0),
+      ("interleaved_1f1b", 9, True, 4, 2, "sgd", 1, 0, 0.0), ("zb_h1", 6, True, 5, 1, "sgd", 1, 0, CLIP)]
+DP2_PP2 = [("1f1b", 3, True, 2, 1, "sgd", 2, 0, CLIP), ("zb_h1", 3, True, 3, 1, "adamw", 2, 1, 0.0),
+           ("interleaved_1f1b", 5, False, 2, 2, "sgd", 2, 1, 0.0)]
+
+
+def _train_layouts(layouts: list[tuple]):
+    """On each rank: every layout's engine trained STEPS steps; its losses, full state and the
+    p2p rows of its last step's ledger (with what the schedule says this rank sends)."""
+    out = []
+    for name, n_layer, tied, m, v, optimizer, dp, stage, clip in layouts:
+        pp = dist.get_world_size() // dp
+        engine = ts.initialize(gpt(n_layer, tied), run_config(pp, dp, name, m, optimizer, v, stage, clip))
+        losses = []
+        for b in batches(m * dp):
+            engine.comm_ledger.clear()
+            losses.append(engine.train_batch(b))
+        p2p = [(row.op, row.bytes) for row in engine.comm_ledger.rows if row.op in ("isend", "irecv")]
+        sends = sum(a.kind in (SEND_F, SEND_B) for a in engine.pipeline.schedule[engine.pipeline.rank])
+        refusals = []
+        for call in (lambda: engine.save_checkpoint("unused"), lambda: engine.load_checkpoint("unused")):
+            with pytest.raises(NotImplementedError) as err:
+                call()
+            refusals.append(str(err.value))
+        out.append((losses, engine.full_state_dict(), p2p, sends, refusals))
+    return out
+
+
+@functools.cache
+def results(world: int, layouts: tuple) -> list:
+    return run_on_ranks(_train_layouts, world, list(layouts))
+
+
+def reference(name, n_layer, tied, m, v, optimizer, dp, stage, clip):
+    model = gpt(n_layer, tied)
+    losses = ts.reference.train(model, batches(m * dp), run_config(1, 1, "1f1b", m * dp, optimizer, clip=clip)
+                                | {"parallel": {}})
+    return losses, model.state_dict()
+
+
+def _check(world: int, layouts: list[tuple], index: int) -> None:
+    layout = layouts[index]
+    expected_losses, expected = reference(*layout)
+    for rank_results in results(world, tuple(layouts)):
+        losses, state, *_ = rank_results[index]
+        assert_losses_close(losses, expected_losses)
+        assert list(state) == list(expected)  # the original keys, in order, on every rank
+        assert_state_dicts_close(state, expected, what=f"{layout} full_state_dict after {STEPS} steps")
+
+
+def _ids(layouts):
+    return [f"{KEYS[layout[0]]}-dp{layout[6]}-zero{layout[7]}" for layout in layouts]
+
+
+@pytest.mark.parametrize("index", range(len(P2)), ids=_ids(P2))
+def test_engine_pipeline_two_stages_train_like_single_process(index):
+    _check(2, P2, index)
+
+
+@pytest.mark.parametrize("index", range(len(P4)), ids=_ids(P4))
+def test_engine_pipeline_four_stages_train_like_single_process(index):
+    _check(4, P4, index)
+
+
+@pytest.mark.parametrize("index", range(len(DP2_PP2)), ids=_ids(DP2_PP2))
+def test_engine_pipeline_dp2_pp2_trains_like_single_process(index):
+    """DDP's buckets all-reduced once after the schedule (with clipping), or ZeRO 1 over dp."""
+    _check(4, DP2_PP2, index)
+
+
+@pytest.mark.parametrize("world, layouts", [(2, P2), (4, P4)], ids=["p2", "p4"])
+def test_engine_pipeline_ledger_counts_the_schedules_messages(world, layouts):
+    """One step's p2p: per message a 64-byte header (8 int64: dtype, ndim, sizes) then the
+    (rows, T, C) activation or its gradient; over all ranks m x activation x (p v - 1) x 2."""
+    for index, (name, n_layer, tied, m, v, *_rest) in enumerate(layouts):
+        activation = 1 * SEQ * 8 * 8  # rows x T x C x float64 bytes
+        tied_bytes = VOCAB * 8 * 8 if tied else 0  # the tied table's gradient, first <-> last stage
+        data = 0
+        for rank, rank_results in enumerate(results(world, tuple(layouts))):
+            _, _, p2p, sends, _ = rank_results[index]
+            tied_here = tied and rank in (0, world - 1)
+            for op in ("isend", "irecv"):
+                sizes = sorted(nbytes for kind, nbytes in p2p if kind == op)
+                assert sizes == sorted([64] * sends + [activation] * sends + [tied_bytes] * tied_here), (name, op)
+            data += sum(nbytes for kind, nbytes in p2p if kind == "isend") - 64 * sends - tied_bytes * tied_here
+        assert data == m * activation * (world * v - 1) * 2, name
+
+
+def test_engine_pipeline_refuses_checkpoints_by_name():
+    """Not built yet: refused on every rank before any collective, saying what works instead."""
+    for rank_results in results(2, tuple(P2)):
+        for what, message in zip(("save_checkpoint", "load_checkpoint"), rank_results[0][4]):
+            assert message.startswith(f"{what} with parallel.pipeline=2 is not built yet"), message
+            assert "full_state_dict()" in message
+
+
+def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group():
+    assert not dist.is_initialized()
+    base = run_config(2, 1, "1f1b", 2, "sgd")
+
+    def refused(config: dict, *fields: str, model=None) -> None:
+        with pytest.raises(ConfigError) as err:
+            ts.initialize(model if model is not None else gpt(3, True), config)
+        for field in fields:
+            assert field in str(err.value), (field, str(err.value))
+
+    refused(base, "parallel.pipeline=2 x parallel.tensor=1 does not divide the world size 1")
+    refused(base | {"zero_optimization": {"stage": 2}}, "zero_optimization.stage=2", "use stage 0 or 1")
+    refused(base | {"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3")
+    refused(base | {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}, "gradient_clipping=1.0")
+    refused(base | {"bf16": {"enabled": True}}, "bf16.enabled")
+    refused(base | {"fp16": {"enabled": True}}, "fp16.enabled")
+    refused(base | {"activation_checkpointing": {"policy": "full"}}, "activation_checkpointing.policy")
+    refused(base | {"parallel": {"pipeline": 2, "tensor": 2}}, "parallel.tensor=2")
+    refused(base | {"parallel": {"pipeline": 2, "virtual_stages": 2}}, "parallel.virtual_stages=2",
+            "'interleaved_1f1b'")
+    refused({"train_batch_size": 2, "parallel": {"pipeline_schedule": "zb_h1"}}, "parallel.pipeline_schedule",
+            "needs parallel.pipeline > 1")
+    refused({"train_batch_size": 2, "parallel": {"virtual_stages": 2}}, "parallel.virtual_stages")
+    with pytest.raises(ConfigError, match="pipeline_schedule"):  # the old names are not the issue's
+        ts.initialize(gpt(3, True), base | {"parallel": {"pipeline": 2, "pipeline_schedule": "zero_bubble"}})
+
+
+def test_engine_pipeline_refuses_bad_layouts_naming_the_field():
+    """Checked with the world size before any collective (`check_layout` is pure)."""
+    from tinyscale.engine.parallelize import check_layout
+    from tinyscale.config import EngineConfig
+
+    def refused(config: dict, world: int, model, *fields: str) -> None:
+        with pytest.raises(ConfigError) as err:
+            check_layout(EngineConfig.load(config), model, world)
+        for field in fields:
+            assert field in str(err.value), (field, str(err.value))
+
+    check_layout(EngineConfig.load(run_config(2, 2, "interleaved_1f1b", 4, "sgd", v=2)), gpt(4, True), 4)
+    refused(run_config(4, 1, "1f1b", 4, "sgd"), 4, gpt(3, True), "parallel.pipeline=4", "n_layer=3")
+    refused(run_config(2, 1, "interleaved_1f1b", 4, "sgd", v=2), 2, gpt(3, True), "parallel.virtual_stages=2")
+    refused(run_config(2, 1, "interleaved_1f1b", 3, "sgd", v=2), 2, gpt(4, True), "gradient_accumulation_steps=3",
+            "use 4")
+    refused(run_config(2, 1, "1f1b", 2, "sgd"), 3, gpt(4, True), "does not divide the world size 3")
+    refused(run_config(2, 1, "1f1b", 2, "sgd"), 2, TinyMLP(4, 8), "TinyMLP")

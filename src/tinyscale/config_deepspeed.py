@@ -45,10 +45,12 @@ AUTO: dict[str, tuple[str, Any]] = {
     "amp.enabled": ("set", False),
     "zero_optimization.reduce_bucket_size": ("drop", _DEFAULT),
     # noted keys (no effect here) may say "auto" too; the table takes them out
-    "zero_optimization.stage3_prefetch_bucket_size": ("keep", None),
+    # HF writes 0.9 x hidden size squared, which needs the model: here tinyscale's default (one unit ahead)
+    "zero_optimization.stage3_prefetch_bucket_size": ("drop", "one unit ahead, tinyscale's default"),
     # HF writes 10 x hidden size, which needs the model: here tinyscale's default (0, every parameter sharded)
     "zero_optimization.stage3_param_persistence_threshold": ("drop", "0, tinyscale's default"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": ("keep", None),
+    "zero_optimization.sub_group_size": ("drop", "1e9, DeepSpeed's default and tinyscale's"),
 }
 # --8<-- [end:auto]
 _DEFAULT_LR = 1e-3  # OptimizerParams.lr's default (an "auto" warmup_max_lr follows the config's lr)
@@ -132,9 +134,11 @@ def runtime_notes(config, *, has_gpu: bool) -> list[str]:
     zero = config.zero_optimization
     for name in ("offload_optimizer", "offload_param"):
         section = getattr(zero, name)
-        if section.pin_memory:
-            why = ("no effect without a GPU: pinning speeds host-device copies, and there are none"
-                   if not has_gpu else "no effect yet: tinyscale's host buffers are pageable memory")
+        why = ("no effect without a GPU: pinning speeds host-device copies, and there are none" if not has_gpu
+               else "no effect: nothing is offloaded" if section.device == "none"
+               else "no effect with nvme: the disk tier frees and refills its host buffers, which pinned "
+                    "memory cannot do" if section.device == "nvme" else None)
+        if section.pin_memory and why:  # else honoured: the host tier's buffers are pinned (zero/offload.py)
             notes.append(f"zero_optimization.{name}.pin_memory = True: {why}")
     if zero.stage == 3 and not zero.reduce_scatter:
         notes.append("zero_optimization.reduce_scatter = false: no effect at stage 3, which always "
@@ -142,12 +146,16 @@ def runtime_notes(config, *, has_gpu: bool) -> list[str]:
     if zero.stage != 3 and zero.stage3_param_persistence_threshold:
         notes.append("zero_optimization.stage3_param_persistence_threshold: no effect at stages 0-2, whose "
                      "parameters are always whole on every rank")
-    if zero.stage == 0 and config.communication_data_type is not None:
-        notes.append(f"communication_data_type = {config.communication_data_type}: no effect at stage 0, whose "
-                     "data-parallel wrapper reduces gradients in their own dtype (ZeRO stages 1-3 honour it)")
     if zero.stage in (0, 3) and "allgather_bucket_size" in zero.model_fields_set:
         notes.append("zero_optimization.allgather_bucket_size: no effect at stages 0 and 3 (DeepSpeed reads it "
                      "at stages 1-2, which all-gather the updated parameters after the step)")
+    for name in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+        if zero.stage != 3 and name in zero.model_fields_set:
+            notes.append(f"zero_optimization.{name}: no effect at stages 0-2, which never gather parameters "
+                         "ahead of use (stage 3's prefetch)")
+    if zero.stage == 0 and "sub_group_size" in zero.model_fields_set:
+        notes.append("zero_optimization.sub_group_size: no effect at stage 0, whose optimizer is not sharded "
+                     "(ZeRO stages 1-3 step their shards in sub-groups)")
     if zero.stage == 3 and "reduce_bucket_size" in zero.model_fields_set:
         notes.append("zero_optimization.reduce_bucket_size: no effect at stage 3, which reduce-scatters each "
                      "unit's gradients in one call when backward leaves the unit (the units: zero3_wrap)")

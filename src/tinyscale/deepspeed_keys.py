@@ -98,9 +98,9 @@ KEYS: tuple[Key, ...] = (
        "an fp16 sum cannot overflow", _is(True), _TRUE),
     _n("gradient_predivide_factor", "DeepSpeed divides by this factor before the sum and by dp / factor after; "
        "tinyscale divides by the whole data-parallel size before the sum (factor = dp): the same mean"),
-    _h("communication_data_type", "ZeRO stages 1-3: gradients are cast to fp32, fp16 or bf16 for their "
-       "reduction (16-bit: half the bytes of fp32), the sum added into the shard in its own dtype; null: the "
-       "gradients' dtype; stage 0: noted"),
+    _h("communication_data_type", "gradients are cast to fp32, fp16 or bf16 for their reduction (16-bit: half "
+       "the bytes of fp32): stage 0's buckets, cast back after the all-reduce; ZeRO 1-3's reduce-scatter, the "
+       "sum added into the shard in its own dtype; null: the gradients' dtype"),
     _r("sparse_gradients", "DeepSpeed reduces nn.Embedding's sparse gradients as sparse tensors; tinyscale's "
        "gradients are dense", _is(False), _FALSE),
     _r("data_types", "DeepSpeed can accumulate gradients in another dtype (grad_accum_dtype); tinyscale "
@@ -145,14 +145,17 @@ KEYS: tuple[Key, ...] = (
     _r(ZO + "ignore_unused_parameters", "DeepSpeed can raise on a parameter with no gradient; tinyscale "
        "trains unused parameters as one process does", _is(True), _TRUE),
     _n(ZO + "elastic_checkpoint", "tinyscale's checkpoints always load across layouts", _never),
-    _n(ZO + "sub_group_size", "DeepSpeed steps the optimizer in sub-groups of this many elements (bounding the "
-       "step's temporary memory); tinyscale steps each rank's whole shard"),
-    _n(ZO + "stage3_max_live_parameters", "DeepSpeed frees gathered parameters beyond this many; tinyscale's "
-       "stage 3 holds at most the unit in use plus one prefetched unit"),
+    _h(ZO + "sub_group_size", "stages 1-3: the optimizer steps each rank's shard in sub-groups of at most this "
+       "many elements, so the step's temporaries (and, offloaded, the gradient copied to the host) are one "
+       "sub-group's; training unchanged (default 1e9, DeepSpeed's; \"auto\": 1e9; stage 0: noted)"),
+    _h(ZO + "stage3_max_live_parameters", "stage 3: a prefetch waits while it would take the gathered elements "
+       "(units in use, prefetched ones, padding included) above this many; units needed now are gathered "
+       "regardless (default 1e9, DeepSpeed's; stages 0-2: noted)"),
     _n(ZO + "stage3_max_reuse_distance", "DeepSpeed keeps a gathered parameter reused this soon; tinyscale "
        "frees each unit after use and gathers it again for backward"),
-    _n(ZO + "stage3_prefetch_bucket_size", "DeepSpeed prefetches this many elements ahead; tinyscale prefetches "
-       "one unit ahead (overlap_comm)"),
+    _h(ZO + "stage3_prefetch_bucket_size", "stage 3: units ahead are prefetched while fewer than this many "
+       "elements are in flight (0: none; default null: one unit, DeepSpeed's 5e7; \"auto\": null; stages 0-2: "
+       "noted)"),
     _h(ZO + "stage3_param_persistence_threshold", "stage 3: parameters with fewer elements stay whole on every "
        "rank, never gathered in forward or backward; their optimizer state stays sharded and one all-gather per "
        "step updates them (default 0 here, DeepSpeed's 1e5; \"auto\": 0; stages 0-2: noted)"),
@@ -174,10 +177,12 @@ KEYS: tuple[Key, ...] = (
     _r(ZO + "mics_hierarchical_params_gather", "MiCS's two-level gather; not built", _is(False), _FALSE),
     _h(ZO + "offload_optimizer.device", "none, cpu, nvme (stage >= 1)"),
     _h(ZO + "offload_optimizer.nvme_path", "directory of the swap files"),
-    _h(ZO + "offload_optimizer.pin_memory", "noted at start-up: tinyscale's host buffers are pageable"),
+    _h(ZO + "offload_optimizer.pin_memory", "device cpu with a GPU: the host tier's master shards are allocated "
+       "pinned (page-locked), for faster host-device copies; without a GPU, or with nvme: noted at start-up"),
     _h(ZO + "offload_param.device", "none, cpu, nvme (stage 3)"),
     _h(ZO + "offload_param.nvme_path", "directory of the swap files"),
-    _h(ZO + "offload_param.pin_memory", "noted at start-up: tinyscale's host buffers are pageable"),
+    _h(ZO + "offload_param.pin_memory", "device cpu with a GPU: the host tier's parameter shards are allocated "
+       "pinned (page-locked), for faster host-device copies; without a GPU, or with nvme: noted at start-up"),
     *(_n(ZO + f"{section}.{key}", "DeepSpeed's asynchronous-I/O buffers for NVMe; tinyscale reads and writes "
          "each shard with one file operation")
       for section, key in (("offload_optimizer", "buffer_count"), ("offload_optimizer", "pipeline_read"),

@@ -53,6 +53,19 @@ def host_device() -> torch.device:
     return torch.device("cpu")
 
 
+def host_allocation(pin_memory: bool, has_gpu: bool) -> dict:
+    """How the host tier allocates its buffers (DeepSpeed's ``offload_*.pin_memory``): pinned
+    (page-locked) memory lets host<->GPU copies run by DMA, asynchronously and faster; without
+    a GPU there is no such copy, so nothing is pinned. The seam tests call with `has_gpu`."""
+    return {"device": host_device(), "pin_memory": pin_memory and has_gpu}
+
+
+def to_host(t: torch.Tensor, pin_memory: bool = False) -> torch.Tensor:
+    """A copy of `t` in host memory, pinned if asked and a GPU exists (`host_allocation`)."""
+    out = torch.empty(t.shape, dtype=t.dtype, **host_allocation(pin_memory, torch.cuda.is_available()))
+    return out.copy_(t)
+
+
 def return_freed_memory_to_os() -> None:
     """Make glibc serve blocks >= 128 KiB with mmap, always, so freeing them unmaps them.
 
@@ -237,12 +250,13 @@ class ParamShards:
     """
 
     def __init__(self, shards: list[torch.Tensor], device: torch.device, offload: str = "none",
-                 nvme_path: str | None = None):
+                 nvme_path: str | None = None, pin_memory: bool = False):
         if offload not in OFFLOAD_DEVICES:
             raise ValueError(f"offload_param.device={offload!r}: choose one of {OFFLOAD_DEVICES}")
         self.device, self.offload = device, offload
-        where = device if offload == "none" else host_device()
-        self.shards = [s.to(where, copy=True) for s in shards]
+        # host tier: pinned if asked (and a GPU exists); the disk tier resizes its buffers: pageable
+        self.shards = [s.to(device, copy=True) if offload == "none" else to_host(s, pin_memory and offload == "cpu")
+                       for s in shards]
         self.swap = DiskSwapper(nvme_path) if offload == "nvme" else None
         for i, s in enumerate(self.shards) if self.swap else ():
             self.swap.add(f"{i}/param", s)

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from tinyscale.dist import comm
 from tinyscale.zero.flat import FlatUnit, split_into_units
-from tinyscale.zero.offload import OFFLOAD_DEVICES, DiskSwapper, host_device
+from tinyscale.zero.offload import OFFLOAD_DEVICES, DiskSwapper, to_host
+from tinyscale.zero.sub_groups import group_fragments, sub_group_starts
 
 COMM_DTYPES = {None: None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -59,14 +60,17 @@ class ShardedOptimizer:
                  unit_bytes: int | None = None, reverse_units: bool = False,
                  unit_key: Callable[[torch.Tensor], int] | None = None,
                  offload: str = "none", nvme_path: str | None = None,
-                 param_dtype: torch.dtype | None = None, loss_scaler=None):
+                 param_dtype: torch.dtype | None = None, loss_scaler=None, sub_group_size: int | None = None,
+                 pin_memory: bool = False):
         """`unit_key(p)` (stage 3) cuts each group by module instead of by size: parameters
         with the same key share a unit, units ordered by key. `offload` ("none", "cpu",
         "nvme"; `offload.py`): where master shards and optimizer states live and the step runs.
         `param_dtype` (mixed precision: fp16/bf16): the masters keep the parameters' current
         (fp32) values, then the parameters are rounded to it and gradients flow in it;
         `loss_scaler` (fp16; `tinyscale.precision`): overflow is agreed over the group in
-        `full_step`, which then skips on every rank together."""
+        `full_step`, which then skips on every rank together. `sub_group_size` (DeepSpeed's;
+        `sub_groups.py`): the step runs on at most that many elements at a time; None: all.
+        `pin_memory` (offload "cpu", with a GPU): master shards in pinned host memory."""
         if offload not in OFFLOAD_DEVICES:
             raise ValueError(f"offload_optimizer.device={offload!r}: choose one of {OFFLOAD_DEVICES}")
         self.offload = offload
@@ -93,10 +97,13 @@ class ShardedOptimizer:
                 unit_group += [g] * len(new)
         # This rank's master copy of its shards (a copy: the full parameters keep their own
         # storage), in host memory when offloaded: the optimizer then creates its states there.
-        where = host_device() if offload != "none" else None
-        self.master = [unit.shard(unit.flatten([p.detach() for p in unit.params])).to(where, copy=True)
-                       for unit in self.units]
-        self.fragments: list[list[Fragment]] = [fragments_of(unit, m) for unit, m in zip(self.units, self.master)]
+        shards = [unit.shard(unit.flatten([p.detach() for p in unit.params])) for unit in self.units]
+        self.master = [s.clone() if offload == "none" else to_host(s, pin_memory and offload == "cpu") for s in shards]
+        bases = [sum(u.shard_numel for u in self.units[:i]) for i in range(len(self.units))]
+        self.fragments: list[list[Fragment]] = [fragments_of(unit, m, sub_group_starts(base, unit.shard_numel, sub_group_size))
+                                                for unit, m, base in zip(self.units, self.master, bases)]
+        # (unit, fragment) pairs per sub-group; one sub-group (the default): one optimizer step
+        self.sub_groups = group_fragments(self.fragments, bases, sub_group_size)
         self.loss_scaler = loss_scaler
         if param_dtype is not None:  # masters above hold the full-precision values; round the model's
             with torch.no_grad():
@@ -197,9 +204,13 @@ class ShardedOptimizer:
         parameter storage: nothing is gathered, because the next forward gathers each unit
         when it needs it."""
         if self.swap is None:
-            for i in range(len(self.units)):
-                self._attach_grads(i, used)
-            self.optimizer.step()
+            # --8<-- [start:sub-groups]
+            for group in self.sub_groups:  # sub_group_size: one sub-group's temporaries at a time
+                for i in range(len(self.units)):
+                    self._attach_grads(i, used, [k for j, k in group if j == i])
+                self.optimizer.step()  # torch skips every fragment whose grad is None
+                self._detach_grads(group)
+            # --8<-- [end:sub-groups]
             for i in range(len(self.units)):
                 self._publish(i, publish)
         else:
@@ -210,15 +221,17 @@ class ShardedOptimizer:
         self.grad = [None] * len(self.master)
 
     # --8<-- [start:attach]
-    def _attach_grads(self, i: int, used: torch.Tensor | None) -> None:
-        """Each fragment of unit i gets its slice of the gradient shard, or None if its
-        parameter got no gradient anywhere (or the unit none at all)."""
-        g = self.grad[i]
-        # Offloaded: the gradient shard goes down to the host (a no-op on a CPU run).
-        g = None if g is None else g.to(self.master[i].device)
-        for f in self.fragments[i]:
+    def _attach_grads(self, i: int, used: torch.Tensor | None, which: Sequence[int] | None = None) -> None:
+        """Each fragment of unit i (those in `which`, a sub-group's: consecutive) gets its
+        slice of the gradient shard, or None if its parameter got no gradient anywhere (or
+        the unit none at all)."""
+        frags = self.fragments[i] if which is None else [self.fragments[i][k] for k in which]
+        g, lo = self.grad[i], frags[0].start if frags else 0
+        # Offloaded: the fragments' part of the gradient shard goes down to the host (a no-op on a CPU run).
+        g = None if g is None or not frags else g[lo:frags[-1].end].to(self.master[i].device)
+        for f in frags:
             stepped = g is not None and (used is None or bool(used[self._index[id(f.param)]]))
-            f.view.grad = g[f.start:f.end] if stepped else None
+            f.view.grad = g[f.start - lo:f.end - lo] if stepped else None
     # --8<-- [end:attach]
 
     # --8<-- [start:disk-step]
@@ -234,14 +247,20 @@ class ShardedOptimizer:
             if i + 1 < len(self.master):
                 self.swap.prefetch(keys[i + 1])
             self.swap.swap_in(keys[i])
-            self._attach_grads(i, used)
-            self.optimizer.step()
-            for f in self.fragments[i]:
-                f.view.grad = None  # the next unit's step must not step this one again
+            for group in self.sub_groups:  # unit i's fragments, one sub-group at a time
+                mine = [k for j, k in group if j == i]
+                if mine:
+                    self._attach_grads(i, used, mine)
+                    self.optimizer.step()
+                    self._detach_grads([(i, k) for k in mine])  # the next step must not step these again
             self.register_states(i)  # states are born in a fragment's first step
             self._publish(i, publish)
             self.swap.swap_out(self._swap_keys(i))
     # --8<-- [end:disk-step]
+
+    def _detach_grads(self, group: Sequence[tuple[int, int]]) -> None:
+        for i, k in group:
+            self.fragments[i][k].view.grad = None
 
     def register_states(self, i: int) -> None:
         """Disk tier: unit i's fragment states not yet in the swapper go there (written, freed)."""
@@ -339,14 +358,16 @@ class Fragment(NamedTuple):
     view: torch.Tensor
 
 
-def fragments_of(unit: FlatUnit, master: torch.Tensor) -> list[Fragment]:
-    """The non-empty intersections of unit's parameters with this rank's shard, in order."""
+def fragments_of(unit: FlatUnit, master: torch.Tensor, starts: Sequence[int] = ()) -> list[Fragment]:
+    """The non-empty intersections of unit's parameters with this rank's shard, in order,
+    each cut again at the shard offsets `starts` (where sub-groups begin: `sub_groups.py`)."""
     lo, hi = unit.shard_range()
     out = []
     for j, (p, offset, shape) in enumerate(zip(unit.params, unit.offsets, unit.shapes)):
-        start, end = max(lo, offset), min(hi, offset + shape.numel())
-        if start < end:
-            out.append(Fragment(p, j, start - lo, end - lo, start - offset, master[start - lo: end - lo]))
+        start, end = max(lo, offset) - lo, min(hi, offset + shape.numel()) - lo  # in the shard
+        cuts = [start] + [c for c in starts if start < c < end] + [end]
+        for a, b in zip(cuts, cuts[1:]) if start < end else ():
+            out.append(Fragment(p, j, a, b, a + lo - offset, master[a:b]))
     return out
 
 

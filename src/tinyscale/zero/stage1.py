@@ -32,14 +32,16 @@ class ZeroStage1:
 
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
                  offload_optimizer: str = "none", nvme_path: str | None = None,
-                 param_dtype: torch.dtype | None = None, loss_scaler=None, bucket_bytes: int | None = None):
+                 param_dtype: torch.dtype | None = None, loss_scaler=None, bucket_bytes: int | None = None,
+                 sub_group_size: int | None = None, pin_memory: bool = False):
         """`bucket_bytes` (the engine: ``reduce_bucket_size``): the gradients are reduce-scattered
         in units of at most that many bytes, one after another, so the flat copy of the
         gradient being sent never exceeds it; None: one unit per parameter group."""
         # Each rank owns 1/N of every unit's flat buffer.
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group, unit_bytes=bucket_bytes,
                                         offload=offload_optimizer, nvme_path=nvme_path,
-                                        param_dtype=param_dtype, loss_scaler=loss_scaler)
+                                        param_dtype=param_dtype, loss_scaler=loss_scaler, sub_group_size=sub_group_size,
+                                        pin_memory=pin_memory)
         for p in self.sharded.params:  # which parameters got a gradient this step (unused ones are not stepped)
             p.register_post_accumulate_grad_hook(self.sharded.mark_used)
 

@@ -34,11 +34,13 @@ class ZeroStage2:
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None,
                  bucket_bytes: int = 500_000_000, overlap: bool = True,
                  offload_optimizer: str = "none", nvme_path: str | None = None,
-                 param_dtype: torch.dtype | None = None, loss_scaler=None):
+                 param_dtype: torch.dtype | None = None, loss_scaler=None, sub_group_size: int | None = None,
+                 pin_memory: bool = False):
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         unit_bytes=bucket_bytes, reverse_units=True,
                                         offload=offload_optimizer, nvme_path=nvme_path,
-                                        param_dtype=param_dtype, loss_scaler=loss_scaler)
+                                        param_dtype=param_dtype, loss_scaler=loss_scaler, sub_group_size=sub_group_size,
+                                        pin_memory=pin_memory)
         self.overlap = overlap
         self._where = {p: (u, i) for u, unit in enumerate(self.sharded.units) for i, p in enumerate(unit.params)}
         self._ready: list[set[int]] = [set() for _ in self.sharded.units]

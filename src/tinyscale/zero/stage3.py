@@ -53,7 +53,8 @@ shards them too; a large frozen base, as in LoRA, would want that).
 Memory per rank (Psi trainable, N ranks, B bytes per element, K optimizer + master bytes):
 parameters B Psi/N + gradients B Psi/N + K Psi/N = (2B + K) Psi / N, Psi padded per
 FlatUnit; plus frozen parameters; plus, while running, the root unit (used at both ends of
-the forward), the unit in use and at most one prefetched unit.
+the forward), the unit in use and the prefetched units: one by default, or as many as
+DeepSpeed's stage3_prefetch_bucket_size and stage3_max_live_parameters allow (`stage3_prefetch.py`).
 
 **Order.** Reduce-scatters go in one order on every rank (reverse of the order forwards
 started, then units no forward ran), so a parameter unused on some ranks only cannot
@@ -85,6 +86,7 @@ from torch.utils._pytree import tree_flatten
 from tinyscale.dist import comm
 from tinyscale.zero.offload import ParamShards
 from tinyscale.zero.optimizer import OptimizerFactory, ShardedOptimizer
+from tinyscale.zero.stage3_prefetch import units_to_prefetch
 
 Wrap = Callable[[str, nn.Module], bool] | Sequence[str] | None
 
@@ -143,11 +145,17 @@ class _Unit:
 class ZeroStage3:
     """Sharded parameters, gradients and optimizer; gathered per unit by module hooks."""
 
+    # DeepSpeed's stage3_prefetch_bucket_size and stage3_max_live_parameters, in elements (the
+    # engine sets them; `stage3_prefetch.py`). None: one unit ahead, no limit.
+    prefetch_bucket_size: int | None = None
+    max_live_parameters: int | None = None
+
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None, *,
                  module: nn.Module, wrap: Wrap = None, prefetch: bool = True,
                  offload_optimizer: str = "none", optimizer_nvme_path: str | None = None,
                  offload_param: str = "none", param_nvme_path: str | None = None,
-                 param_dtype: torch.dtype | None = None, loss_scaler=None, persistence_threshold: int = 0):
+                 param_dtype: torch.dtype | None = None, loss_scaler=None, persistence_threshold: int = 0,
+                 sub_group_size: int | None = None, pin_memory: bool = False, pin_param_memory: bool = False):
         names = wrapped_module_names(module, wrap)
         owner = assign_units(module, names)
         persistent_key = len(names) + 1  # after the root: these FlatUnits come last
@@ -157,7 +165,8 @@ class ZeroStage3:
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         unit_key=lambda p: owner[id(p)], offload=offload_optimizer,
                                         nvme_path=optimizer_nvme_path, param_dtype=param_dtype,
-                                        loss_scaler=loss_scaler)
+                                        loss_scaler=loss_scaler, sub_group_size=sub_group_size,
+                                        pin_memory=pin_memory)
         managed = {id(p) for fu in self.sharded.units for p in fu.params}
         if managed != set(owner):
             missing = [n for n, p in module.named_parameters() if id(p) in set(owner) - managed]
@@ -171,7 +180,7 @@ class ZeroStage3:
         self.shards = ParamShards([torch.empty(0, dtype=fu.dtype, device=fu.device) if i in self.persistent
                                    else fu.shard(fu.flatten([p.detach() for p in fu.params]))
                                    for i, fu in enumerate(self.sharded.units)],
-                                  self.sharded.units[0].device, offload_param, param_nvme_path)
+                                  self.sharded.units[0].device, offload_param, param_nvme_path, pin_param_memory)
         self.full = [fu.empty_flat() for fu in self.sharded.units]
         self._empty = [torch.empty(0, dtype=fu.dtype, device=fu.device) for fu in self.sharded.units]
         modules = [module.get_submodule(n) for n in names] + [module]
@@ -186,6 +195,7 @@ class ZeroStage3:
             unit.params += fu.params
         self.root = len(names)
         self.events: list[tuple[str, int | None, float]] = []
+        self.peak_gathered = 0  # most elements of gathered units at once (reset it to measure)
         self._order = [u for u, unit in enumerate(self.units) if unit.params or u == self.root]
         self._order.insert(0, self._order.pop())  # first forward's guess: root, then registration order
         self._prefetch_order: list[int] = []
@@ -222,6 +232,7 @@ class ZeroStage3:
                 unit.sources.append(source)
             else:
                 full.copy_(source)
+        self.peak_gathered = max(self.peak_gathered, self.gathered_numel())
         self._log.append(("gather", u))
         self._event(kind, u)
 
@@ -324,10 +335,14 @@ class ZeroStage3:
     def _prefetch_next(self, u: int, order: list[int]) -> None:
         if self.prefetch and u in order:
             later = [v for v in order[order.index(u) + 1:] if not (self.units[v].reduced or self.units[v].backward)]
-            if later:
-                self._issue(later[0], "prefetch")
-            for i in self.units[later[1]].flats if len(later) > 1 else ():
-                self.shards.read_ahead(i)  # disk tier: the unit after next starts reading now
+            if self.prefetch_bucket_size is not None:  # units already gathered are not candidates
+                later = [v for v in later if not self.units[v].full and self.units[v].pending is None]
+            numel = [sum(self.full[i].numel() for i in self.units[v].flats) for v in later]
+            n = units_to_prefetch(numel, self.gathered_numel(), self.prefetch_bucket_size, self.max_live_parameters)
+            for v in later[:n]:
+                self._issue(v, "prefetch")
+            for i in self.units[later[n]].flats if len(later) > n else ():
+                self.shards.read_ahead(i)  # disk tier: the unit after those starts reading now
 
     def _start_backward(self) -> None:
         if not self._in_backward:
@@ -421,6 +436,10 @@ class ZeroStage3:
 
     def _event(self, kind: str, u: int | None) -> None:
         self.events.append((kind, u, time.perf_counter()))
+
+    def gathered_numel(self) -> int:
+        """Elements of the full buffers allocated now (gathered or being gathered)."""
+        return sum(f.numel() for f in self.full if f.untyped_storage().nbytes())
 
     def materialized(self) -> list[int]:
         """Units whose full parameters occupy memory now (read from the buffers' storage)."""

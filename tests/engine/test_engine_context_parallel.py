@@ -45,10 +45,10 @@ def model() -> GPT:
 
 
 def run_config(dp: int, cp: int, algorithm: str = "ring", sharding: str = "zigzag", stage: int = 0,
-               optimizer: str = "sgd", clip: float = 0.0) -> dict:
+               optimizer: str = "sgd", clip: float = 0.0, tp: int = 1) -> dict:
     return {"train_batch_size": ROWS, "gradient_accumulation_steps": 2, "optimizer": OPTIMIZERS[optimizer],
             "gradient_clipping": clip, "zero_optimization": {"stage": stage},
-            "parallel": {"context": cp, "context_algorithm": algorithm, "context_sharding": sharding}}
+            "parallel": {"context": cp, "context_algorithm": algorithm, "context_sharding": sharding, "tensor": tp}}
 
 
 def batches(steps: int = STEPS):
@@ -83,6 +83,8 @@ def _check(results: list, layouts: list[dict]) -> None:
             assert list(state) == list(expected)  # the original keys, in order
             assert_state_dicts_close(state, expected, what=what)
             assert torch.equal(state["unused"], torch.ones(3, dtype=torch.float64)), what  # never stepped
+            if layout.get("tp", 1) > 1:  # TP shards: their bytes are test_engine_tensor_parallel's business
+                continue
             if layout.get("stage", 0) == 3:  # ZeRO-3 shards over all dp*cp ranks (frozen ones stay whole)
                 ranks = layout["dp"] * layout["cp"]
                 # 2 units (the block; the rest), each padded to a multiple of `ranks` float64 elements
@@ -125,6 +127,16 @@ def test_engine_context_parallel_zigzag_checkpoint_resumes_at_dp2(tmp_path):
         assert_state_dicts_close(state, expected, what="parameters after resuming a cp=2 checkpoint at dp=2")
 
 
+TP2_CP2_LAYOUTS = [  # on 4 ranks: cp = 2 x tp = 2 (2 query heads and 1 K/V head per TP shard)
+    dict(dp=1, cp=2, tp=2, algorithm="ring", sharding="zigzag", clip=CLIP),
+    dict(dp=1, cp=2, tp=2, algorithm="ulysses", sharding="contiguous", stage=3),
+]
+
+
+def test_engine_context_parallel_tp2_cp2_ring_attention_ulysses_trains_like_one_process():
+    _check(run_on_ranks(_train_layouts, 4, TP2_CP2_LAYOUTS), TP2_CP2_LAYOUTS)
+
+
 def _resume_and_train(path: str):
     data = batches()
     engine = ts.initialize(model(), run_config(1, 2, stage=3, optimizer="adamw"))
@@ -155,7 +167,10 @@ def _refusal(config: dict, gpt: GPTConfig = GPT_CONFIG, world: int = 2):
      ["parallel.context=3", "context_algorithm", "n_head=4"]),
     ({"parallel": {"context": 2, "context_algorithm": "striped"}}, GPT_CONFIG, 2, ["parallel.context_algorithm"]),
     ({"parallel": {"context": 2, "context_sharding": "striped"}}, GPT_CONFIG, 2, ["parallel.context_sharding"]),
-    ({"parallel": {"context": 2, "tensor": 2}}, GPT_CONFIG, 4, ["parallel.tensor=2", "parallel.context=2"]),
+    ({"parallel": {"context": 2, "tensor": 2, "sequence_parallel": True}}, GPT_CONFIG, 4,
+     ["parallel.sequence_parallel", "parallel.context=2"]),
+    ({"parallel": {"context": 2, "tensor": 2, "context_algorithm": "ulysses"}}, GPT_CONFIG.with_(n_head=2, n_kv_head=2),
+     4, ["parallel.context=2", "ulysses", "parallel.tensor=2", "1 heads per rank"]),
     ({"parallel": {"context": 2}, "bf16": {"enabled": True}}, GPT_CONFIG, 2, ["bf16.enabled", "parallel.context"]),
     ({"parallel": {"context": 2}, "activation_checkpointing": {"policy": "full"}}, GPT_CONFIG, 2,
      ["activation_checkpointing.policy", "parallel.context"]),
@@ -164,7 +179,8 @@ def _refusal(config: dict, gpt: GPTConfig = GPT_CONFIG, world: int = 2):
     ({"parallel": {"context": 2}}, GPT_CONFIG.with_(dropout=0.1), 2, ["parallel.context=2", "dropout=0.1"]),
     ({"parallel": {"context": 2}}, None, 2, ["parallel.context=2", "TinyMLP"]),
 ], ids=["context_parallel_not_dividing_world", "context_parallel_one_process", "ulysses_heads_not_divisible",
-        "context_parallel_unknown_algorithm", "zigzag_unknown_sharding", "context_parallel_with_tp",
+        "context_parallel_unknown_algorithm", "zigzag_unknown_sharding", "context_parallel_with_sequence_parallel",
+        "ulysses_heads_per_tp_shard_not_divisible",
         "context_parallel_with_bf16", "context_parallel_with_activation_checkpointing",
         "context_parallel_with_offload", "context_parallel_with_dropout", "context_parallel_not_a_gpt"])
 def test_engine_context_parallel_bad_layouts_are_refused_by_name(config, gpt, world, names):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ class ContextParallel:
     group: object
     algorithm: str
     sharding: str
+    token_losses: Callable  # (logits (B, Tl, V), targets (B, Tl)) -> per-token losses (B, Tl)
 
     @property
     def cp(self) -> int:
@@ -79,6 +81,12 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy: logits (B, Tl, V), targets (B, Tl) of real ids -> (B, Tl)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten().long(), reduction="none").view_as(targets)
+
+
 def _cp_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
     """GPT.forward on a shard: logits (B, Tl, V), or the full rows' mean loss (same on all ranks)."""
     state: ContextParallel = self.context_parallel
@@ -108,16 +116,19 @@ def _cp_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) ->
     real = targets != IGNORE_INDEX  # (B, Tl)
     if ((targets[real] < 0) | (targets[real] >= cfg.vocab_size)).any():
         raise ValueError(f"targets has ids outside 0..{cfg.vocab_size - 1} (padding is {IGNORE_INDEX})")
-    logits = logits.reshape(-1, cfg.vocab_size).to(torch.promote_types(logits.dtype, torch.float32))
-    loss_sum = F.cross_entropy(logits, targets.reshape(-1).long(), ignore_index=IGNORE_INDEX, reduction="sum")
+    # Padding's targets become id 0 for the loss function, and its losses (and gradients) 0 here.
+    losses = state.token_losses(logits, targets.masked_fill(~real, 0))  # (B, Tl)
+    loss_sum = losses.masked_fill(~real, 0.0).sum()
     totals = _SumOverRanks.apply(torch.stack([loss_sum, real.sum().to(loss_sum.dtype)]), state.group)
     return totals[0] / totals[1]  # sum of every rank's token losses / every rank's real tokens
 
 
 # --8<-- [start:apply]
 def apply_context_parallel(model: torch.nn.Module, group=None, *, algorithm: str = "ring",
-                           sharding: str = "zigzag") -> torch.nn.Module:
-    """Swap the GPT's attention core and forward for context parallelism over `group`, in place."""
+                           sharding: str = "zigzag", token_losses: Callable = token_cross_entropy) -> torch.nn.Module:
+    """Swap the GPT's attention core and forward for context parallelism over `group`, in place.
+    `token_losses(logits, targets)`: per-token losses of the head's output (default cross-entropy;
+    a tensor-parallel head needs the vocab-parallel one)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"context-parallel algorithm={algorithm!r} is unknown: use one of {ALGORITHMS}")
     check_sharding(sharding)
@@ -128,7 +139,7 @@ def apply_context_parallel(model: torch.nn.Module, group=None, *, algorithm: str
     if model.config.dropout > 0:
         raise ValueError(f"context parallelism does not support dropout={model.config.dropout} (each rank would "
                          "need the dropout mask of the keys it does not hold): set GPTConfig.dropout=0")
-    state = ContextParallel(group, algorithm, sharding)
+    state = ContextParallel(group, algorithm, sharding, token_losses)
     for block in model.blocks:
         attn = block.attn
         if algorithm == "ulysses":  # head counts from the weights: a tensor-parallel shard has fewer

@@ -19,10 +19,15 @@ cp group is a run of consecutive ranks). What the engine does with it:
   no extra traffic per gradient byte. The loss all-reduce runs over that group too: each of
   its dp*cp ranks reports the same mean for its rows, so sum / (dp*cp) is the global mean.
 
-Refused by name before any process group exists (`check_config`, `check_layout`): tensor
-parallelism together with cp (the two replace the GPT's forward differently), fp16/bf16,
-activation checkpointing and offload (untested with cp), dropout > 0, models other than the
-GPT, Ulysses with heads % cp != 0, a world that is not dp x cp.
+With tensor parallelism too (tp x cp, the mesh (dp, cp, tp)): TP splits the layers first, CP
+then swaps attention and the forward, whose per-token loss becomes the vocab-parallel one
+(the head holds a vocab slice); Ulysses then splits each TP shard's heads over cp. (The model's
+forward without targets returns this rank's vocab slice of the logits.)
+
+Refused by name before any process group exists (`check_config`, `check_layout`): sequence
+parallelism, fp16/bf16, activation checkpointing and offload with cp (untested), dropout > 0,
+models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that is not
+dp x cp x tp.
 Lesson: lessons/09-context-parallel.md. Tests: `pytest -k engine_context_parallel`.
 """
 
@@ -32,8 +37,10 @@ import torch
 
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.context_parallel import apply_context_parallel, kv_replication, shard_batch
+from tinyscale.context_parallel.apply import token_cross_entropy
 from tinyscale.dist import ParallelMesh
 from tinyscale.models.gpt import GPT
+from tinyscale.tensor_parallel import vocab_parallel_cross_entropy
 
 
 def check_config(config: EngineConfig) -> list[str]:
@@ -42,9 +49,9 @@ def check_config(config: EngineConfig) -> list[str]:
     cp = par.context
     if cp == 1:
         return problems
-    if par.tensor > 1:
-        problems.append(f"parallel.tensor={par.tensor} with parallel.context={cp} (tensor and context "
-                        "parallelism together are not built yet): set one of them to 1")
+    if par.sequence_parallel:
+        problems.append(f"parallel.sequence_parallel=true with parallel.context={cp} (not tested yet): "
+                        "set sequence_parallel false, or context 1")
     for section in ("fp16", "bf16"):
         if getattr(config, section).enabled:
             problems.append(f"{section}.enabled with parallel.context={cp} (mixed precision with context "
@@ -76,11 +83,14 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
     if gpt.dropout > 0:
         raise ConfigError(f"parallel.context={cp} with GPTConfig.dropout={gpt.dropout}: a rank would need the "
                           "dropout mask of keys it does not hold; set dropout=0")
-    if par.context_algorithm == "ulysses":
+    if par.context_algorithm == "ulysses":  # over the heads of one tensor-parallel shard
         try:
-            kv_replication(gpt.n_head, gpt.kv_heads, cp)
+            kv_replication(gpt.n_head // par.tensor, max(gpt.kv_heads // par.tensor, 1), cp)
         except ValueError as exc:
-            raise ConfigError(f"parallel.context={cp} with parallel.context_algorithm=\"ulysses\": {exc}") from None
+            where = f" (with parallel.tensor={par.tensor}: {gpt.n_head // par.tensor} heads per rank)" \
+                if par.tensor > 1 else ""
+            raise ConfigError(f"parallel.context={cp} with parallel.context_algorithm=\"ulysses\"{where}: "
+                              f"{exc}") from None
     per_dp = par.tensor * par.pipeline * cp
     if world_size % per_dp != 0:
         raise ConfigError(f"parallel.context={cp} (x tensor {par.tensor} x pipeline {par.pipeline}) does not divide "
@@ -102,9 +112,18 @@ def reduce_group(mesh: ParallelMesh | None) -> tuple[object, int, int]:
 def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> None:
     """Context parallelism over the mesh's cp axis, in place (nothing when cp = 1)."""
     par = config.parallel
-    if par.context > 1:
-        apply_context_parallel(model, mesh.group("cp"), algorithm=par.context_algorithm,
-                               sharding=par.context_sharding)
+    if par.context == 1:
+        return
+    losses = token_cross_entropy
+    if par.tensor > 1:  # the head holds a vocab slice: Megatron's loss over the TP group, never gathered
+        group, vocab = mesh.group("tp"), model.config.vocab_size
+
+        def losses(local_logits, targets):  # (B, Tl, Vp/tp), (B, Tl) -> (B, Tl)
+            local_logits = local_logits.to(torch.promote_types(local_logits.dtype, torch.float32))
+            return vocab_parallel_cross_entropy(local_logits.flatten(0, 1), targets.flatten().long(), group,
+                                                vocab_size=vocab).view_as(targets)
+    apply_context_parallel(model, mesh.group("cp"), algorithm=par.context_algorithm,
+                           sharding=par.context_sharding, token_losses=losses)
 
 
 def shard_micro_batch(chunk: tuple[torch.Tensor, ...], config: EngineConfig,

@@ -16,7 +16,8 @@ Everything a layout can refuse is refused here before any process group is creat
 (`check_layout`, `ConfigError` naming the field and the fix). Built so far: tensor and
 sequence parallelism (`tinyscale.tensor_parallel`) for the GPT, with data parallelism and
 ZeRO stages 1-3 over the dp axis; context parallelism (`engine/context.py`: ring or Ulysses
-over the cp axis, gradients reduced over dp x cp), not yet together with tensor parallelism.
+over the cp axis, gradients reduced over dp x cp), also with tensor parallelism (tp x cp,
+without sequence parallelism).
 Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
 rank's stages) with DDP or ZeRO stage 1 over dp, not yet with tensor or context parallelism.
 

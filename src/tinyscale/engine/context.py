@@ -39,6 +39,7 @@ from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.context_parallel import apply_context_parallel, kv_replication, shard_batch
 from tinyscale.context_parallel.apply import token_cross_entropy
 from tinyscale.dist import ParallelMesh
+from tinyscale.engine.refusals import untested_combinations
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -52,18 +53,7 @@ def check_config(config: EngineConfig) -> list[str]:
     if par.sequence_parallel:
         problems.append(f"parallel.sequence_parallel=true with parallel.context={cp} (not tested yet): "
                         "set sequence_parallel false, or context 1")
-    for section in ("fp16", "bf16"):
-        if getattr(config, section).enabled:
-            problems.append(f"{section}.enabled with parallel.context={cp} (mixed precision with context "
-                            "parallelism is not tested yet); use float32/float64 parameters")
-    if config.activation_checkpointing.policy != "none":
-        problems.append(f"activation_checkpointing.policy={config.activation_checkpointing.policy!r} with "
-                        f"parallel.context={cp} (not tested yet); use policy \"none\"")
-    zero = config.zero_optimization
-    if zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
-        problems.append(f"zero_optimization offload with parallel.context={cp} (not tested yet); "
-                        "use offload device \"none\"")
-    return problems
+    return problems + untested_combinations(config, f"parallel.context={cp}", "context parallelism")
 
 
 def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,

@@ -36,6 +36,7 @@ from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh, comm
 from tinyscale.engine import context, pipeline_layout
+from tinyscale.engine.refusals import untested_combinations
 from tinyscale.engine.pipeline_step import PipelineStep
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -54,18 +55,7 @@ def check_config(config: EngineConfig) -> list[str]:
     if par.tensor == 1:
         return problems
     # Each of these is a combination no test covers yet: refused, not silently wrong.
-    for section in ("fp16", "bf16"):
-        if getattr(config, section).enabled:
-            problems.append(f"{section}.enabled with parallel.tensor={par.tensor} (mixed precision with tensor "
-                            "parallelism is not tested yet); use float32/float64 parameters")
-    if config.activation_checkpointing.policy != "none":
-        problems.append(f"activation_checkpointing.policy={config.activation_checkpointing.policy!r} with "
-                        f"parallel.tensor={par.tensor} (not tested yet); use policy \"none\"")
-    zero = config.zero_optimization
-    if zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
-        problems.append(f"zero_optimization offload with parallel.tensor={par.tensor} (not tested yet); "
-                        "use offload device \"none\"")
-    return problems
+    return problems + untested_combinations(config, f"parallel.tensor={par.tensor}", "tensor parallelism")
 
 
 def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,

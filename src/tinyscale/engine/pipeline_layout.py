@@ -15,6 +15,7 @@ import torch
 
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
+from tinyscale.engine.refusals import untested_combinations
 from tinyscale.models.gpt import GPT
 
 
@@ -46,17 +47,7 @@ def config_problems(config: EngineConfig) -> list[str]:
         problems.append(f"gradient_clipping={config.gradient_clipping} with parallel.pipeline={pp} and "
                         "zero_optimization.stage=1 (ZeRO's norm does not sum over the stages yet; stage 0 clips "
                         "with the full model's norm): set gradient_clipping 0 or stage 0")
-    for section in ("fp16", "bf16"):
-        if getattr(config, section).enabled:
-            problems.append(f"{section}.enabled with parallel.pipeline={pp} (mixed precision with pipeline "
-                            "parallelism is not tested yet); use float32/float64 parameters")
-    if config.activation_checkpointing.policy != "none":
-        problems.append(f"activation_checkpointing.policy={config.activation_checkpointing.policy!r} with "
-                        f"parallel.pipeline={pp} (not tested yet); use policy \"none\"")
-    zero = config.zero_optimization
-    if zero.offload_optimizer.device != "none":
-        problems.append(f"zero_optimization.offload_optimizer with parallel.pipeline={pp} (not tested yet); "
-                        "use offload device \"none\"")
+    problems += untested_combinations(config, f"parallel.pipeline={pp}", "pipeline parallelism")
     if config.communication_data_type is not None:
         problems.append(f"communication_data_type={config.communication_data_type!r} with parallel.pipeline={pp} "
                         "(not tested yet); remove it")

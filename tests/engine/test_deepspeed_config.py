@@ -264,8 +264,8 @@ def test_deepspeed_config_steps_per_print_logs_every_n_steps(caplog):
 
 
 @pytest.mark.parametrize("key, value", [("pipeline_schedule", "afab"), ("virtual_stages", 2)])
-def test_deepspeed_config_parallel_keys_of_unbuilt_topics_are_refused(key, value):
-    with pytest.raises(ConfigError, match=rf"parallel\.{key}\b.*not built yet"):
+def test_deepspeed_config_parallel_pipeline_keys_without_a_pipeline_are_refused(key, value):
+    with pytest.raises(ConfigError, match=rf"parallel\.{key}=.* needs parallel\.pipeline > 1"):
         check_supported(EngineConfig.load({**BASE, "parallel": {key: value}}))
 
 

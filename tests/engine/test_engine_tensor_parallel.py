@@ -31,9 +31,10 @@ OPTIMIZERS = {  # SGD too: Adam hides a uniform gradient-scale bug (a missing or
 }
 
 
-def gpt_config(tied: bool) -> GPTConfig:
-    """6 query heads and 6 K/V heads... of which 2 or 3 per rank: splits over tp = 1, 2 and 3."""
-    return GPTConfig(vocab_size=VOCAB, max_seq_len=12, n_layer=2, n_head=6, n_kv_head=6, d_model=24,
+def gpt_config(tied: bool, n_kv_head: int = 6) -> GPTConfig:
+    """6 query heads and 6 K/V heads... of which 2 or 3 per rank: splits over tp = 1, 2 and 3
+    (n_kv_head=1: the one K/V head replicated on every rank)."""
+    return GPTConfig(vocab_size=VOCAB, max_seq_len=12, n_layer=2, n_head=6, n_kv_head=n_kv_head, d_model=24,
                      ffn_hidden=36, tie_embeddings=tied)
 
 
@@ -47,8 +48,8 @@ def batches(steps: int):
     return synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=12, vocab_size=VOCAB, seed=3)
 
 
-def reference(tied: bool, optimizer: str, steps: int, clip: float = 0.0):
-    model = GPT(gpt_config(tied), seed=5, dtype=torch.float64)
+def reference(tied: bool, optimizer: str, steps: int, clip: float = 0.0, n_kv_head: int = 6):
+    model = GPT(gpt_config(tied, n_kv_head), seed=5, dtype=torch.float64)
     losses = ts.reference.train(model, batches(steps), run_config(1, 1, optimizer, clip=clip))
     return losses, model.state_dict()
 
@@ -62,73 +63,197 @@ def _train_body(config: dict, tied: bool, steps: int):
     return losses, engine.full_state_dict(), engine.memory_report().bytes("parameters"), local
 
 
-# (world, tp, sequence_parallel, zero stage, tied, optimizer)
+# (world, tp, sequence_parallel, zero stage, tied, optimizer): one pooled launch per world runs them all
 LAYOUTS = [(2, 2, False, 0, True, "sgd"), (4, 2, True, 0, False, "adamw"), (3, 3, False, 0, True, "adamw"),
            (3, 3, True, 0, False, "sgd"), (4, 2, False, 1, True, "adamw"), (4, 2, True, 2, False, "sgd"),
            (4, 2, False, 3, True, "adamw")]
 
 
-def _id(world, tp, sp, stage, tied, optimizer):
-    sp_key = "sequence_parallel" if sp else "no_sp"
-    return f"tp{tp}-dp{world // tp}-{sp_key}-zero{stage}-{'tied' if tied else 'untied'}-{optimizer}"
+def _layouts_body(runs: list[tuple[dict, bool]], steps: int):
+    return [_train_body(config, tied, steps) for config, tied in runs]
 
 
-@pytest.mark.parametrize(("world", "tp", "sp", "stage", "tied", "optimizer"),
-                         [pytest.param(*layout, id=_id(*layout)) for layout in LAYOUTS])
-def test_engine_tensor_parallel_trains_like_single_process(world, tp, sp, stage, tied, optimizer):
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_engine_tensor_parallel_trains_like_single_process(world):
     steps = 2
-    config = run_config(tp, world // tp, optimizer, sp, stage)
-    results = run_on_ranks(_train_body, world, config, tied, steps)
-    expected_losses, expected = reference(tied, optimizer, steps)
-    full_bytes = sum(v.numel() * v.element_size() for v in GPT(gpt_config(tied), dtype=torch.float64).parameters())
-    for losses, state, param_bytes, local_bytes in results:
-        assert_losses_close(losses, expected_losses)
-        assert list(state) == list(expected)  # the original keys, in order; padding and shards gone
-        assert_state_dicts_close(state, expected, what=f"full_state_dict after {steps} steps")
-        # This rank's shards: 1/tp of the split matrices (the vocab padded), never the full model;
-        # ZeRO-3 then keeps about 1/dp of those.
-        assert full_bytes / tp < local_bytes < full_bytes
-        if stage < 3:
-            assert param_bytes == local_bytes
-        else:
-            assert local_bytes / (world // tp) <= param_bytes < local_bytes
+    layouts = [layout for layout in LAYOUTS if layout[0] == world]
+    runs = [(run_config(tp, world // tp, optimizer, sp, stage), tied) for _, tp, sp, stage, tied, optimizer in layouts]
+    per_rank = run_on_ranks(_layouts_body, world, runs, steps)
+    for k, (_, tp, sp, stage, tied, optimizer) in enumerate(layouts):
+        expected_losses, expected = reference(tied, optimizer, steps)
+        full_bytes = sum(v.numel() * v.element_size()
+                         for v in GPT(gpt_config(tied), dtype=torch.float64).parameters())
+        for rank_results in per_rank:
+            losses, state, param_bytes, local_bytes = rank_results[k]
+            assert_losses_close(losses, expected_losses)
+            assert list(state) == list(expected)  # the original keys, in order; padding and shards gone
+            assert_state_dicts_close(state, expected, what=f"full_state_dict, tp={tp} sp={sp} zero{stage}")
+            # This rank's shards: 1/tp of the split matrices (the vocab padded), never the full model;
+            # ZeRO-3 then keeps about 1/dp of those.
+            assert full_bytes / tp < local_bytes < full_bytes
+            if stage < 3:
+                assert param_bytes == local_bytes
+            else:
+                assert local_bytes / (world // tp) <= param_bytes < local_bytes
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sequence_parallel"])
-def test_engine_tensor_parallel_clips_by_the_full_models_norm(sp):
-    """tp2 x dp2 at stage 0 with a max norm the gradients exceed: the clipped steps equal one process's."""
-    steps, clip = 2, 0.05  # the gradient norm here is ~1: every step clips
-    config = run_config(2, 2, "sgd", sp, clip=clip)
-    results = run_on_ranks(_train_body, 4, config, True, steps)
-    expected_losses, expected = reference(True, "sgd", steps, clip)
-    for losses, state, _, _ in results:
-        assert_losses_close(losses, expected_losses)
-        assert_state_dicts_close(state, expected, what="parameters after clipped steps")
+# The issue's acceptance: GQA with K/V heads replicated at tp 4 (2 heads) and split at tp 2, tied
+# embeddings, a vocab (251) and a layer count (3) that divide by nothing here, dropout 0.1 in the
+# exact mode, and every step clipped (the norm is ~1): tp 4, then dp 2 x tp 2 at every ZeRO stage.
+ACCEPTANCE = GPTConfig(vocab_size=VOCAB, max_seq_len=8, n_layer=3, n_head=4, n_kv_head=2, d_model=16,
+                       ffn_hidden=24, tie_embeddings=True, dropout=0.1)
+DROPOUT_SEED = 17  # rank 0's generator; the engine gives it to every rank (exact mode)
 
 
-def _resume_body(path: str, first_tp: int, then_tp: int, steps: int):
-    """Train `steps` at tp=first_tp, save; a new engine at tp=then_tp loads it and trains `steps` more."""
+def acceptance_config(tp: int, stage: int, sp: bool) -> dict:
+    dp = 4 // tp
+    return {"train_batch_size": ROWS, "train_micro_batch_size_per_gpu": 1,  # the reference's micro-batches
+            "gradient_accumulation_steps": ROWS // dp, "optimizer": OPTIMIZERS["sgd"], "gradient_clipping": 0.05,
+            "zero_optimization": {"stage": stage}, "parallel": {"tensor": tp, "sequence_parallel": sp}}
+
+
+def acceptance_batches(steps: int):
+    return synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=8, vocab_size=VOCAB, seed=4)
+
+
+def _acceptance_body(layouts: list[tuple[int, int, bool]], steps: int):
+    out = []
+    for tp, stage, sp in layouts:
+        model = GPT(ACCEPTANCE, seed=5, dtype=torch.float64)  # (its nn.Linear init draws from the global RNG)
+        torch.manual_seed(DROPOUT_SEED + 1000 * dist.get_rank())  # only rank 0's seed may matter
+        engine = ts.initialize(model, acceptance_config(tp, stage, sp))
+        out.append(([engine.train_batch(b) for b in acceptance_batches(steps)], engine.full_state_dict()))
+    return out
+
+
+def test_engine_tensor_parallel_acceptance_layouts_with_dropout_gqa_and_clipping_train_like_single_process():
+    steps, layouts = 2, [(4, 0, True), (2, 0, False), (2, 1, True), (2, 2, False), (2, 3, True)]
+    model = GPT(ACCEPTANCE, seed=5, dtype=torch.float64)
+    torch.manual_seed(DROPOUT_SEED)
+    expected_losses = ts.reference.train(model, acceptance_batches(steps), acceptance_config(1, 0, False))
+    expected = model.state_dict()
+    for rank_results in run_on_ranks(_acceptance_body, 4, layouts, steps):
+        for (tp, stage, sp), (losses, state) in zip(layouts, rank_results):
+            assert_losses_close(losses, expected_losses)
+            assert_state_dicts_close(state, expected, what=f"tp={tp} x dp={4 // tp}, zero{stage}, sp={sp}")
+    no_dropout = GPT(ACCEPTANCE.with_(dropout=0.0), seed=5, dtype=torch.float64)
+    plain = ts.reference.train(no_dropout, acceptance_batches(1), acceptance_config(1, 0, False))
+    assert abs(plain[0] - expected_losses[0]) > 1e-6  # dropout did change the losses
+
+
+def _resume_body(path: str, directions: list[tuple[int, int]], steps: int):
+    """Per direction: train `steps` at tp=first_tp, save; a new engine at tp=then_tp loads it
+    and trains `steps` more. One K/V head: replicated at tp 2, saved once, loaded into each copy."""
+    data, world, out = batches(2 * steps), dist.get_world_size(), []
+    for k, (first_tp, then_tp) in enumerate(directions):
+        engine = ts.initialize(GPT(gpt_config(True, 1), seed=5, dtype=torch.float64),
+                               run_config(first_tp, world // first_tp, "adamw"))
+        losses = [engine.train_batch(b) for b in data[:steps]]
+        engine.save_checkpoint(f"{path}-{k}")
+        other = ts.initialize(GPT(gpt_config(True, 1), seed=99, dtype=torch.float64),  # other values: all must load
+                              run_config(then_tp, world // then_tp, "adamw"))
+        other.load_checkpoint(f"{path}-{k}")
+        losses += [other.train_batch(b) for b in data[steps:]]
+        out.append((losses, other.full_state_dict()))
+    return out
+
+
+def test_engine_tensor_parallel_checkpoint_resumes_across_tp_degrees(tmp_path):
+    steps, directions = 2, [(2, 1), (1, 2)]
+    expected_losses, expected = reference(True, "adamw", 2 * steps, n_kv_head=1)
+    for rank_results in run_on_ranks(_resume_body, 2, str(tmp_path / "ckpt"), directions, steps):
+        for (first_tp, then_tp), (losses, state) in zip(directions, rank_results):
+            assert_losses_close(losses, expected_losses)
+            assert_state_dicts_close(state, expected, what=f"parameters after tp={first_tp} -> tp={then_tp}")
+
+
+def _reshard_kv_body(path: str, directions: list[tuple[int, int]], steps: int):
+    """The acceptance model without dropout: 2 K/V heads, replicated at tp 4, split at tp 2 (dp 2)."""
+    data, out = acceptance_batches(2 * steps), []
+    for k, (first_tp, then_tp) in enumerate(directions):
+        engine = ts.initialize(GPT(ACCEPTANCE.with_(dropout=0.0), seed=5, dtype=torch.float64),
+                               acceptance_config(first_tp, 0, False))
+        losses = [engine.train_batch(b) for b in data[:steps]]
+        engine.save_checkpoint(f"{path}-{k}")
+        other = ts.initialize(GPT(ACCEPTANCE.with_(dropout=0.0), seed=99, dtype=torch.float64),
+                              acceptance_config(then_tp, 0, False))
+        other.load_checkpoint(f"{path}-{k}")
+        out.append((losses + [other.train_batch(b) for b in data[steps:]], other.full_state_dict()))
+    return out
+
+
+def test_engine_tensor_parallel_checkpoint_reshards_replicated_kv_heads(tmp_path):
+    """Saved at tp 4 (each K/V head on 2 ranks: one copy saved), loaded at tp 2, and the reverse."""
+    steps, directions = 2, [(4, 2), (2, 4)]
+    model = GPT(ACCEPTANCE.with_(dropout=0.0), seed=5, dtype=torch.float64)
+    expected_losses = ts.reference.train(model, acceptance_batches(2 * steps), acceptance_config(1, 0, False))
+    for rank_results in run_on_ranks(_reshard_kv_body, 4, str(tmp_path / "ckpt"), directions, steps):
+        for (first_tp, then_tp), (losses, state) in zip(directions, rank_results):
+            assert_losses_close(losses, expected_losses)
+            assert_state_dicts_close(state, model.state_dict(), what=f"after tp={first_tp} -> tp={then_tp}")
+
+
+def _resume_exact_body(path: str, steps: int):
+    """Tracker-mode dropout at tp 2: an uninterrupted run, and a new engine (other weights, other
+    generators) resumed from the checkpoint written midway; each rank its own tracker stream."""
     data = batches(2 * steps)
-    world = dist.get_world_size()
-    engine = ts.initialize(GPT(gpt_config(True), seed=5, dtype=torch.float64),
-                           run_config(first_tp, world // first_tp, "adamw"))
-    losses = [engine.train_batch(b) for b in data[:steps]]
+    config = {**run_config(2, 1, "adamw"), "parallel": {"tensor": 2, "tensor_dropout": "tracker"}}
+    model = GPT(gpt_config(True).with_(dropout=0.2), seed=5, dtype=torch.float64)
+    torch.manual_seed(21)
+    engine = ts.initialize(model, config)
+    straight = [engine.train_batch(b) for b in data[:steps]]
     engine.save_checkpoint(path)
-    other = ts.initialize(GPT(gpt_config(True), seed=99, dtype=torch.float64),  # other values: all must load
-                          run_config(then_tp, world // then_tp, "adamw"))
-    other.load_checkpoint(path)
-    losses += [other.train_batch(b) for b in data[steps:]]
-    return losses, other.full_state_dict()
+    straight = [engine.train_batch(b) for b in data[steps:]]
+    other = GPT(gpt_config(True).with_(dropout=0.2), seed=99, dtype=torch.float64)
+    torch.manual_seed(1234)
+    resumed = ts.initialize(other, config)
+    resumed.load_checkpoint(path)
+    return straight, [resumed.train_batch(b) for b in data[steps:]], engine.full_state_dict(), resumed.full_state_dict()
 
 
-@pytest.mark.parametrize(("first_tp", "then_tp"), [(2, 1), (1, 2)], ids=["tp2_to_tp1", "tp1_to_tp2"])
-def test_engine_tensor_parallel_checkpoint_resumes_across_tp_degrees(tmp_path, first_tp, then_tp):
+def test_engine_tensor_parallel_resume_exact_with_tracker_dropout(tmp_path):
+    """The checkpoint's random state covers the tracker's streams: the resumed run is bit for bit the same."""
+    for straight, resumed, state, resumed_state in run_on_ranks(_resume_exact_body, 2, str(tmp_path / "ckpt"), 2):
+        assert resumed == straight
+        assert all(torch.equal(resumed_state[k], v) for k, v in state.items())
+
+
+def _failed_step_body(steps: int):
+    """tp 2: TP rank 1's backward raises once, after the last collective its peer makes in the
+    step (the last micro-batch's gradient reaching the embedding's output: a rank failing before
+    that leaves its TP peers waiting in a collective, caught only by the timeout); then every
+    batch trains."""
+    engine = ts.initialize(GPT(gpt_config(True), seed=5, dtype=torch.float64), run_config(2, 1, "sgd"))
+    trap = {"armed": True, "forwards": 0}
+
+    def throw(grad):
+        raise MemoryError("simulated: backward")
+
+    def arm(module, args, out):
+        trap["forwards"] += 1
+        if trap["armed"] and dist.get_rank() == 1 and trap["forwards"] == 2:  # the last of 2 micro-batches
+            out.register_hook(throw)
+    engine.model.embed.register_forward_hook(arm)
+    data = batches(steps)
+    try:
+        engine.train_batch(data[0])
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - the test asserts which
+        raised = type(exc).__name__
+    trap["armed"] = False
+    return raised, [engine.train_batch(b) for b in data], engine.full_state_dict()
+
+
+def test_engine_tensor_parallel_failed_step_is_agreed_by_the_tp_peers():
+    """The TP peer that did not raise learns of the failure and drops the step too (StepFailed);
+    the retried steps equal one process's."""
     steps = 2
-    results = run_on_ranks(_resume_body, 2, str(tmp_path / "ckpt"), first_tp, then_tp, steps)
-    expected_losses, expected = reference(True, "adamw", 2 * steps)
-    for losses, state in results:
+    results = run_on_ranks(_failed_step_body, 2, steps)
+    expected_losses, expected = reference(True, "sgd", steps)
+    assert [raised for raised, _, _ in results] == ["StepFailed", "MemoryError"]
+    for _, losses, state in results:
         assert_losses_close(losses, expected_losses)
-        assert_state_dicts_close(state, expected, what="parameters after resuming at another tp")
+        assert_state_dicts_close(state, expected, what="parameters after a failed step and its retry")
 
 
 def _base(**extra) -> dict:
@@ -140,13 +265,13 @@ def _base(**extra) -> dict:
     ("gpt", {"parallel": {"tensor": 4}}, ["parallel.tensor=4", "n_head", "6"]),   # 6 heads over 4 ranks
     ("mlp", {"parallel": {"tensor": 2}}, ["parallel.tensor=2", "TinyMLP"]),
     ("gpt", {"parallel": {"sequence_parallel": True}}, ["parallel.sequence_parallel", "parallel.tensor"]),
-    ("gpt", {"parallel": {"tensor": 2}, "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}},
-     ["gradient_clipping", "parallel.tensor=2", "zero_optimization.stage=1"]),
+    ("gpt", {"parallel": {"tensor_dropout": "tracker"}}, ["parallel.tensor_dropout", "parallel.tensor"]),
+    ("gpt", {"parallel": {"tensor": 2, "tensor_dropout": "fast"}}, ["parallel.tensor_dropout", "exact", "tracker"]),
     ("gpt", {"parallel": {"tensor": 2}, "bf16": {"enabled": True}}, ["bf16.enabled", "parallel.tensor=2"]),
     ("gpt", {"parallel": {"tensor": 2}, "activation_checkpointing": {"policy": "full"}},
      ["activation_checkpointing.policy", "parallel.tensor=2"]),
 ], ids=["tp_not_dividing_world", "tp_heads_not_divisible", "tp_not_a_gpt", "sequence_parallel_without_tp",
-        "tp_with_clipping_at_zero1", "tp_with_bf16", "tp_with_activation_checkpointing"])
+        "tensor_dropout_without_tp", "tp_dropout_mode_unknown", "tp_with_bf16", "tp_with_activation_checkpointing"])
 def test_engine_tensor_parallel_bad_layouts_are_refused_by_name(model, config, names):
     net = GPT(gpt_config(False), seed=0, dtype=torch.float64) if model == "gpt" else TinyMLP(dim=4, hidden=8)
     with pytest.raises(ConfigError) as err:  # in a plain process: refused before any group is needed

@@ -6,6 +6,7 @@ a by-name state of this rank's shards into the full one (a collective over the T
 `full_tensor` of each TP layer) and cut a full one back to this rank's shards (no
 communication: every rank reads the whole file). Optimizer states with a parameter's shape
 (Adam's moments, SGD's momentum) are split as the parameter is; scalars (step) are shared.
+A replicated K/V head (`ReplicatedKVLinear`) is saved once per head and loaded into every copy.
 
     full = gather_state(model, local_shapes, state)      # {name: {key: tensor}} on every rank
     local = shard_state(model, local_shapes, full)       # this rank's shards again
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -42,6 +44,8 @@ def shard(owner: nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
     if isinstance(owner, RowParallelLinear) and leaf == "weight":
         cols = owner.in_features // dist.get_world_size(owner.group)
         return _rows(full.t(), cols, owner.group).t().contiguous()  # (O, C) -> (O, C/t)
+    if isinstance(owner, ReplicatedKVLinear):  # (K*D, C) -> (D, C): the K/V head this rank reads
+        return full[owner.head * owner.head_dim:(owner.head + 1) * owner.head_dim].clone()
     return full.clone()  # replicated: norms, a row layer's bias
 
 
@@ -53,6 +57,8 @@ def full_shape(owner: nn.Module, leaf: str, local: torch.Size) -> torch.Size:
         return torch.Size((owner.num_embeddings, *local[1:]))
     if isinstance(owner, RowParallelLinear) and leaf == "weight":
         return torch.Size((owner.out_features, owner.in_features))
+    if isinstance(owner, ReplicatedKVLinear):
+        return torch.Size((owner.n_kv_head * owner.head_dim, owner.in_features))
     return local
 
 

@@ -135,7 +135,7 @@ def apply_tensor_parallel(model: GPT, mesh_or_group, *, sequence_parallel: bool 
     model.head = ColumnParallelLinear.from_linear(model.head, group, pad_out_features=True, sequence_parallel=sp)
     if tied:  # both split by vocab rows: one shard, one Parameter, gradients adding up as before
         model.head.weight = model.embed.weight
-    model.tp_group, model.sequence_parallel = group, sp
+    model.tp_group, model.sequence_parallel, model.rng_tracker = group, sp, tracker
     model.__class__ = TensorParallelGPT  # a new forward, as FSDP2's fully_shard swaps classes
     return model
 
@@ -146,6 +146,7 @@ class TensorParallelGPT(GPT):
 
     tp_group: object
     sequence_parallel: bool
+    rng_tracker: RNGTracker  # this rank's own dropout stream (tracker mode)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         cfg, group = self.config, self.tp_group

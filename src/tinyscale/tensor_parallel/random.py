@@ -13,16 +13,24 @@ the region, or split along the sequence under sequence parallelism.
   stream, as one process would, and keeps its slice, so training equals one process bit for bit.
   Each rank generates t times the random numbers (and holds a full mask for a moment).
 
+Both modes need the shared stream equal on every rank of the TP group (`share_stream`), or the
+copies of a replicated activation drift apart. The exact mode over data-parallel ranks too: each
+dp rank draws the masks of the micro-batches before and after its own (`skip_exact_masks`), as one
+process draws the whole global batch's, so the engine's dp x tp run equals one process.
+
 Run: `pytest tests/tensor_parallel -k "tensor_parallel and dropout"`.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tinyscale.dist import comm
 from tinyscale.models.gpt import Attention, Block, causal_attention
 
 TRACKER_SEED_OFFSET = 2718  # Megatron's offset between the shared seed and the per-rank seeds
@@ -34,6 +42,46 @@ class RNGTracker:
     def __init__(self, seed: int, tp_rank: int, device) -> None:
         self.seed = seed + TRACKER_SEED_OFFSET + tp_rank
         self.generator = torch.Generator(device=device).manual_seed(self.seed)
+
+    def get_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+def share_stream(group, src: int, device: torch.device) -> int:
+    """Make the shared stream (the global generators) on every rank of `group` equal to global
+    rank `src`'s; returns a seed derived from it (for the tracker) without drawing from it."""
+    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])
+    for state in states:  # (N,) uint8 generator states
+        on_device = state.to(device)
+        comm.broadcast(on_device, src=src, group=group)
+        state.copy_(on_device.cpu())
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+    digest = hashlib.sha256(states[0].numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2  # room for the offset and tp rank below 2**64
+
+
+def exact_mask_shapes(model, rows: int, seq_len: int) -> list[tuple[int, ...]]:
+    """The dropout masks one process draws in one training forward of the GPT on (rows, seq_len)
+    ids, in order: per block the attention probabilities (rows, H, T, T), then the two residual
+    branches (rows, T, C)."""
+    cfg = model.config
+    block_masks = [(rows, cfg.n_head, seq_len, seq_len), (rows, seq_len, cfg.d_model), (rows, seq_len, cfg.d_model)]
+    return [shape for block in model.blocks if block.dropout > 0 for shape in block_masks]
+
+
+@torch.no_grad()
+def skip_exact_masks(model, rows: int, seq_len: int, forwards: int) -> None:
+    """Advance the shared stream past `forwards` forwards' masks by drawing them (and dropping them):
+    the micro-batches of the other dp ranks, which one process draws before or after this rank's."""
+    ref = model.embed.weight
+    for _ in range(forwards):
+        for shape in exact_mask_shapes(model, rows, seq_len):
+            F.dropout(torch.ones(shape, dtype=ref.dtype, device=ref.device), model.config.dropout)
 
 
 # --8<-- [start:dropout]

@@ -152,6 +152,31 @@ def _resume_and_train(path: str):
     return losses, other.full_state_dict()
 
 
+def _bad_ids_body():
+    """A token id past the vocab at a position only cp rank 1 holds; then the good batches."""
+    engine = ts.initialize(model(), run_config(1, 2))
+    inputs, targets = batches()[0]
+    bad = inputs.clone()
+    bad[0, 2] = GPT_CONFIG.vocab_size  # zigzag over 2 ranks: positions 2-5 are rank 1's
+    try:
+        engine.train_batch((bad, targets))
+    except ValueError as exc:
+        error = str(exc)
+    else:
+        error = None
+    losses = [engine.train_batch(b) for b in batches()]  # the failed step left nothing behind
+    return error, losses, engine.full_state_dict()
+
+
+def test_engine_context_parallel_zigzag_bad_token_ids_fail_every_rank_together():
+    """Checked on the whole rows before sharding: every cp rank raises, none waits in the ring."""
+    expected_losses, expected = reference()
+    for error, losses, state in run_on_ranks(_bad_ids_body, 2, timeout_s=120):
+        assert error is not None and "inputs has token ids outside 0..31" in error and "[0, 2]" in error
+        assert_losses_close(losses, expected_losses)
+        assert_state_dicts_close(state, expected, what="parameters after a refused batch and two good ones")
+
+
 # --- refused before any process group exists, the field named
 
 def _refusal(config: dict, gpt: GPTConfig = GPT_CONFIG, world: int = 2):

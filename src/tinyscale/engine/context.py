@@ -116,13 +116,21 @@ def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | Non
                            sharding=par.context_sharding, token_losses=losses)
 
 
-def shard_micro_batch(chunk: tuple[torch.Tensor, ...], config: EngineConfig,
-                      mesh: ParallelMesh | None) -> tuple[torch.Tensor, ...]:
-    """This rank's sequence shard of a micro-batch (inputs, targets), each (b, T) -> (b, Tl)."""
-    par = config.parallel
-    if par.context == 1:
+def shard_micro_batch(chunk: tuple[torch.Tensor, ...], model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """This rank's sequence shard of a micro-batch (inputs, targets), each (b, T) -> (b, Tl)
+    (the chunk itself unless `apply` made the model context-parallel)."""
+    state = getattr(model, "context_parallel", None)
+    if state is None:
         return chunk
     if len(chunk) != 2:
-        raise ValueError(f"train_batch with parallel.context={par.context}: a batch is (inputs, targets), "
+        raise ValueError(f"train_batch with parallel.context={state.cp}: a batch is (inputs, targets), "
                          f"got {len(chunk)} tensors")
-    return shard_batch(chunk, mesh.group("cp"), par.context_sharding)
+    # Checked on the whole rows, which every rank of the cp group holds, so they all raise together:
+    # a bad id in one rank's shard alone would leave its peers waiting in the ring (or all-to-all).
+    vocab = model.config.vocab_size
+    for name, ids in zip(("inputs", "targets"), chunk):
+        bad = (ids < 0) | (ids >= vocab)  # (b, T)
+        if bad.any():
+            raise ValueError(f"train_batch: {name} has token ids outside 0..{vocab - 1} (first [row, position] "
+                             f"pairs: {bad.nonzero().tolist()[:4]}): fix the data or GPTConfig.vocab_size")
+    return shard_batch(chunk, state.group, state.sharding)

@@ -285,7 +285,7 @@ class Engine:
                     with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
                         with phase("forward"):
                             # context parallel: this rank's sequence shard (else the chunk itself)
-                            shard = context.shard_micro_batch(chunk, self.config, self.mesh)
+                            shard = context.shard_micro_batch(chunk, self.model)
                             loss = forward(*(t.to(self.device) for t in shard))
                         with phase("backward"):  # x cp: the mean over dp x cp ranks sums over cp
                             self._scaled(loss * self.cp_size / len(micro)).backward()

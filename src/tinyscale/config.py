@@ -193,6 +193,9 @@ class EngineConfig(Section):
     gradient_clipping: Float = Field(0.0, ge=0)  # max global gradient norm; 0 = off
     # ZeRO stages 1-3: the dtype gradients are reduced in (DeepSpeed's); null: their own dtype
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    # DeepSpeed's; null: true (divide by dp before the sum) unless gradient_predivide_factor is set
+    prescale_gradients: Bool | None = None
+    gradient_predivide_factor: Float = Field(1.0, gt=0)
     zero_optimization: ZeroConfig = ZeroConfig()
     fp16: Fp16Config = Fp16Config()
     bf16: Bf16Config = Bf16Config()

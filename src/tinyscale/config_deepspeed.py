@@ -128,6 +128,17 @@ def screen(raw: dict) -> tuple[dict, list[str], list[str]]:
     return clean, notes, errors
 
 
+def gradient_scaling(config) -> tuple[bool, float]:
+    """(prescale_gradients, gradient_predivide_factor) with DeepSpeed's meaning. tinyscale
+    prescales by default (divide by dp before the sum, as torch's DDP: an fp16 sum cannot
+    overflow); a config that sets gradient_predivide_factor alone gets DeepSpeed's default,
+    false, without which the factor means nothing."""
+    prescale = config.prescale_gradients
+    if prescale is None:
+        prescale = "gradient_predivide_factor" not in config.model_fields_set
+    return prescale, config.gradient_predivide_factor
+
+
 def runtime_notes(config, *, has_gpu: bool) -> list[str]:
     """Notes that depend on the machine and the resolved config (logged with `screen`'s)."""
     notes = []
@@ -140,6 +151,9 @@ def runtime_notes(config, *, has_gpu: bool) -> list[str]:
                     "memory cannot do" if section.device == "nvme" else None)
         if section.pin_memory and why:  # else honoured: the host tier's buffers are pinned (zero/offload.py)
             notes.append(f"zero_optimization.{name}.pin_memory = True: {why}")
+    if gradient_scaling(config)[0] and config.gradient_predivide_factor != 1.0:
+        notes.append("gradient_predivide_factor: no effect with prescale_gradients true, which divides by the "
+                     "data-parallel size before the sum (DeepSpeed reads the factor only when it is false)")
     if zero.stage == 3 and not zero.reduce_scatter:
         notes.append("zero_optimization.reduce_scatter = false: no effect at stage 3, which always "
                      "reduce-scatters (DeepSpeed's stage 3 too)")

@@ -93,11 +93,11 @@ KEYS: tuple[Key, ...] = (
     _r("scheduler.params.last_batch_iteration", "DeepSpeed starts the schedule after this step; tinyscale's "
        "schedule follows the engine's step, which load_checkpoint restores", _is(-1), "-1"),
     _h("gradient_clipping", "clip the global gradient norm to this (0: off)"),
-    _n("prescale_gradients", "false: DeepSpeed sums the gradients over ranks, then divides; tinyscale always "
-       "divides by the data-parallel size before the sum (true here), as torch's DDP does: the same mean, and "
-       "an fp16 sum cannot overflow", _is(True), _TRUE),
-    _n("gradient_predivide_factor", "DeepSpeed divides by this factor before the sum and by dp / factor after; "
-       "tinyscale divides by the whole data-parallel size before the sum (factor = dp): the same mean"),
+    _h("prescale_gradients", "true: divide the gradients by the data-parallel size before their sum; false: by "
+       "gradient_predivide_factor before and dp / factor after (DeepSpeed's default, false); null here: true, "
+       "as torch's DDP (an fp16 sum cannot overflow), unless gradient_predivide_factor is set"),
+    _h("gradient_predivide_factor", "with prescale_gradients false: divide by this before the sum and by "
+       "dp / factor after (default 1.0: sum, then divide); with true: noted"),
     _h("communication_data_type", "gradients are cast to fp32, fp16 or bf16 for their reduction (16-bit: half "
        "the bytes of fp32): stage 0's buckets, cast back after the all-reduce; ZeRO 1-3's reduce-scatter, the "
        "sum added into the shard in its own dtype; null: the gradients' dtype"),

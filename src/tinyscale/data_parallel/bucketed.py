@@ -105,6 +105,15 @@ class BucketedDDP(DataParallelBase):
     # halve the bytes and round each rank's term and the sum. None: the gradients' own dtype.
     # (A comm hook, when registered, sends what it decides instead.)
     comm_dtype: torch.dtype | None = None
+    # DeepSpeed's prescale_gradients / gradient_predivide_factor (the engine sets them): true
+    # divides each bucket by N before its all-reduce (the default here); false by the factor
+    # before and by N / factor after (DeepSpeed's default, factor 1: sum, then divide).
+    prescale_gradients: bool = True
+    gradient_predivide_factor: float = 1.0
+
+    def _pre_post(self) -> tuple[float, float]:
+        pre = self.world_size if self.prescale_gradients else self.gradient_predivide_factor
+        return pre, self.world_size / pre
 
     def __init__(self, module, process_group=None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, overlap: bool = True):
@@ -196,7 +205,7 @@ class BucketedDDP(DataParallelBase):
             state, hook = self._comm_hook
             bucket.work = _HookWork(hook(state, _BucketView(self, b, gradients)), bucket.buffer[:gradients], flags)
         else:
-            bucket.buffer[:gradients].div_(self.world_size)
+            bucket.buffer[:gradients].div_(self._pre_post()[0])
             bucket.work = _all_reduce_in(bucket.buffer, self.comm_dtype, self.process_group)
         self.events.append(("launch", b, time.perf_counter()))
         self._next_launch = b + 1
@@ -221,7 +230,10 @@ class BucketedDDP(DataParallelBase):
         self.buckets[-1].work.wait()
         used = (self._flags > 0).tolist()  # got a gradient on some rank (the flags' sum counts them)
         for bucket in self.buckets:
-            bucket.work.wait()  # the average: each rank sent its gradients divided by N
+            bucket.work.wait()  # the average: each rank sent its gradients divided by N (prescaled)
+            post, gradients = self._pre_post()[1], bucket.offsets[-1] + bucket.params[-1].numel()
+            if post != 1 and self._comm_hook is None:  # prescale_gradients false: divide the sum now
+                bucket.buffer[:gradients].div_(post)
             for i, p in enumerate(bucket.params):
                 if used[self._index[p]]:
                     p.grad = bucket.slot(i).clone()

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from tinyscale.config import ConfigError, EngineConfig
-from tinyscale.config_deepspeed import log_notes, runtime_notes
+from tinyscale.config_deepspeed import gradient_scaling, log_notes, runtime_notes
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
@@ -173,6 +173,7 @@ class Engine:
                     self.ddp = BucketedDDP(self.model, process_group=self.reduce_group,
                                            bucket_cap_mb=bucket_bytes / 2**20, overlap=zero.overlap_comm)
                     self.ddp.comm_dtype = COMM_DTYPES[config.communication_data_type]  # buckets sent in it
+                    self.ddp.prescale_gradients, self.ddp.gradient_predivide_factor = gradient_scaling(config)
                     compression.attach(self.ddp, config, self.reduce_group)  # a hook, if configured
             else:
                 # ZeRO: the ranks start identical, then each builds its shards of the state
@@ -205,6 +206,8 @@ class Engine:
                     self.zero.prefetch_bucket_size = zero.stage3_prefetch_bucket_size
                     self.zero.max_live_parameters = zero.stage3_max_live_parameters
                 self.zero.sharded.comm_dtype = COMM_DTYPES[config.communication_data_type]
+                self.zero.sharded.prescale_gradients, self.zero.sharded.gradient_predivide_factor = \
+                    gradient_scaling(config)
                 if self.tp_size > 1:  # the clipping norm sums the TP shards too (engine/tp_grad_norm.py)
                     self.zero.sharded.clip_grad_norm_ = sharded_clipper(
                         self.zero.sharded, counted_parameters(self.model, self.model.tp_group))

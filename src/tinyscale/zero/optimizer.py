@@ -100,8 +100,9 @@ class ShardedOptimizer:
         shards = [unit.shard(unit.flatten([p.detach() for p in unit.params])) for unit in self.units]
         self.master = [s.clone() if offload == "none" else to_host(s, pin_memory and offload == "cpu") for s in shards]
         bases = [sum(u.shard_numel for u in self.units[:i]) for i in range(len(self.units))]
-        self.fragments: list[list[Fragment]] = [fragments_of(unit, m, sub_group_starts(base, unit.shard_numel, sub_group_size))
-                                                for unit, m, base in zip(self.units, self.master, bases)]
+        self.fragments: list[list[Fragment]] = [
+            fragments_of(unit, m, sub_group_starts(base, unit.shard_numel, sub_group_size))
+            for unit, m, base in zip(self.units, self.master, bases)]
         # (unit, fragment) pairs per sub-group; one sub-group (the default): one optimizer step
         self.sub_groups = group_fragments(self.fragments, bases, sub_group_size)
         self.loss_scaler = loss_scaler
@@ -316,6 +317,11 @@ class ShardedOptimizer:
     # and the result is added into the gradient shard in the unit's dtype. None: the unit's
     # own dtype. The engine sets it.
     comm_dtype: torch.dtype | None = None
+    # DeepSpeed's prescale_gradients and gradient_predivide_factor (the engine sets them): true
+    # divides by N before the sum (the default here); false divides by the factor before the sum
+    # and by N / factor after it (DeepSpeed's default, factor 1: sum, then divide).
+    prescale_gradients: bool = True
+    gradient_predivide_factor: float = 1.0
 
     def reduce_scatter_into(self, unit_index: int, grads: Sequence[torch.Tensor | None], async_op: bool = False):
         """Sum `grads` (shaped like the unit's params) over ranks; add this rank's averaged
@@ -328,16 +334,18 @@ class ShardedOptimizer:
             return _PendingShard(None, flat, flat, self.grad[unit_index])
         # Divide before summing (as torch DDP does): in fp16 the sum of N scaled gradients can
         # overflow where their mean would not. (A power-of-two N divides exactly either way.)
-        flat.div_(self.world_size)
+        pre = self.world_size if self.prescale_gradients else self.gradient_predivide_factor
+        flat.div_(pre)
+        post = self.world_size / pre  # what the sum is divided by when it arrives
         if self.comm_dtype is not None:
             flat = flat.to(self.comm_dtype)
         if not self.reduce_scatter:  # all-reduce the whole unit, keep this rank's slice of it
             lo, hi = unit.shard_range()
             work = comm.all_reduce(flat, group=self.process_group, async_op=async_op)
-            return _PendingShard(work, flat, flat[lo:hi], self.grad[unit_index])
+            return _PendingShard(work, flat, flat[lo:hi], self.grad[unit_index], post)
         out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=unit.device)
         work = comm.reduce_scatter(out, flat, group=self.process_group, async_op=async_op)
-        return _PendingShard(work, flat, out, self.grad[unit_index])
+        return _PendingShard(work, flat, out, self.grad[unit_index], post)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -375,12 +383,13 @@ class _PendingShard:
     """A reduce-scatter (of pre-divided gradients) in flight; wait() adds the result, the
     average, into the gradient shard."""
 
-    def __init__(self, work, flat: torch.Tensor, out: torch.Tensor, target: torch.Tensor):
+    def __init__(self, work, flat: torch.Tensor, out: torch.Tensor, target: torch.Tensor, post: float = 1.0):
         # `flat` is held until the collective is done: its memory must outlive the send.
-        self.work, self.flat, self.out, self.target = work, flat, out, target
+        self.work, self.flat, self.out, self.target, self.post = work, flat, out, target, post
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-        self.target.add_(self.out)
+        # post-scaling (prescale_gradients false) in the shard's dtype, not the wire's
+        self.target.add_(self.out if self.post == 1 else self.out.to(self.target.dtype) / self.post)
         self.flat = None

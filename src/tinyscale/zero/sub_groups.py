@@ -30,7 +30,8 @@ def sub_group_starts(base: int, shard_numel: int, size: int | None) -> list[int]
     return [k for k in range(first, shard_numel, size) if k > 0]
 
 
-def group_fragments(fragments: Sequence[Sequence], bases: Sequence[int], size: int | None) -> list[list[tuple[int, int]]]:
+def group_fragments(fragments: Sequence[Sequence], bases: Sequence[int],
+                    size: int | None) -> list[list[tuple[int, int]]]:
     """(unit, fragment index) pairs by sub-group, in order; fragments must not straddle a cut."""
     groups: dict[int, list[tuple[int, int]]] = {}
     for i, (frags, base) in enumerate(zip(fragments, bases)):

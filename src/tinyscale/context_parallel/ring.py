@@ -15,7 +15,9 @@ backward  a second ring pass. K/V travel again; with them travels, one step behi
 
 Causal masks come from `sharding.block_plan`: blocks wholly in the future are skipped,
 blocks wholly in the past are "full", a chunk against itself is "causal". GQA: K/V travel
-with their K heads only; `block_attention` groups the H query heads onto them.
+with their K heads only; `block_attention` groups the H query heads onto them. Where the
+Triton kernels run (float32 under the interpreter, or a GPU) each block is computed by
+`tinyscale.kernels.flash_block` and its backward instead: the same contract.
 
 Per rank and layer the ledger shows (e = element bytes): forward cp - 1 sends of a packed
 K/V block, 2 B Tl K D e bytes each; backward cp - 1 more of K/V and cp - 1 of dK/dV
@@ -33,6 +35,16 @@ import torch.distributed as dist
 from tinyscale.context_parallel.merge import block_attention, block_attention_backward, merge_partials
 from tinyscale.context_parallel.sharding import Layout, block_plan
 from tinyscale.dist import comm
+from tinyscale.kernels import flash_block, flash_block_backward, kernel_ok
+
+
+def _attend(q, k, v, **kw):
+    """One block's attention: the Triton kernel where it runs (tinyscale.kernels), else merge.py's."""
+    return (flash_block if kernel_ok(q) else block_attention)(q, k, v, **kw)
+
+
+def _attend_backward(dout, q, k, v, out, lse, **kw):
+    return (flash_block_backward if kernel_ok(q) else block_attention_backward)(dout, q, k, v, out, lse, **kw)
 
 
 def _ring_peers(group) -> tuple[int, int, int, int]:
@@ -76,7 +88,7 @@ class RingAttention(torch.autograd.Function):
                 next_kv, works = _pass_on(kv, nxt, prv, group)
             valid = _key_valid(layout, src)
             for rows, cols, kind in block_plan(layout, rank, src, causal=causal):
-                o, l = block_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal_mask_kind=kind,
+                o, l = _attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal_mask_kind=kind,
                                        scale=scale, key_valid=None if valid is None else valid[cols])
                 out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], o.to(ct), l)
             if step < cp - 1:
@@ -104,7 +116,7 @@ class RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=out.dtype, device=kv.device)  # (2, B, K, Tl, D)
             valid = _key_valid(layout, src)
             for rows, cols, kind in block_plan(layout, rank, src, causal=causal):
-                dq_b, dk_b, dv_b = block_attention_backward(
+                dq_b, dk_b, dv_b = _attend_backward(
                     dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
                     lse[:, :, rows], causal_mask_kind=kind, scale=scale,
                     key_valid=None if valid is None else valid[cols])

@@ -228,9 +228,11 @@ def flash_block_backward(dout, q, k, v, out, lse, *, causal_mask_kind: str, scal
 
 
 def kernel_ok(q: torch.Tensor) -> bool:
-    """The kernels run for `q`: Triton can run here, and the dtype is not float64 (which the
-    interpreter runs but a GPU's tl.dot does not; float64 paths use PyTorch)."""
-    return use_triton(q) and q.dtype != torch.float64
+    """The kernels run for `q`: Triton can run here, in float32, or fp16/bf16 on a GPU (the
+    CPU interpreter's reduced-precision paths are not trustworthy; float64 stays in PyTorch)."""
+    if not use_triton(q):
+        return False
+    return q.dtype == torch.float32 or (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
 
 
 class FlashAttention(torch.autograd.Function):

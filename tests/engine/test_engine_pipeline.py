@@ -7,7 +7,7 @@
   stages do not divide included;
 - the ledger of one step: the sends and receives the schedule lowers to, each a 64-byte shape
   header and the activation, m x activation x boundaries x 2 bytes of data in all;
-- checkpoints are refused by name (not built yet: full_state_dict() is);
+- a checkpoint written at pp 2 resumes at pp 1 and the reverse, continuing as one process;
 - layouts the engine cannot serve are refused with a ConfigError naming the field, before any
   process group is made.
 The layouts of one world size run in one pooled multi-rank call (cached per module).
@@ -79,12 +79,7 @@ def _train_layouts(layouts: list[tuple]):
             losses.append(engine.train_batch(b))
         p2p = [(row.op, row.bytes) for row in engine.comm_ledger.rows if row.op in ("isend", "irecv")]
         sends = sum(a.kind in (SEND_F, SEND_B) for a in engine.pipeline.schedule[engine.pipeline.rank])
-        refusals = []
-        for call in (lambda: engine.save_checkpoint("unused"), lambda: engine.load_checkpoint("unused")):
-            with pytest.raises(NotImplementedError) as err:
-                call()
-            refusals.append(str(err.value))
-        out.append((losses, engine.full_state_dict(), p2p, sends, refusals))
+        out.append((losses, engine.full_state_dict(), p2p, sends))
     return out
 
 
@@ -139,7 +134,7 @@ def test_engine_pipeline_ledger_counts_the_schedules_messages(world, layouts):
         tied_bytes = VOCAB * 8 * 8 if tied else 0  # the tied table's gradient, first <-> last stage
         data = 0
         for rank, rank_results in enumerate(results(world, tuple(layouts))):
-            _, _, p2p, sends, _ = rank_results[index]
+            _, _, p2p, sends = rank_results[index]
             tied_here = tied and rank in (0, world - 1)
             for op in ("isend", "irecv"):
                 sizes = sorted(nbytes for kind, nbytes in p2p if kind == op)
@@ -148,12 +143,32 @@ def test_engine_pipeline_ledger_counts_the_schedules_messages(world, layouts):
         assert data == m * activation * (world * v - 1) * 2, name
 
 
-def test_engine_pipeline_refuses_checkpoints_by_name():
-    """Not built yet: refused on every rank before any collective, saying what works instead."""
-    for rank_results in results(2, tuple(P2)):
-        for what, message in zip(("save_checkpoint", "load_checkpoint"), rank_results[0][4]):
-            assert message.startswith(f"{what} with parallel.pipeline=2 is not built yet"), message
-            assert "full_state_dict()" in message
+def _resume_body(directory: str):
+    """1F1B at pp 2 for a step, saved; loaded at pp 1 (dp 2) for a step, saved; loaded at pp 2
+    with zb_h1 for a third step. Tied table, AdamW (its state must travel)."""
+    data, m = batches(2, steps=3), 2
+    first = ts.initialize(gpt(3, True), run_config(2, 1, "1f1b", m, "adamw"))
+    losses = [first.train_batch(data[0])]
+    first.save_checkpoint(f"{directory}/a")
+    flat = run_config(1, 2, "1f1b", 1, "adamw") | {"parallel": {}}
+    second = ts.initialize(gpt(3, True, seed=99), flat)  # other values: all must load
+    second.load_checkpoint(f"{directory}/a")
+    losses.append(second.train_batch(data[1]))
+    second.save_checkpoint(f"{directory}/b")
+    third = ts.initialize(gpt(3, True, seed=98), run_config(2, 1, "zb_h1", m, "adamw"))
+    third.load_checkpoint(f"{directory}/b")
+    losses.append(third.train_batch(data[2]))
+    return losses, third.full_state_dict()
+
+
+def test_engine_pipeline_checkpoint_resumes_across_layouts(tmp_path):
+    """pp 2 -> pp 1 -> pp 2 continues like one process trained 3 steps (float64, rtol 1e-10)."""
+    model = gpt(3, True)
+    expected_losses = ts.reference.train(model, batches(2, steps=3),
+                                         run_config(1, 1, "1f1b", 2, "adamw") | {"parallel": {}})
+    for losses, state in run_on_ranks(_resume_body, 2, str(tmp_path)):
+        assert_losses_close(losses, expected_losses)
+        assert_state_dicts_close(state, model.state_dict(), what="after resuming at pp 1 and again at pp 2")
 
 
 def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group():
@@ -173,6 +188,8 @@ def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group()
     refused(base | {"bf16": {"enabled": True}}, "bf16.enabled")
     refused(base | {"fp16": {"enabled": True}}, "fp16.enabled")
     refused(base | {"activation_checkpointing": {"policy": "full"}}, "activation_checkpointing.policy")
+    refused(base | {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+            "zero_optimization offload with parallel.pipeline=2")
     refused(base | {"parallel": {"pipeline": 2, "tensor": 2}}, "parallel.tensor=2")
     refused(base | {"parallel": {"pipeline": 2, "virtual_stages": 2}}, "parallel.virtual_stages=2",
             "'interleaved_1f1b'")

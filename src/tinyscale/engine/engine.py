@@ -414,8 +414,6 @@ class Engine:
         name (the format is the same for every stage and world size;
         `tinyscale.zero.state_dict`); rank 0 writes, crash-safe (`tinyscale.engine.checkpoint_io`)."""
         client_state = {} if client_state is None else client_state
-        if self.pipeline is not None:  # refused on every rank alike, before any collective
-            raise NotImplementedError(self.pipeline.no_checkpoint("save_checkpoint"))
         try:
             json.dumps(client_state)
         except TypeError as exc:
@@ -424,6 +422,8 @@ class Engine:
         names = {id(p): n for n, p in self.model.named_parameters()}
         model_state = self.full_state_dict()
         optimizer_state = self._optimizer_state_by_name(names)
+        if self.pipeline is not None:  # every stage's states, under the original names
+            optimizer_state = self.pipeline.gather_optimizer_state(optimizer_state)
         if self.tp_size > 1:  # this rank's TP shards of the states -> full tensors
             optimizer_state["state"] = tp_state.gather_state(self.model, self._tp_shapes, optimizer_state["state"],
                                                              self.device)
@@ -481,14 +481,14 @@ class Engine:
         state, other parameter names or shapes. The new config wins over the saved one:
         hyperparameters (lr, weight decay, betas, ...) are this engine's, and rank 0 logs what
         changed."""
-        if self.pipeline is not None:
-            raise NotImplementedError(self.pipeline.no_checkpoint("load_checkpoint"))
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         stage3 = isinstance(self.zero, ZeroStage3)
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # full shapes
             shapes = {k: v.shape for k, v in self.model.state_dict().items()}
         if self.tp_size > 1:  # the checkpoint holds the original tensors, not TP shards
             shapes = tp_state.full_shapes(self.model, self._tp_shapes)
+        if self.pipeline is not None:  # nor only this rank's stages
+            shapes = self.pipeline.full_shapes()
         error = None
         try:
             model_state, optimizer_state, meta = checkpoint.read(path)
@@ -506,6 +506,8 @@ class Engine:
         if self.tp_size > 1:  # full tensors -> this rank's TP shards (every rank read the whole file)
             model_state = tp_state.shard_model_state(self.model, model_state)
             optimizer_state["state"] = tp_state.shard_state(self.model, self._tp_shapes, optimizer_state["state"])
+        if self.pipeline is not None:  # the whole model's state -> this rank's stages' share
+            model_state, optimizer_state = self.pipeline.local_state(self.model, model_state, optimizer_state)
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
             self.model.load_state_dict(model_state)
             if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters

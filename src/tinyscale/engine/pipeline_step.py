@@ -38,6 +38,7 @@ import torch
 from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
+from tinyscale.engine import pipeline_checkpoint
 from tinyscale.models.gpt import GPT
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
 from tinyscale.pipeline import (
@@ -63,6 +64,7 @@ class PipelineStep:
         m = config.batch(mesh.size("dp")).gradient_accumulation_steps
         self.group, self.ranks, self.rank = mesh.group("pp"), mesh.group_ranks("pp"), mesh.rank("pp")
         self.shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}  # the original keys
+        self.order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # a tied table once
         self.plan = partition_gpt(model.config, p, virtual_stages=v)
         self.stages = apply_pipeline(model, self.plan, self.rank)
         self.schedule = add_communication(SCHEDULES[par.pipeline_schedule](p, m, v))
@@ -77,17 +79,26 @@ class PipelineStep:
             self.tied = (stage.embed.weight if mine is first else stage.head.weight, self.ranks[peer.rank])
         # Each parameter counted once in the gradient norm: the tied table on the first stage.
         skip = {id(self.tied[0])} if self.tied is not None and self.rank == last.rank else set()
+        # ...and once in checkpoints, under the original model's name for it.
+        self.aliases = {"head.weight": "embed.weight"} if skip else {}
         self.counted = [q for q in model.parameters() if q.requires_grad and id(q) not in skip]
 
     def full_state_dict(self, model: GPT) -> dict:
         """Every stage's parameters, original keys and order, on every rank (a collective over pp)."""
         return gather_full_state(model, self.shapes, self.plan, self.rank, self.ranks, self.group)
 
-    def no_checkpoint(self, what: str) -> str:
-        """Why checkpoints are refused under a pipeline, and what to do instead."""
-        return (f"{what} with parallel.pipeline={len(self.ranks)} is not built yet (each stage's optimizer state "
-                "is not gathered by parameter name): engine.full_state_dict() returns the whole model on every "
-                "rank; to checkpoint and resume, train with parallel.pipeline 1")
+    def gather_optimizer_state(self, local: dict) -> dict:
+        """Every stage's by-name optimizer state, for save_checkpoint (`engine/pipeline_checkpoint.py`)."""
+        return pipeline_checkpoint.gather_optimizer_state(local, self.order, self.aliases, self.group)
+
+    def full_shapes(self) -> dict:
+        return {k: shape for k, (shape, _) in self.shapes.items()}
+
+    def local_state(self, model: GPT, model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
+        """This rank's stages' share of a checkpoint's whole-model state, for load_checkpoint."""
+        local_names = [n for n, q in model.named_parameters() if q.requires_grad]
+        return ({k: model_state[k] for k in model.state_dict()},
+                pipeline_checkpoint.local_optimizer_state(optimizer_state, local_names, self.aliases))
 
     def train_step(self, engine, batch: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
         """One optimizer step of `engine` over the global batch; returns (mean loss, skipped=False)."""

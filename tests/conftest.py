@@ -9,13 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
-# Triton kernels (tinyscale.kernels) run under Triton's interpreter on a machine without a GPU;
-# it must be chosen before Triton is imported (rank processes inherit it). On a GPU they compile.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from tinyscale.memory.trace import record_trace
 from tinyscale.kernels import (
     HAS_TRITON, adamw_reference_, attention_reference, dequantize_int8, flash_attention, flash_block,
-    fused_adamw_, kernel_ok, quantize_int8, quantize_reference, rms_norm, rms_norm_reference,
+    fused_adamw_, fused_linear_cross_entropy, kernel_ok, quantize_int8, quantize_reference, rms_norm, rms_norm_reference,
 )
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install -e .[triton])")
@@ -116,3 +117,35 @@ def test_kernels_flash_block_masks_padded_keys_and_gives_empty_rows_zero_and_min
     assert torch.isneginf(lse[..., :3]).all() and torch.equal(out[..., :3, :], torch.zeros_like(out[..., :3, :]))
     torch.testing.assert_close(out, ref_out, **TOL)
     torch.testing.assert_close(lse[..., 3:], ref_lse[..., 3:], **TOL)
+
+
+def _peak_bytes(step) -> int:
+    """Peak bytes of the storages `step` creates and holds at once (tinyscale.memory's trace)."""
+    live = peak = 0
+    sizes = {}
+    for event in record_trace(step):
+        if event[0] == "alloc":
+            sizes[event[1]] = event[2]
+            live += event[2]
+            peak = max(peak, live)
+        else:
+            live -= sizes.pop(event[1])
+    return peak
+
+
+def test_kernels_cross_entropy_equals_unfused_and_holds_one_chunk_of_logits():
+    N, C, V, chunk = 64, 16, 500, 8
+    h, w = _randn(N, C, seed=1, grad=True), _randn(V, C, seed=2, grad=True)
+    targets = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(3))
+    targets[::7] = -100  # ignored rows: no loss, no gradient, not counted
+    loss = fused_linear_cross_entropy(h, w, targets, chunk=chunk)
+    ref = F.cross_entropy(h @ w.T, targets, ignore_index=-100)
+    torch.testing.assert_close(loss, ref, **TOL)
+    for a, b in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(ref, (h, w))):
+        torch.testing.assert_close(a, b, **TOL)
+    with torch.no_grad():
+        fused = _peak_bytes(lambda: fused_linear_cross_entropy(h, w, targets, chunk=chunk))
+        unfused = _peak_bytes(lambda: F.cross_entropy(h @ w.T, targets, ignore_index=-100))
+    # unfused holds the (N, V) logits and the softmax's (N, V) output: >= 2 N V 4 bytes; fused holds
+    # a (chunk, V) block plus dh (N, C) and dW (V, C): at N / chunk = 8 it must stay below half of it.
+    assert unfused >= 2 * N * V * 4 and fused < unfused / 2, (fused, unfused)

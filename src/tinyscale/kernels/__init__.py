@@ -6,6 +6,7 @@
 | `rmsnorm.py` | fused RMSNorm forward + backward | 5 elementwise passes |
 | `adamw.py` | AdamW over one flat buffer (a ZeRO shard's shape) | ~10 kernels per tensor |
 | `quantize.py` | int8 quantize / dequantize with per-block scales | abs, amax, div, round, cast |
+| `cross_entropy.py` | fused linear + cross-entropy, chunked rows | (N, V) logits, softmax, its gradient |
 
 Triton is optional (`pip install -e .[triton]`): every function runs its PyTorch reference
 when Triton cannot run (no Triton, or a CPU tensor without `TRITON_INTERPRET=1`).
@@ -15,6 +16,7 @@ Triton's interpreter in float32).
 
 from tinyscale.kernels._triton import HAS_TRITON, use_triton
 from tinyscale.kernels.adamw import adamw_reference_, fused_adamw_
+from tinyscale.kernels.cross_entropy import fused_linear_cross_entropy
 from tinyscale.kernels.flash_attention import (
     attention_reference, flash_attention, flash_block, flash_block_backward, kernel_ok,
 )
@@ -23,6 +25,6 @@ from tinyscale.kernels.rmsnorm import rms_norm, rms_norm_reference
 
 __all__ = [
     "HAS_TRITON", "adamw_reference_", "attention_reference", "dequantize_int8", "dequantize_reference",
-    "flash_attention", "flash_block", "flash_block_backward", "fused_adamw_", "kernel_ok", "quantize_int8",
+    "flash_attention", "flash_block", "flash_block_backward", "fused_adamw_", "fused_linear_cross_entropy", "kernel_ok", "quantize_int8",
     "quantize_reference", "rms_norm", "rms_norm_reference", "use_triton",
 ]

@@ -86,3 +86,15 @@ def test_deepspeed_config_max_live_parameters_caps_what_prefetching_gathers(runs
             assert peak == max(ROOT + BLOCK, ROOT + BLOCK * ((limit - ROOT) // BLOCK)) <= limit
             assert sum(per_forward) > 0
             assert all(torch.equal(state[k], default[k]) for k in default)
+
+
+def test_deepspeed_config_prefetch_keys_auto_and_below_stage3():
+    from tinyscale import EngineConfig
+    from tinyscale.models import TinyMLP
+
+    auto = EngineConfig.load({"train_batch_size": 4, "zero_optimization": {
+        "stage": 3, "stage3_prefetch_bucket_size": "auto"}}).zero_optimization
+    assert auto.stage3_prefetch_bucket_size is None and auto.stage3_max_live_parameters == 10**9  # one unit
+    for name in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+        engine = ts.initialize(TinyMLP(seed=0), {"train_batch_size": 4, "zero_optimization": {"stage": 2, name: 100}})
+        assert any(f"{name}: no effect at stages 0-2" in n for n in engine.config_notes)

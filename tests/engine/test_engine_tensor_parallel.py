@@ -99,43 +99,48 @@ def test_engine_tensor_parallel_trains_like_single_process(world):
 
 # The issue's acceptance: GQA with K/V heads replicated at tp 4 (2 heads) and split at tp 2, tied
 # embeddings, a vocab (251) and a layer count (3) that divide by nothing here, dropout 0.1 in the
-# exact mode, and every step clipped (the norm is ~1): tp 4, then dp 2 x tp 2 at every ZeRO stage.
+# exact mode, and every step clipped (the norm is ~1): tp 4, then dp 2 x tp 2 at every ZeRO stage
+# (at stages 2 and 3 with the optimizer states offloaded to host memory, at 3 the parameters too).
 ACCEPTANCE = GPTConfig(vocab_size=VOCAB, max_seq_len=8, n_layer=3, n_head=4, n_kv_head=2, d_model=16,
                        ffn_hidden=24, tie_embeddings=True, dropout=0.1)
 DROPOUT_SEED = 17  # rank 0's generator; the engine gives it to every rank (exact mode)
 
 
-def acceptance_config(tp: int, stage: int, sp: bool) -> dict:
-    dp = 4 // tp
+def acceptance_config(tp: int, stage: int, sp: bool, offload: bool = False) -> dict:
+    dp, zero = 4 // tp, {"stage": stage}
+    if offload:  # optimizer states (and at stage 3 the parameter shards) in host memory
+        zero.update(offload_optimizer={"device": "cpu"}, **({"offload_param": {"device": "cpu"}} if stage == 3 else {}))
     return {"train_batch_size": ROWS, "train_micro_batch_size_per_gpu": 1,  # the reference's micro-batches
             "gradient_accumulation_steps": ROWS // dp, "optimizer": OPTIMIZERS["sgd"], "gradient_clipping": 0.05,
-            "zero_optimization": {"stage": stage}, "parallel": {"tensor": tp, "sequence_parallel": sp}}
+            "zero_optimization": zero, "parallel": {"tensor": tp, "sequence_parallel": sp}}
 
 
 def acceptance_batches(steps: int):
     return synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=8, vocab_size=VOCAB, seed=4)
 
 
-def _acceptance_body(layouts: list[tuple[int, int, bool]], steps: int):
+def _acceptance_body(layouts: list[tuple[int, int, bool, bool]], steps: int):
     out = []
-    for tp, stage, sp in layouts:
+    for tp, stage, sp, offload in layouts:
         model = GPT(ACCEPTANCE, seed=5, dtype=torch.float64)  # (its nn.Linear init draws from the global RNG)
         torch.manual_seed(DROPOUT_SEED + 1000 * dist.get_rank())  # only rank 0's seed may matter
-        engine = ts.initialize(model, acceptance_config(tp, stage, sp))
+        engine = ts.initialize(model, acceptance_config(tp, stage, sp, offload))
         out.append(([engine.train_batch(b) for b in acceptance_batches(steps)], engine.full_state_dict()))
     return out
 
 
 def test_engine_tensor_parallel_acceptance_layouts_with_dropout_gqa_and_clipping_train_like_single_process():
-    steps, layouts = 2, [(4, 0, True), (2, 0, False), (2, 1, True), (2, 2, False), (2, 3, True)]
+    steps = 2  # (tp, zero stage, sequence parallel, offload)
+    layouts = [(4, 0, True, False), (2, 0, False, False), (2, 1, True, False), (2, 2, False, True), (2, 3, True, True)]
     model = GPT(ACCEPTANCE, seed=5, dtype=torch.float64)
     torch.manual_seed(DROPOUT_SEED)
     expected_losses = ts.reference.train(model, acceptance_batches(steps), acceptance_config(1, 0, False))
     expected = model.state_dict()
     for rank_results in run_on_ranks(_acceptance_body, 4, layouts, steps):
-        for (tp, stage, sp), (losses, state) in zip(layouts, rank_results):
+        for (tp, stage, sp, offload), (losses, state) in zip(layouts, rank_results):
             assert_losses_close(losses, expected_losses)
-            assert_state_dicts_close(state, expected, what=f"tp={tp} x dp={4 // tp}, zero{stage}, sp={sp}")
+            assert_state_dicts_close(state, expected, what=f"tp={tp} x dp={4 // tp}, zero{stage}, sp={sp}, "
+                                                          f"offload={offload}")
     no_dropout = GPT(ACCEPTANCE.with_(dropout=0.0), seed=5, dtype=torch.float64)
     plain = ts.reference.train(no_dropout, acceptance_batches(1), acceptance_config(1, 0, False))
     assert abs(plain[0] - expected_losses[0]) > 1e-6  # dropout did change the losses

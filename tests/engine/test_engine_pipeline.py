@@ -158,11 +158,16 @@ def _resume_body(directory: str):
     third = ts.initialize(gpt(3, True, seed=98), run_config(2, 1, "zb_h1", m, "adamw"))
     third.load_checkpoint(f"{directory}/b")
     losses.append(third.train_batch(data[2]))
+    bad = data[0][0].clone()
+    bad[0, 1] = VOCAB  # refused on every rank before the schedule: none waits for a stage that raised
+    with pytest.raises(ValueError, match=f"idx contains token id {VOCAB} at position \\(0, 1\\)"):
+        third.train_batch((bad, data[0][1]))
     return losses, third.full_state_dict()
 
 
 def test_engine_pipeline_checkpoint_resumes_across_layouts(tmp_path):
-    """pp 2 -> pp 1 -> pp 2 continues like one process trained 3 steps (float64, rtol 1e-10)."""
+    """pp 2 -> pp 1 -> pp 2 continues like one process trained 3 steps (float64, rtol 1e-10);
+    then a token id outside the vocab is refused on both ranks alike."""
     model = gpt(3, True)
     expected_losses = ts.reference.train(model, batches(2, steps=3),
                                          run_config(1, 1, "1f1b", 2, "adamw") | {"parallel": {}})

@@ -39,7 +39,7 @@ from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
 from tinyscale.engine import pipeline_checkpoint
-from tinyscale.models.gpt import GPT
+from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
 from tinyscale.pipeline import (
     add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
@@ -65,6 +65,7 @@ class PipelineStep:
         self.group, self.ranks, self.rank = mesh.group("pp"), mesh.group_ranks("pp"), mesh.rank("pp")
         self.shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}  # the original keys
         self.order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # a tied table once
+        self.gpt_config = model.config
         self.plan = partition_gpt(model.config, p, virtual_stages=v)
         self.stages = apply_pipeline(model, self.plan, self.rank)
         self.schedule = add_communication(SCHEDULES[par.pipeline_schedule](p, m, v))
@@ -102,6 +103,11 @@ class PipelineStep:
 
     def train_step(self, engine, batch: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
         """One optimizer step of `engine` over the global batch; returns (mean loss, skipped=False)."""
+        if len(batch) != 2:
+            raise ValueError(f"train_batch: with parallel.pipeline the batch is (ids, targets), got {len(batch)} "
+                             "tensors")
+        for ids, name in zip(batch, ("idx", "targets")):  # on every rank alike, before any message: a bad
+            _check_ids(ids, self.gpt_config, name)        # id seen by one stage would leave the others waiting
         engine.model.train()
         if engine.zero is not None:
             engine.zero.abandon_backward()  # nothing to forget unless a caller ran backward itself

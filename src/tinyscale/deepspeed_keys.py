@@ -231,8 +231,8 @@ KEYS: tuple[Key, ...] = (
     _r("autotuning", "DeepSpeed's autotuner launches trial runs to pick a layout; tinyscale has none "
        "(tinyscale estimate computes memory)", _disabled, _OFF),
     # --- other topics
-    _r("pipeline", "DeepSpeed's pipeline engine; tinyscale's pipeline degree is parallel.pipeline (not built "
-       "yet)", _never),
+    _r("pipeline", "DeepSpeed's pipeline engine; tinyscale's pipeline is parallel.pipeline, "
+       "parallel.pipeline_schedule and parallel.virtual_stages", _never),
     _r("tensor_parallel", "DeepSpeed's automatic tensor parallelism; tinyscale's degree is parallel.tensor "
        "(not built yet)", _never),
     _r("elasticity", "DeepSpeed picks batch sizes valid for a range of world sizes; not built", _disabled, _OFF),

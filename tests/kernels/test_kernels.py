@@ -149,3 +149,28 @@ def test_kernels_cross_entropy_equals_unfused_and_holds_one_chunk_of_logits():
     # unfused holds the (N, V) logits and the softmax's (N, V) output: >= 2 N V 4 bytes; fused holds
     # a (chunk, V) block plus dh (N, C) and dW (V, C): at N / chunk = 8 it must stay below half of it.
     assert unfused >= 2 * N * V * 4 and fused < unfused / 2, (fused, unfused)
+
+
+def _zero_body(stage: int, fused: bool):
+    import tinyscale as ts
+    from tinyscale.data import synthetic_token_batches
+    from tinyscale.kernels import FusedAdamW
+    from tinyscale.models import GPT, GPTConfig
+
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": stage}}
+    factory = (lambda groups: FusedAdamW(groups, lr=1e-2, weight_decay=0.1)) if fused else \
+        (lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=False))
+    engine = ts.initialize(GPT(GPTConfig.preset("tiny"), seed=0), config, optimizer=factory)
+    losses = [engine.train_batch(b) for b in synthetic_token_batches(num_batches=3, batch_size=4, seq_len=8, seed=0)]
+    return losses, engine.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_kernels_adamw_in_zero_equals_zero_with_torch_adamw(stage):
+    from tinyscale.testing import run_on_ranks
+    fused = run_on_ranks(_zero_body, 2, stage, True)[0]
+    plain = run_on_ranks(_zero_body, 2, stage, False)[0]
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-5)  # float32 losses, 3 steps
+    for name, value in plain[1].items():
+        # float32: the fused and torch's arithmetic differ by ulps per step (see the AdamW test)
+        torch.testing.assert_close(fused[1][name], value, rtol=1e-5, atol=1e-5, msg=name)

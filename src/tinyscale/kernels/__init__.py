@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | `flash_attention.py` | FlashAttention-2 forward + backward with lse, causal, GQA, any length | materialised scores |
 | `rmsnorm.py` | fused RMSNorm forward + backward | 5 elementwise passes |
-| `adamw.py` | AdamW over one flat buffer (a ZeRO shard's shape) | ~10 kernels per tensor |
+| `adamw.py` | AdamW over one flat buffer (a ZeRO shard's shape); `FusedAdamW` for ZeRO | ~10 kernels per tensor |
 | `quantize.py` | int8 quantize / dequantize with per-block scales | abs, amax, div, round, cast |
 | `cross_entropy.py` | fused linear + cross-entropy, chunked rows | (N, V) logits, softmax, its gradient |
 
@@ -15,7 +15,7 @@ Triton's interpreter in float32).
 """
 
 from tinyscale.kernels._triton import HAS_TRITON, use_triton
-from tinyscale.kernels.adamw import adamw_reference_, fused_adamw_
+from tinyscale.kernels.adamw import FusedAdamW, adamw_reference_, fused_adamw_
 from tinyscale.kernels.cross_entropy import fused_linear_cross_entropy
 from tinyscale.kernels.flash_attention import (
     attention_reference, flash_attention, flash_block, flash_block_backward, kernel_ok,
@@ -24,7 +24,7 @@ from tinyscale.kernels.quantize import dequantize_int8, dequantize_reference, qu
 from tinyscale.kernels.rmsnorm import rms_norm, rms_norm_reference
 
 __all__ = [
-    "HAS_TRITON", "adamw_reference_", "attention_reference", "dequantize_int8", "dequantize_reference",
+    "HAS_TRITON", "FusedAdamW", "adamw_reference_", "attention_reference", "dequantize_int8", "dequantize_reference",
     "flash_attention", "flash_block", "flash_block_backward", "fused_adamw_", "fused_linear_cross_entropy", "kernel_ok", "quantize_int8",
     "quantize_reference", "rms_norm", "rms_norm_reference", "use_triton",
 ]

@@ -65,3 +65,28 @@ def fused_adamw_(p, g, m, v, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_dec
     n = p.numel()
     _adamw_kernel[(triton.cdiv(n, block),)](p, g, m, v, n, lr, beta1, beta2, eps, weight_decay,
                                             lr / (1 - beta1**step), math.sqrt(1 - beta2**step), BLOCK=block)
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update, one fused kernel per parameter (on a ZeRO shard: one per
+    flat piece). Pass it where an optimizer factory goes, e.g. `ts.initialize(model, config,
+    optimizer=FusedAdamW)`: ZeRO steps its 1-D shards with it. Elementwise, so ZeRO-safe."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:  # unused: not stepped, as torch's AdamW
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                fused_adamw_(p.view(-1), p.grad.reshape(-1).contiguous(), state["exp_avg"].view(-1),
+                             state["exp_avg_sq"].view(-1), lr=group["lr"], beta1=beta1, beta2=beta2,
+                             eps=group["eps"], weight_decay=group["weight_decay"], step=int(state["step"]))

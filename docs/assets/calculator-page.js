@@ -22,7 +22,7 @@
     ["pp", "pipeline parallel: activations forward, gradients back", true],
     ["cp", "context parallel: ring attention's K, V (and dK, dV) hops", true],
   ];
-  const PLANNED = "formula only, topic planned";
+  const PLANNED = "formula only, not checked against a measurement yet";
 
   function readInputs() {
     const inputs = {};

@@ -9,8 +9,9 @@ formulas, composed here as `tinyscale estimate` composes them:
     activations    tinyscale.checkpointing.formula.block_saved_bytes (our block, per policy)
     dp comm        tinyscale.zero.estimate.comm_bytes_per_rank (ring collectives, section 7)
 
-Tensor, pipeline and context parallelism are not built yet: their parts are the standard
-formulas (formula only, topic planned; `PLANNED` names them), checked by no measurement:
+Tensor, pipeline and context parallelism are built (lessons 07-09), but the calculator's parts
+for them are the standard formulas, not yet checked against those topics' measurements
+(formula only; `PLANNED` names them):
     parameters per rank    Psi / (tp pp)            Megatron-LM: each rank holds 1/tp of every
                                                     matrix of its pp stage (norms, embedding: even)
     ZeRO's N_d             dp cp                    cp ranks hold the same parameters, so ZeRO
@@ -50,7 +51,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OPTIMIZERS = ("adamw", "sgd_momentum", "sgd")
 POLICIES = ("none", "full", "selective", "offload")
 STATES_PER_PARAM = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}  # momentum, variance
-PLANNED = ("tp", "pp", "cp")  # formula only: the topics are not built yet
+PLANNED = ("tp", "pp", "cp")  # formula only: not yet checked against the topics' measurements
 SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden", "tie_embeddings",
                 "dropout", "attn_impl")
 DEFAULTS = dict(model="gpt2-124m", dtype="bf16", optimizer="adamw", dp=8, tp=1, pp=1, cp=1,

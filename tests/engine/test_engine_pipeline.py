@@ -162,12 +162,19 @@ def _resume_body(directory: str):
     bad[0, 1] = VOCAB  # refused on every rank before the schedule: none waits for a stage that raised
     with pytest.raises(ValueError, match=f"idx contains token id {VOCAB} at position \\(0, 1\\)"):
         third.train_batch((bad, data[0][1]))
-    return losses, third.full_state_dict()
+    state = third.full_state_dict()
+    with torch.no_grad():  # a diverged loss: every rank drops the step together
+        for q in third.model.parameters():
+            q.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="training diverged"):
+        third.train_batch(data[0])
+    assert all(q.grad is None for q in third.model.parameters())
+    return losses, state
 
 
 def test_engine_pipeline_checkpoint_resumes_across_layouts(tmp_path):
     """pp 2 -> pp 1 -> pp 2 continues like one process trained 3 steps (float64, rtol 1e-10);
-    then a token id outside the vocab is refused on both ranks alike."""
+    then a token id outside the vocab is refused on both ranks alike, and a NaN loss drops the step."""
     model = gpt(3, True)
     expected_losses = ts.reference.train(model, batches(2, steps=3),
                                          run_config(1, 1, "1f1b", 2, "adamw") | {"parallel": {}})
@@ -223,3 +230,5 @@ def test_engine_pipeline_refuses_bad_layouts_naming_the_field():
             "use 4")
     refused(run_config(2, 1, "1f1b", 2, "sgd"), 3, gpt(4, True), "does not divide the world size 3")
     refused(run_config(2, 1, "1f1b", 2, "sgd"), 2, TinyMLP(4, 8), "TinyMLP")
+    dropout = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=2, d_model=8, dropout=0.1))
+    refused(run_config(2, 1, "1f1b", 2, "sgd"), 2, dropout, "GPTConfig.dropout=0.1")

@@ -74,6 +74,10 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
         raise ConfigError(f"parallel.pipeline={pp} x parallel.tensor={tp} does not divide the world size "
                           f"{world_size}: the ranks are pp x dp x tp; choose parallel.pipeline among "
                           f"{[d for d in range(1, world_size + 1) if world_size % (d * tp) == 0]}")
+    if model.config.dropout > 0:
+        raise ConfigError(f"parallel.pipeline={pp} with GPTConfig.dropout={model.config.dropout}: each stage draws "
+                          "its masks from its own generator, which no test compares with one process yet; set "
+                          "dropout=0 or parallel.pipeline 1")
     n_layer = model.config.n_layer
     if pp * v > n_layer:
         raise ConfigError(f"parallel.pipeline={pp} x parallel.virtual_stages={v} = {pp * v} model stages but the "

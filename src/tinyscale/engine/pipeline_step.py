@@ -115,7 +115,8 @@ class PipelineStep:
                                     micro_batch_size=engine.batch.micro_batch_size)
         inputs = [chunk[0].to(engine.device) for chunk in micro]  # (B, T) ids per micro-batch
         targets = [chunk[1].to(engine.device) for chunk in micro]
-        rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None)
+        # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
+        rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})
         try:
             with comm.record(engine.comm_ledger):
                 # --8<-- [start:step]

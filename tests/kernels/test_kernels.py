@@ -174,3 +174,17 @@ def test_kernels_adamw_in_zero_equals_zero_with_torch_adamw(stage):
     for name, value in plain[1].items():
         # float32: the fused and torch's arithmetic differ by ulps per step (see the AdamW test)
         torch.testing.assert_close(fused[1][name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@given(K=st.sampled_from([1, 2]), G=st.sampled_from([1, 3]), T=st.integers(1, 33), D=st.sampled_from([4, 16]),
+       causal=st.booleans(), seed=st.integers(0, 1000))
+def test_kernels_flash_attention_property_over_shapes(K, G, T, D, causal, seed):
+    """Heads, GQA groups, head dims and lengths that are not multiples of the 16-wide tile."""
+    q, k, v = _randn(1, K * G, T, D, seed=seed, grad=True), _randn(1, K, T, D, seed=seed + 1, grad=True), \
+        _randn(1, K, T, D, seed=seed + 2, grad=True)
+    out, lse = flash_attention(q, k, v, causal=causal)
+    ref = _sdpa(q, k, v, causal)
+    torch.testing.assert_close(out, ref, **TOL)
+    dout = _randn(*out.shape, seed=seed + 3)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, **TOL)

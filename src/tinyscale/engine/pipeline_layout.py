@@ -4,7 +4,7 @@ Config alone (`config_problems`): the schedule's settings without a pipeline; vi
 with a schedule that has no chunks; the combinations no test covers yet (tensor or context
 parallelism, ZeRO stages 2 and 3, clipping under ZeRO 1, fp16/bf16, activation checkpointing,
 offload, communication_data_type, wall_clock_breakdown). With the model and world size
-(`check_layout`): a GPT, a world that is pp x tp x dp, at least one block per model stage,
+(`check_layout`): a GPT without dropout, a world that is pp x tp x dp, at least one block per model stage,
 and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`.
 """

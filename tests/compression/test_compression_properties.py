@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from tinyscale.compression import QSGD, ErrorFeedback, RandomK, TopK, pack_nibbles, unpack_nibbles
+from tinyscale.compression import QSGD, BlockInt8, ErrorFeedback, RandomK, TopK, pack_nibbles, unpack_nibbles
 from tinyscale.compression.onebit import one_bit, pack_signs, unpack_signs
 from tinyscale.compression.powersgd import orthogonalise
 
@@ -146,3 +146,16 @@ def test_compression_bad_arguments_name_the_field(bad):
     make, words = bad
     with pytest.raises(ValueError, match=words):
         make()
+
+
+def test_compression_block_int8_rounds_each_block_to_half_a_step_of_its_own_scale():
+    x = _vec(40, 5)
+    x[3] = 1000.0  # an outlier in block 0 only: the other blocks keep their resolution
+    comp = BlockInt8(16)
+    out = comp.decompress(comp.compress(x))
+    for b in range(3):
+        block = slice(16 * b, 16 * b + 16)
+        step = x[block].abs().max() / 127
+        assert ((out[block] - x[block]).abs() <= step / 2 * (1 + 1e-6)).all()  # 1e-6: float32 scale arithmetic
+    assert (out[16:] != 0).all()  # QSGD's one scale would zero most of these
+    assert comp.wire_bytes(40, torch.float64) == 40 + 3 * 8

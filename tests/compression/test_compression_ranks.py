@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 from tinyscale.compression import (
-    QSGD, CompressionState, OneBitAdam, PowerSGDState, RandomK, TopK, compressed_mean, compression_hook,
+    QSGD, BlockInt8, CompressionState, OneBitAdam, PowerSGDState, RandomK, TopK, compressed_mean, compression_hook,
     onebit_bytes, powersgd_hook,
 )
 from tinyscale.data_parallel import BucketedDDP
@@ -22,7 +22,7 @@ from tinyscale.dist import comm
 from tinyscale.testing import run_on_ranks
 
 COMPRESSORS = {"topk": lambda: TopK(0.3), "randomk": lambda: RandomK(0.3, seed=5), "qsgd8": lambda: QSGD(8, seed=2),
-               "qsgd4": lambda: QSGD(4, seed=2)}
+               "qsgd4": lambda: QSGD(4, seed=2), "blockint8": lambda: BlockInt8(16)}
 
 
 def _mean_body(name: str, n: int):

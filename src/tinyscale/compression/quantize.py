@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tinyscale.compression.base import Compressor, Payload, _check_flat
 from tinyscale.dist import comm
+from tinyscale.kernels import dequantize_int8, quantize_int8
 
 BITS = (8, 4)
 
@@ -87,3 +88,25 @@ class QSGD(Compressor):
 
     def agree_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return dtype.itemsize  # the max |x|, all-reduced once
+
+
+class BlockInt8(Compressor):
+    """Deterministic int8 with one scale per `block` elements (round to nearest), by the fused
+    kernel `tinyscale.kernels.quantize_int8` where Triton runs. Biased (no random rounding),
+    so use it with error feedback; per-block scales follow outliers locally, where QSGD's one
+    scale lets a single large element flatten everything else to zero."""
+
+    def __init__(self, block: int = 256):
+        self.block = block
+
+    def compress(self, x: torch.Tensor) -> Payload:
+        _check_flat(x, "BlockInt8.compress")
+        codes, scales = quantize_int8(x, self.block)
+        return Payload({"codes": codes, "scales": scales.to(x.dtype)}, x.numel(), x.dtype)
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        scales = payload.tensors["scales"].float()
+        return dequantize_int8(payload.tensors["codes"], scales, self.block).to(payload.dtype)
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return numel + -(-numel // self.block) * dtype.itemsize

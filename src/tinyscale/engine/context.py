@@ -39,8 +39,7 @@ from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.context_parallel import apply_context_parallel, kv_replication, shard_batch
 from tinyscale.context_parallel.apply import token_cross_entropy
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine.refusals import untested_combinations
-from tinyscale.models.gpt import GPT
+from tinyscale.engine.refusals import check_degree, untested_combinations
 from tinyscale.tensor_parallel import vocab_parallel_cross_entropy
 
 
@@ -61,14 +60,9 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
     """Refuse a cp layout this model and world cannot take, naming the field and the fix (no collectives)."""
     par = config.parallel
     cp = par.context
-    if mesh is not None and mesh.size("cp") != cp:
-        raise ConfigError(f"parallel.context={cp} but the mesh passed to initialize has cp={mesh.size('cp')}: "
-                          "make them equal (or pass no mesh)")
-    if cp == 1:
+    if not check_degree(model, mesh, axis="cp", field="parallel.context", degree=cp,
+                        action="context parallelism splits tinyscale's GPT's sequence"):
         return
-    if not isinstance(model, GPT):
-        raise ConfigError(f"parallel.context={cp}: context parallelism splits tinyscale's GPT's sequence, not a "
-                          f"{type(model).__name__}'s; use parallel.context 1 for this model")
     gpt = model.config
     if gpt.dropout > 0:
         raise ConfigError(f"parallel.context={cp} with GPTConfig.dropout={gpt.dropout}: a rank would need the "

@@ -15,8 +15,7 @@ import torch
 
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine.refusals import untested_combinations
-from tinyscale.models.gpt import GPT
+from tinyscale.engine.refusals import check_degree, untested_combinations
 
 
 def config_problems(config: EngineConfig) -> list[str]:
@@ -62,14 +61,9 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
     """Refuse a pipeline this model and world cannot take, naming the field and the fix (no collectives)."""
     par = config.parallel
     pp, v, tp = par.pipeline, par.virtual_stages, par.tensor
-    if mesh is not None and mesh.size("pp") != pp:
-        raise ConfigError(f"parallel.pipeline={pp} but the mesh passed to initialize has pp={mesh.size('pp')}: "
-                          "make them equal (or pass no mesh)")
-    if pp == 1:
+    if not check_degree(model, mesh, axis="pp", field="parallel.pipeline", degree=pp,
+                        action="pipeline parallelism cuts tinyscale's GPT into stages"):
         return
-    if not isinstance(model, GPT):
-        raise ConfigError(f"parallel.pipeline={pp}: pipeline parallelism cuts tinyscale's GPT into stages, not a "
-                          f"{type(model).__name__}; use parallel.pipeline 1 for this model")
     if world_size % (pp * tp):
         raise ConfigError(f"parallel.pipeline={pp} x parallel.tensor={tp} does not divide the world size "
                           f"{world_size}: the ranks are pp x dp x tp; choose parallel.pipeline among "

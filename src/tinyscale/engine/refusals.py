@@ -7,7 +7,8 @@ all in one `ConfigError` before any process group exists.
 
 from __future__ import annotations
 
-from tinyscale.config import EngineConfig
+from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.models.gpt import GPT
 
 
 def untested_combinations(config: EngineConfig, setting: str, topic: str) -> list[str]:
@@ -26,3 +27,17 @@ def untested_combinations(config: EngineConfig, setting: str, topic: str) -> lis
     if zero.offload_optimizer.device != "none" or zero.offload_param.device != "none":
         problems.append(f"zero_optimization offload with {setting} (not tested yet); use offload device \"none\"")
     return problems
+
+
+def check_degree(model, mesh, *, axis: str, field: str, degree: int, action: str) -> bool:
+    """A mesh passed to initialize has `degree` ranks on `axis` (the config's `field`), and a
+    degree > 1 is given tinyscale's GPT (`action`: what the layout does to it); False when
+    `degree` is 1 (nothing more to check), before any collective."""
+    if mesh is not None and mesh.size(axis) != degree:
+        raise ConfigError(f"{field}={degree} but the mesh passed to initialize has {axis}={mesh.size(axis)}: "
+                          "make them equal (or pass no mesh)")
+    if degree == 1:
+        return False
+    if not isinstance(model, GPT):
+        raise ConfigError(f"{field}={degree}: {action}, not a {type(model).__name__}; use {field} 1 for this model")
+    return True

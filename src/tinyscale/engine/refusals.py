@@ -1,8 +1,9 @@
 """Combinations a parallel layout refuses until a test covers them, worded alike for every layout.
 
 Each layout's `check_config` (tensor parallelism in `engine/parallelize.py`, context parallelism
-in `engine/context.py`) adds these to its own refusals; `engine.check_supported` raises them
-all in one `ConfigError` before any process group exists.
+in `engine/context.py`, pipeline parallelism in `engine/pipeline_layout.py`) adds these to its own
+refusals; `engine.check_supported` raises them all in one `ConfigError` before any process group
+exists. `check_degree` is the first check of a layout's `check_layout` (context, pipeline).
 """
 
 from __future__ import annotations

@@ -172,6 +172,30 @@ def test_engine_tensor_parallel_checkpoint_resumes_across_tp_degrees(tmp_path):
             assert_state_dicts_close(state, expected, what=f"parameters after tp={first_tp} -> tp={then_tp}")
 
 
+def _tracker_body(steps: int):
+    """dp 2 x tp 2, tracker-mode dropout, every rank seeded differently: the TP peers must still
+    draw the replicated activations' masks alike (the engine shares their stream), or the copies
+    of the norm weights drift apart."""
+    model = GPT(ACCEPTANCE.with_(dropout=0.2), seed=5, dtype=torch.float64)
+    torch.manual_seed(DROPOUT_SEED + 1000 * dist.get_rank())
+    config = acceptance_config(2, 0, False)
+    engine = ts.initialize(model, {**config, "parallel": {**config["parallel"], "tensor_dropout": "tracker"}})
+    losses = [engine.train_batch(b) for b in acceptance_batches(steps)]
+    norms = {n: p.detach().clone() for n, p in engine.model.named_parameters() if n.endswith("norm.weight")}
+    return losses, norms
+
+
+def test_engine_tensor_parallel_tracker_dropout_keeps_replicated_weights_equal():
+    results = run_on_ranks(_tracker_body, 4, 2)
+    losses, norms = results[0]
+    for other_losses, other_norms in results[1:]:
+        assert other_losses == losses  # the global-batch mean, the same on every rank
+        assert all(torch.equal(other_norms[n], w) for n, w in norms.items()), "a TP peer's norm weights drifted"
+    plain = ts.reference.train(GPT(ACCEPTANCE.with_(dropout=0.0), seed=5, dtype=torch.float64), acceptance_batches(2),
+                               acceptance_config(1, 0, False))
+    assert abs(losses[0] - plain[0]) > 1e-6  # the masks did drop something
+
+
 def _reshard_kv_body(path: str, directions: list[tuple[int, int]], steps: int):
     """The acceptance model without dropout: 2 K/V heads, replicated at tp 4, split at tp 2 (dp 2)."""
     data, out = acceptance_batches(2 * steps), []

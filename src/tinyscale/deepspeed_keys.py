@@ -233,8 +233,8 @@ KEYS: tuple[Key, ...] = (
     # --- other topics
     _r("pipeline", "DeepSpeed's pipeline engine; tinyscale's pipeline is parallel.pipeline, "
        "parallel.pipeline_schedule and parallel.virtual_stages", _never),
-    _r("tensor_parallel", "DeepSpeed's automatic tensor parallelism; tinyscale's degree is parallel.tensor "
-       "(not built yet)", _never),
+    _r("tensor_parallel", "DeepSpeed's automatic tensor parallelism (AutoTP) finds the layers to split; "
+       "tinyscale's is parallel.tensor, which splits its GPT (lesson 07)", _never),
     _r("elasticity", "DeepSpeed picks batch sizes valid for a range of world sizes; not built", _disabled, _OFF),
     _r("disable_allgather", "DeepSpeed can broadcast instead of all-gather; tinyscale all-gathers",
        _is(False), _FALSE),
@@ -250,9 +250,11 @@ OTHER_TYPES = {
     "optimizer.type": {
         "lamb": "LAMB scales each tensor's update by a trust ratio of whole-tensor norms, which ZeRO's "
                 f"pieces do not have; at stage 0 {_OWN_OPTIMIZER}",
-        "onebitadam": "1-bit Adam compresses communication with error feedback: the compression topic, not built",
-        "zerooneadam": "0/1 Adam compresses communication: the compression topic, not built",
-        "onebitlamb": "1-bit LAMB compresses communication: the compression topic, not built",
+        "onebitadam": "tinyscale's 1-bit Adam is a compression type: set optimizer.type \"AdamW\" (its params "
+                      "are used) and compression: {\"type\": \"onebit_adam\", \"freeze_step\": N} (lesson 10)",
+        "zerooneadam": "0/1 Adam is not built; the nearest is compression.type \"onebit_adam\" (lesson 10)",
+        "onebitlamb": "1-bit LAMB is not built (LAMB's whole-tensor trust ratio); the nearest is compression.type "
+                      "\"onebit_adam\" (lesson 10)",
         "adagrad": f"not one of the config's optimizers; {_OWN_OPTIMIZER} (torch.optim.Adagrad)",
         "lion": f"not one of the config's optimizers; {_OWN_OPTIMIZER}",
         "muadam": "muP's Adam rescales per-layer learning rates from the model's widths; not built",

@@ -74,4 +74,10 @@ TOPICS = {t.name: t for t in (
           ("tests/context_parallel/test_cp_merge.py",),
           ("tests/context_parallel/test_cp_merge.py::test_cp_merge_of_two_key_blocks_equals_attention_over_all_keys[1]",),
           "lessons/09-context-parallel.md", False),
+    # Triton kernels: the stubs raise inside the @jit functions, which the CPU runs in Triton's interpreter
+    Topic("kernels_rmsnorm", "tinyscale.kernels.rmsnorm",
+          ("_rms_forward", "_rms_backward"),
+          ("tests/kernels/test_kernels.py",),
+          ("tests/kernels/test_kernels.py::test_kernels_rmsnorm_forward_and_backward_equal_the_reference",),
+          "lessons/11-kernels.md", False),
 )}

@@ -10,7 +10,7 @@
 
 Triton is optional (`pip install -e .[triton]`): every function runs its PyTorch reference
 when Triton cannot run (no Triton, or a CPU tensor without `TRITON_INTERPRET=1`).
-Lesson: lessons/11-kernels.md (planned). Tests: `pytest -k kernels` (the CPU runs them under
+Lesson: lessons/11-kernels.md. Tests: `pytest -k kernels` (the CPU runs them under
 Triton's interpreter in float32).
 """
 

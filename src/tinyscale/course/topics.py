@@ -5,7 +5,10 @@ A topic's name is also its `pytest -k` key: `pytest --impl exercises -k zero3`.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # found, not imported: the CLI starts fast
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,11 @@ TOPICS = {t.name: t for t in (
           ("tests/context_parallel/test_cp_merge.py",),
           ("tests/context_parallel/test_cp_merge.py::test_cp_merge_of_two_key_blocks_equals_attention_over_all_keys[1]",),
           "lessons/09-context-parallel.md", False),
-    # Triton kernels: the stubs raise inside the @jit functions, which the CPU runs in Triton's interpreter
-    Topic("kernels_rmsnorm", "tinyscale.kernels.rmsnorm",
+    # Triton kernels (only with Triton installed: without it their tests skip, and nothing runs a stub):
+    # the stubs raise inside the @jit functions, which the CPU runs in Triton's interpreter
+    *([Topic("kernels_rmsnorm", "tinyscale.kernels.rmsnorm",
           ("_rms_forward", "_rms_backward"),
           ("tests/kernels/test_kernels.py",),
           ("tests/kernels/test_kernels.py::test_kernels_rmsnorm_forward_and_backward_equal_the_reference",),
-          "lessons/11-kernels.md", False),
+          "lessons/11-kernels.md", False)] if HAS_TRITON else []),
 )}

@@ -7,6 +7,9 @@
   stages do not divide included;
 - the ledger of one step: the sends and receives the schedule lowers to, each a 64-byte shape
   header and the activation, m x activation x boundaries x 2 bytes of data in all;
+- pp 2 x tp 2 (1F1B, interleaved with 2 chunks, zb_h1; tied, GQA with K/V heads split or
+  replicated, a vocab tp does not divide, clipping, ZeRO 1): losses and `full_state_dict()`
+  equal `tinyscale.reference.train` (float64, rtol 1e-10), in one 4-rank call;
 - a checkpoint written at pp 2 resumes at pp 1 and the reverse, continuing as one process;
 - layouts the engine cannot serve are refused with a ConfigError naming the field, before any
   process group is made.
@@ -202,7 +205,9 @@ def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group()
     refused(base | {"activation_checkpointing": {"policy": "full"}}, "activation_checkpointing.policy")
     refused(base | {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
             "zero_optimization offload with parallel.pipeline=2")
-    refused(base | {"parallel": {"pipeline": 2, "tensor": 2}}, "parallel.tensor=2")
+    refused(base | {"parallel": {"pipeline": 2, "tensor": 2, "sequence_parallel": True}},
+            "parallel.sequence_parallel=true with parallel.pipeline=2", "set sequence_parallel false")
+    refused(base | {"parallel": {"pipeline": 2, "context": 2}}, "parallel.context=2 with parallel.pipeline=2")
     refused(base | {"parallel": {"pipeline": 2, "virtual_stages": 2}}, "parallel.virtual_stages=2",
             "'interleaved_1f1b'")
     refused({"train_batch_size": 2, "parallel": {"pipeline_schedule": "zb_h1"}}, "parallel.pipeline_schedule",
@@ -232,3 +237,79 @@ def test_engine_pipeline_refuses_bad_layouts_naming_the_field():
     refused(run_config(2, 1, "1f1b", 2, "sgd"), 2, TinyMLP(4, 8), "TinyMLP")
     dropout = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=2, d_model=8, dropout=0.1))
     refused(run_config(2, 1, "1f1b", 2, "sgd"), 2, dropout, "GPTConfig.dropout=0.1")
+
+
+# pp 2 x tp 2 (world 4): (schedule, v, tied, n_kv_head, zero stage, clip). A vocab tp does not divide
+# (padded to 34 rows, 17 per TP rank: the first stage's embedding shard i and the last stage's head
+# shard i are the same rows); GQA with K/V heads split over tp (2) and replicated (1).
+TP_VOCAB = 33
+PP2_TP2 = [("1f1b", 1, True, 1, 0, CLIP), ("interleaved_1f1b", 2, True, 2, 0, 0.0),
+           ("zb_h1", 1, False, 2, 1, 0.0)]
+
+
+def tp_gpt(tied: bool, n_kv_head: int, seed: int = 5) -> GPT:
+    cfg = GPTConfig(vocab_size=TP_VOCAB, max_seq_len=SEQ, n_layer=5, n_head=4, n_kv_head=n_kv_head, d_model=8,
+                    ffn_hidden=12, tie_embeddings=tied)
+    return GPT(cfg, seed=seed, dtype=torch.float64)
+
+
+def tp_batches(rows: int):
+    return synthetic_token_batches(num_batches=STEPS, batch_size=rows, seq_len=SEQ, vocab_size=TP_VOCAB, seed=3)
+
+
+def tp_config(schedule: str, v: int, stage: int, clip: float, m: int = 2) -> dict:
+    config = run_config(2, 1, schedule, m, "adamw" if stage else "sgd", v, stage, clip)
+    return config | {"parallel": config["parallel"] | {"tensor": 2}}
+
+
+def _train_pp_tp(layouts: list[tuple]):
+    out = []
+    for schedule, v, tied, kv, stage, clip in layouts:
+        engine = ts.initialize(tp_gpt(tied, kv), tp_config(schedule, v, stage, clip))
+        losses = [engine.train_batch(b) for b in tp_batches(2)]
+        out.append((losses, engine.full_state_dict()))
+    return out
+
+
+@functools.cache
+def pp_tp_results() -> list:
+    return run_on_ranks(_train_pp_tp, 4, PP2_TP2)
+
+
+@pytest.mark.parametrize("index", range(len(PP2_TP2)),
+                         ids=[f"{KEYS[s]}-kv{kv}-zero{z}-clip{c > 0:d}" for s, _, _, kv, z, c in PP2_TP2])
+def test_engine_pipeline_pp2_tp2_trains_like_single_process(index):
+    """Each TP rank's stages split over tp, activations passed TP rank i -> TP rank i, the last
+    stage's vocab-parallel loss, the tied table's shards paired across the pipeline, clipping by
+    the norm over pp x tp: losses and full_state_dict equal one process (float64, rtol 1e-10)."""
+    schedule, v, tied, kv, stage, clip = PP2_TP2[index]
+    model = tp_gpt(tied, kv)
+    expected_losses = ts.reference.train(model, tp_batches(2), tp_config(schedule, v, stage, clip)
+                                         | {"parallel": {}})
+    for rank_results in pp_tp_results():
+        losses, state = rank_results[index]
+        assert_losses_close(losses, expected_losses)
+        assert list(state) == list(model.state_dict())  # the original keys, in order, on every rank
+        assert_state_dicts_close(state, model.state_dict(), what=f"{PP2_TP2[index]} after {STEPS} steps")
+
+
+def _pp_tp_resume(directory: str):
+    """pp 2 x tp 2: 1F1B for a step, saved; loaded by a zb_h1 engine of other values, a second step."""
+    data = tp_batches(2)
+    first = ts.initialize(tp_gpt(True, 1), tp_config("1f1b", 1, 1, 0.0))
+    losses = [first.train_batch(data[0])]
+    first.save_checkpoint(f"{directory}/a")
+    second = ts.initialize(tp_gpt(True, 1, seed=99), tp_config("zb_h1", 1, 1, 0.0))
+    second.load_checkpoint(f"{directory}/a")
+    losses.append(second.train_batch(data[1]))
+    return losses, second.full_state_dict()
+
+
+def test_engine_pipeline_pp2_tp2_checkpoint_resumes(tmp_path):
+    """The checkpoint holds full tensors (TP gathered, then the stages): AdamW's state travels,
+    the tied table once; the resumed run continues like one process (float64, rtol 1e-10)."""
+    model = tp_gpt(True, 1)
+    expected_losses = ts.reference.train(model, tp_batches(2), tp_config("1f1b", 1, 1, 0.0) | {"parallel": {}})
+    for losses, state in run_on_ranks(_pp_tp_resume, 4, str(tmp_path)):
+        assert_losses_close(losses, expected_losses)
+        assert_state_dicts_close(state, model.state_dict(), what="after resuming at pp 2 x tp 2")

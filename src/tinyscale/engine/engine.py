@@ -137,7 +137,7 @@ class Engine:
         self.pipeline = parallelize.partition_pipeline(self.model, config, mesh)
         # Tensor parallel, then activation checkpointing (engine/parallelize.py, the one order);
         # mixed precision and DP/ZeRO below hook into what they leave.
-        parallelize.parallelize_model(self.model, config, mesh)
+        parallelize.parallelize_model(self.model, config, mesh, pipeline=self.pipeline)
         self.tp_size = config.parallel.tensor
         self._tp_shapes = {n: p.shape for n, p in self.model.state_dict().items()}  # before ZeRO-3 shards them
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -422,11 +422,11 @@ class Engine:
         names = {id(p): n for n, p in self.model.named_parameters()}
         model_state = self.full_state_dict()
         optimizer_state = self._optimizer_state_by_name(names)
-        if self.pipeline is not None:  # every stage's states, under the original names
-            optimizer_state = self.pipeline.gather_optimizer_state(optimizer_state)
-        if self.tp_size > 1:  # this rank's TP shards of the states -> full tensors
+        if self.tp_size > 1:  # this rank's TP shards of the states -> full tensors (this rank's stages')
             optimizer_state["state"] = tp_state.gather_state(self.model, self._tp_shapes, optimizer_state["state"],
                                                              self.device)
+        if self.pipeline is not None:  # every stage's states, under the original names
+            optimizer_state = self.pipeline.gather_optimizer_state(optimizer_state)
         if self.loss_scaler is not None:
             optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -503,11 +503,11 @@ class Engine:
         if error is not None:
             raise error
         names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.pipeline is not None:  # the whole model's state -> this rank's stages' share (before TP's cut)
+            model_state, optimizer_state = self.pipeline.local_state(self.model, model_state, optimizer_state)
         if self.tp_size > 1:  # full tensors -> this rank's TP shards (every rank read the whole file)
             model_state = tp_state.shard_model_state(self.model, model_state)
             optimizer_state["state"] = tp_state.shard_state(self.model, self._tp_shapes, optimizer_state["state"])
-        if self.pipeline is not None:  # the whole model's state -> this rank's stages' share
-            model_state, optimizer_state = self.pipeline.local_state(self.model, model_state, optimizer_state)
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
             self.model.load_state_dict(model_state)
             if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters

@@ -19,7 +19,9 @@ ZeRO stages 1-3 over the dp axis; context parallelism (`engine/context.py`: ring
 over the cp axis, gradients reduced over dp x cp), also with tensor parallelism (tp x cp,
 without sequence parallelism).
 Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
-rank's stages) with DDP or ZeRO stage 1 over dp, not yet with tensor or context parallelism.
+rank's stages) with DDP or ZeRO stage 1 over dp, and with tensor parallelism (pp x tp, without
+sequence parallelism: this rank's stages split over tp, `engine/pipeline_tp.py`); not yet with
+context parallelism.
 
 The mesh is `ParallelMesh(dp=world // (cp tp), cp=cp, tp=tp)`: ranks 0..tp-1 form the first
 TP group, and the ranks holding the same TP shard form a dp group. Tests:
@@ -104,11 +106,15 @@ def partition_pipeline(model: torch.nn.Module, config: EngineConfig,
     return PipelineStep(model, config, mesh) if config.parallel.pipeline > 1 else None
 
 
-def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> torch.nn.Module:
+def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None,
+                      pipeline: PipelineStep | None = None) -> torch.nn.Module:
     """The model-changing steps of the order, in place: tensor / sequence parallel, then
-    activation checkpointing (it rebuilds blocks, which the DP/ZeRO hooks then attach to)."""
+    activation checkpointing (it rebuilds blocks, which the DP/ZeRO hooks then attach to).
+    After `partition_pipeline` (`pipeline`), tensor parallelism splits this rank's stages."""
     par = config.parallel
-    if par.tensor > 1:
+    if par.tensor > 1 and pipeline is not None:  # pp x tp (engine/pipeline_tp.py); no dropout with pp
+        pipeline.split_tensor_parallel(model, mesh)
+    elif par.tensor > 1:
         exact, seed = par.tensor_dropout == "exact", 0
         if model.config.dropout > 0:  # the shared stream equal where the masks must agree (random.py)
             group, src = (None, 0) if exact else (mesh.group("tp"), mesh.group_ranks("tp")[0])

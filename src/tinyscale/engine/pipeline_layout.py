@@ -1,9 +1,10 @@
 """What the engine's pipeline parallelism (`parallel.pipeline`) refuses, before any process group.
 
 Config alone (`config_problems`): the schedule's settings without a pipeline; virtual stages
-with a schedule that has no chunks; the combinations no test covers yet (tensor or context
-parallelism, ZeRO stages 2 and 3, clipping under ZeRO 1, fp16/bf16, activation checkpointing,
-offload, communication_data_type, wall_clock_breakdown). With the model and world size
+with a schedule that has no chunks; the combinations no test covers yet (context or sequence
+parallelism; tensor parallelism is served, `engine/pipeline_tp.py`; ZeRO stages 2 and 3,
+clipping under ZeRO 1, fp16/bf16, activation checkpointing, offload, communication_data_type,
+wall_clock_breakdown). With the model and world size
 (`check_layout`): a GPT without dropout, a world that is pp x tp x dp, at least one block per model stage,
 and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`.
@@ -39,9 +40,12 @@ def config_problems(config: EngineConfig) -> list[str]:
                         "micro-batch, which does not fit a schedule interleaving many micro-batches' passes "
                         "(DeepSpeed refuses it too); use stage 0 or 1")
     # Combinations no test covers yet: refused, not silently wrong.
-    if par.tensor > 1 or par.context > 1:
-        problems.append(f"parallel.tensor={par.tensor}, parallel.context={par.context} with parallel.pipeline={pp} "
-                        "(not composed yet): set parallel.tensor and parallel.context to 1")
+    if par.context > 1:
+        problems.append(f"parallel.context={par.context} with parallel.pipeline={pp} (not composed yet): set "
+                        "parallel.context to 1")
+    if par.sequence_parallel:  # tensor parallelism with a pipeline is served, sequence parallelism not yet
+        problems.append(f"parallel.sequence_parallel=true with parallel.pipeline={pp} (stages would pass "
+                        "(B, T/t, C) shards; not tested yet): set sequence_parallel false")
     if config.gradient_clipping > 0 and stage == 1:
         problems.append(f"gradient_clipping={config.gradient_clipping} with parallel.pipeline={pp} and "
                         "zero_optimization.stage=1 (ZeRO's norm does not sum over the stages yet; stage 0 clips "

@@ -5,7 +5,9 @@ stages (`tinyscale.pipeline.partition_gpt`, v = `parallel.virtual_stages`), keep
 (`tinyscale.pipeline.apply_pipeline`: the model keeps only its parameters, under their
 original names) and lowers the schedule `parallel.pipeline_schedule` (afab, 1f1b,
 interleaved_1f1b, zb_h1) for m = `gradient_accumulation_steps` micro-batches. The mesh is
-(pp, dp, tp = 1): the ranks of one pipeline are dp x tp apart.
+(pp, dp, tp): the ranks of one pipeline are dp x tp apart. With tp > 1 the engine's order then
+splits this rank's stages over the TP group (`split_tensor_parallel`, `engine/pipeline_tp.py`):
+each TP rank runs its own pipeline over its own pp group, the last stage's loss vocab-parallel.
 
 One step (`PipelineStep.train_step`), on every rank of every pipeline:
 
@@ -19,7 +21,8 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
 5. the loss: the last stage's mean over its m micro-batches, summed over the pp group (the
    others add zero: a broadcast from the last stage), then averaged over dp;
 6. clipping by the norm of the whole model's gradient (squares summed over the pp group,
-   the tied table counted once, on the first stage), the learning rate, the optimizer step.
+   the tied table counted once, on the first stage; with TP also over the TP group, each
+   shard by its rank and a replicated parameter by TP rank 0), the learning rate, the step.
 
 A forward or backward that raises leaves the other stages waiting for its messages: the
 step cannot be dropped on every rank as the data-parallel engine does, so the engine refuses
@@ -44,8 +47,11 @@ from tinyscale.optim import check_elementwise_state, lr_at, set_lr
 from tinyscale.pipeline import (
     add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
 )
+from tinyscale.engine import pipeline_tp
+from tinyscale.engine.tp_grad_norm import counted_parameters
 from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
 from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
+from tinyscale.tensor_parallel import full_state_dict_from_tp
 
 SCHEDULES = {  # parallel.pipeline_schedule -> (p, m, v) -> compute actions per rank
     "afab": lambda p, m, v: afab(p, m),
@@ -71,6 +77,11 @@ class PipelineStep:
         self.schedule = add_communication(SCHEDULES[par.pipeline_schedule](p, m, v))
         self.executor = PipelineExecutor(self.schedule, self.rank, self.stages, loss_fn=gpt_loss,
                                          ranks=self.ranks, group=self.group)
+        self.tp_group = None
+        self._bind(model)
+
+    def _bind(self, model: GPT) -> None:
+        """The tied table's copy here, and the parameters this rank counts in the gradient norm."""
         # A tied table lives on the first and last stage's ranks: their gradients are summed.
         first, last = self.plan[0], self.plan[-1]
         self.tied = None
@@ -82,11 +93,23 @@ class PipelineStep:
         skip = {id(self.tied[0])} if self.tied is not None and self.rank == last.rank else set()
         # ...and once in checkpoints, under the original model's name for it.
         self.aliases = {"head.weight": "embed.weight"} if skip else {}
-        self.counted = [q for q in model.parameters() if q.requires_grad and id(q) not in skip]
+        # With TP: each shard by its TP rank, a replicated parameter (norm weights) by TP rank 0 only.
+        tp_counted = counted_parameters(model, self.tp_group) if self.tp_group is not None else None
+        self.counted = [q for q in model.parameters() if q.requires_grad and id(q) not in skip
+                        and (tp_counted is None or id(q) in tp_counted)]
+
+    def split_tensor_parallel(self, model: GPT, mesh: ParallelMesh) -> None:
+        """Second in the engine's order: this rank's stages split over the tp axis
+        (`engine/pipeline_tp.py`), the last stage's loss the vocab-parallel cross-entropy."""
+        self.tp_group = mesh.group("tp")
+        pipeline_tp.split_stages(model, self.stages, self.tp_group)
+        self.executor.loss_fn = pipeline_tp.vocab_parallel_loss(self.tp_group, model.config.vocab_size)
+        self._bind(model)  # the embedding and head are new Parameters
 
     def full_state_dict(self, model: GPT) -> dict:
-        """Every stage's parameters, original keys and order, on every rank (a collective over pp)."""
-        return gather_full_state(model, self.shapes, self.plan, self.rank, self.ranks, self.group)
+        """Every stage's parameters, original keys and order, on every rank (a collective over tp, then pp)."""
+        local = full_state_dict_from_tp(model) if self.tp_group is not None else None  # unsharded, unpadded
+        return gather_full_state(model, self.shapes, self.plan, self.rank, self.ranks, self.group, local=local)
 
     def gather_optimizer_state(self, local: dict) -> dict:
         """Every stage's by-name optimizer state, for save_checkpoint (`engine/pipeline_checkpoint.py`)."""
@@ -169,7 +192,8 @@ class PipelineStep:
                 check_elementwise_state(engine.optimizer)
             return
         if engine.config.gradient_clipping > 0:
-            clip_grad_norm_pp(engine.params, self.counted, engine.config.gradient_clipping, self.group)
+            clip_grad_norm_pp(engine.params, self.counted, engine.config.gradient_clipping, self.group,
+                              tp_group=self.tp_group)
         if lr is not None:
             set_lr(engine.optimizer, lr)
         engine.optimizer.step()
@@ -178,16 +202,19 @@ class PipelineStep:
 
 @torch.no_grad()
 def clip_grad_norm_pp(params: list[torch.Tensor], counted: list[torch.Tensor], max_norm: float,
-                      group) -> torch.Tensor:
+                      group, *, tp_group=None) -> torch.Tensor:
     """Scale this stage's gradients so the whole model's gradient norm is at most `max_norm`:
-    the squares of `counted` (each parameter once over the pipeline) summed over the pp group,
-    then torch's `clip_grad_norm_` rule, min(1, max_norm / (norm + 1e-6)), on every stage."""
+    the squares of `counted` (each parameter once over the pipeline, and over the TP group
+    if `tp_group`) summed over the pp group and the TP group, then torch's `clip_grad_norm_`
+    rule, min(1, max_norm / (norm + 1e-6)), on every stage."""
     grads = [q.grad for q in params if q.grad is not None]
     square = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for q in counted:
         if q.grad is not None:
             square += q.grad.double().pow(2).sum()
     comm.all_reduce(square, group=group)
+    if tp_group is not None:
+        comm.all_reduce(square, group=tp_group)
     norm = square.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:

@@ -76,12 +76,14 @@ def owner(key: str, plan: Sequence[StageLayers]) -> int | None:
 
 @torch.no_grad()
 def gather_full_state(model: nn.Module, like: dict[str, tuple[torch.Size, torch.dtype]], plan: Sequence[StageLayers],
-                      rank: int, ranks: Sequence[int], group=None) -> dict[str, torch.Tensor]:
+                      rank: int, ranks: Sequence[int], group=None,
+                      local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The full model's state on CPU on every pipeline rank, keyed and ordered like `like` (the
     original model's state_dict keys, each with its shape and dtype): each entry is broadcast
     over the pp `group` by the rank holding it (`ranks[r]`: global rank of pipeline rank r),
-    through `tinyscale.dist.comm` so the ledger sees it."""
-    local = model.state_dict()
+    through `tinyscale.dist.comm` so the ledger sees it. `local` replaces `model.state_dict()`
+    as this rank's entries (the engine passes the TP shards gathered back to full tensors)."""
+    local = model.state_dict() if local is None else local
     device = next(iter(local.values())).device
     out = {}
     for key, (shape, dtype) in like.items():

@@ -32,6 +32,7 @@ from tinyscale.tensor_parallel import (
 from tinyscale.tensor_parallel.apply import parallelize_block
 
 
+# --8<-- [start:split]
 def split_stages(model: GPT, stages: dict[int, nn.Module], group) -> None:
     """Split this rank's `stages` (`GPTStage`s sharing `model`'s modules) over the TP `group`, in
     place: the new embedding and head go into both the stage and `model` (under their original
@@ -46,6 +47,7 @@ def split_stages(model: GPT, stages: dict[int, nn.Module], group) -> None:
         if stage.head is not None:  # a tied head gets its own shard of the table (the first stage has the other)
             model.head = stage.head = ColumnParallelLinear.from_linear(stage.head, group, pad_out_features=True)
     model.tp_group = group  # what the engine's TP helpers (clipping under ZeRO, tp_state) read
+# --8<-- [end:split]
 
 
 def vocab_parallel_loss(group, vocab_size: int):

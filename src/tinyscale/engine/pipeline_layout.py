@@ -4,9 +4,9 @@ Config alone (`config_problems`): the schedule's settings without a pipeline; vi
 with a schedule that has no chunks; the combinations no test covers yet (context or sequence
 parallelism; tensor parallelism is served, `engine/pipeline_tp.py`; ZeRO stages 2 and 3,
 clipping under ZeRO 1, fp16/bf16, activation checkpointing, offload, communication_data_type,
-wall_clock_breakdown). With the model and world size
-(`check_layout`): a GPT without dropout, a world that is pp x tp x dp, at least one block per model stage,
-and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
+wall_clock_breakdown). With the model and world size (`check_layout`): a GPT without dropout,
+a world that is pp x tp x dp (dp 1 when tp > 1: not tested yet), at least one block per model
+stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`.
 """
 
@@ -72,6 +72,10 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
         raise ConfigError(f"parallel.pipeline={pp} x parallel.tensor={tp} does not divide the world size "
                           f"{world_size}: the ranks are pp x dp x tp; choose parallel.pipeline among "
                           f"{[d for d in range(1, world_size + 1) if world_size % (d * tp) == 0]}")
+    if tp > 1 and world_size > pp * tp:  # pp x tp is tested at dp 1 only (world 4; dp 2 would need 8 ranks)
+        raise ConfigError(f"parallel.pipeline={pp} x parallel.tensor={tp} on {world_size} ranks gives dp="
+                          f"{world_size // (pp * tp)}: data parallelism with pp x tp is not tested yet; use "
+                          f"{pp * tp} ranks (dp 1), or parallel.tensor 1 for dp x pp")
     if model.config.dropout > 0:
         raise ConfigError(f"parallel.pipeline={pp} with GPTConfig.dropout={model.config.dropout}: each stage draws "
                           "its masks from its own generator, which no test compares with one process yet; set "

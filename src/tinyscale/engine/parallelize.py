@@ -19,9 +19,9 @@ ZeRO stages 1-3 over the dp axis; context parallelism (`engine/context.py`: ring
 over the cp axis, gradients reduced over dp x cp), also with tensor parallelism (tp x cp,
 without sequence parallelism).
 Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
-rank's stages) with DDP or ZeRO stage 1 over dp, and with tensor parallelism (pp x tp, without
-sequence parallelism: this rank's stages split over tp, `engine/pipeline_tp.py`); not yet with
-context parallelism.
+rank's stages) with DDP or ZeRO stage 1 over dp, and with tensor parallelism (pp x tp at dp 1,
+without sequence parallelism: this rank's stages split over tp, `engine/pipeline_tp.py`); not
+yet with context parallelism.
 
 The mesh is `ParallelMesh(dp=world // (cp tp), cp=cp, tp=tp)`: ranks 0..tp-1 form the first
 TP group, and the ranks holding the same TP shard form a dp group. Tests:

@@ -72,6 +72,22 @@ class Compressor:
         return self.agree_bytes(numel, dtype) + (payload if self.aligned else world * payload)
 
 
+def split_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat`, consecutive, shaped like each tensor of `like` (the inverse of a cat of them)."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+def completed(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds `value` (what a comm hook that communicated synchronously returns)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
 def _check_flat(x: torch.Tensor, who: str) -> None:
     if x.dim() != 1:
         raise ValueError(f"{who}: expected a flat (1-D) gradient, got shape {tuple(x.shape)}; pass x.view(-1)")

@@ -30,11 +30,14 @@ class ErrorFeedback:
         self.residuals: dict[Hashable, torch.Tensor] = {}
 
     # --8<-- [start:feedback]
-    def compress(self, key: Hashable, g: torch.Tensor, group=None) -> Payload:
-        e = self.residuals.get(key)
-        acc = g + e if e is not None else g.clone()  # (n,)
+    def compress_with(self, g: torch.Tensor, residual: torch.Tensor | None, group=None) -> tuple[Payload, torch.Tensor]:
+        """(payload of g + residual, the new residual: what that payload does not carry)."""
+        acc = g + residual if residual is not None else g.clone()  # (n,)
         self.compressor.agree(acc, group)
         payload = self.compressor.compress(acc)
-        self.residuals[key] = acc - self.compressor.decompress(payload)  # what was not sent
+        return payload, acc - self.compressor.decompress(payload)
+
+    def compress(self, key: Hashable, g: torch.Tensor, group=None) -> Payload:
+        payload, self.residuals[key] = self.compress_with(g, self.residuals.get(key), group)
         return payload
     # --8<-- [end:feedback]

@@ -23,7 +23,7 @@ Lesson: lessons/10-compression.md. Tests: `pytest -k compression_hook`.
 import torch
 import torch.distributed as dist
 
-from tinyscale.compression.base import Compressor, compressed_mean
+from tinyscale.compression.base import Compressor, completed, compressed_mean, split_like
 from tinyscale.compression.feedback import ErrorFeedback
 from tinyscale.dist import comm
 
@@ -42,27 +42,18 @@ class CompressionState:
         `params` concatenated in order."""
         if self.feedback is None:
             return compressed_mean(flat, self.compressor, self.process_group)
-        self.feedback.residuals["bucket"] = torch.cat(
-            [self.residuals.get(p, flat.new_zeros(p.numel())) for p in params])  # (n,) in this bucket's order
-        payload = self.feedback.compress("bucket", flat, self.process_group)
-        rest, offset = self.feedback.residuals.pop("bucket"), 0
-        for p in params:
-            self.residuals[p] = rest[offset : offset + p.numel()]
-            offset += p.numel()
+        residual = torch.cat([self.residuals.get(p, flat.new_zeros(p.numel())) for p in params])  # bucket order
+        payload, rest = self.feedback.compress_with(flat, residual, self.process_group)
+        for p, piece in zip(params, split_like(rest, [p.reshape(-1) for p in params])):
+            self.residuals[p] = piece
         return compressed_mean(flat, self.compressor, self.process_group, payload=payload)
-
-
-def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 # --8<-- [start:hook]
 def compression_hook(state: CompressionState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's gradients, compressed, averaged over the group."""
     flat = bucket.buffer()  # (n,) this rank's gradients, summed not averaged
-    return _done(state.mean(flat, bucket.parameters()).to(flat.dtype))
+    return completed(state.mean(flat, bucket.parameters()).to(flat.dtype))
 # --8<-- [end:hook]
 
 
@@ -72,4 +63,4 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     if dist.is_initialized():
         comm.all_reduce(flat, group=process_group)
         flat.div_(dist.get_world_size(process_group))
-    return _done(flat)
+    return completed(flat)

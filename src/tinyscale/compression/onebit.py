@@ -31,6 +31,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from tinyscale.compression.base import split_like
 from tinyscale.dist import comm
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -104,13 +105,10 @@ class OneBitAdam(torch.optim.Optimizer):
         self.freeze_step, self.group, self.steps = freeze_step, group, 0
         self.worker_error = self.server_error = None
 
-    def _flat(self, what) -> list[torch.Tensor]:
-        return [what(p) for g in self.param_groups for p in g["params"]]
-
     @torch.no_grad()
     def step(self, closure=None):
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        params = self._flat(lambda p: p)
+        params = [p for group in self.param_groups for p in group["params"]]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         for p in params:
             state = self.state[p]
@@ -121,7 +119,7 @@ class OneBitAdam(torch.optim.Optimizer):
         if warmup and world > 1:  # exact: the mean gradient, one all-reduce
             flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
             comm.all_reduce(flat, group=self.group)
-            grads = _split(flat, params)
+            grads = split_like(flat, params)
         if not warmup:
             self._compressed_momentum(params, grads, world)
         self._update(params, grads, warmup)
@@ -139,7 +137,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 self.worker_error = torch.zeros_like(m_local)
                 self.server_error = m_local.new_zeros(m_local.numel() // world)
             m = compressed_allreduce(m_local, self.worker_error, self.server_error, self.group)
-        for p, part in zip(params, _split(m[: m.numel() - pad], params)):
+        for p, part in zip(params, split_like(m[: m.numel() - pad], params)):
             self.state[p]["exp_avg"].copy_(part)
 
     def _update(self, params, grads, warmup: bool) -> None:
@@ -156,11 +154,3 @@ class OneBitAdam(torch.optim.Optimizer):
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 denom = (state["exp_avg_sq"].sqrt() / math.sqrt(state["bc2"])).add_(group["eps"])
                 p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** self.steps))
-
-
-def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out

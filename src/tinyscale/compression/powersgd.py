@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tinyscale.compression.base import completed, split_like
 from tinyscale.dist import comm
 
 
@@ -101,7 +102,7 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
         out = flat / world  # divided first, as torch's plain all-reduce hook does
         comm.all_reduce(out, group=group)
         _count_iter(state, bucket)
-        return _done(out)
+        return completed(out)
     if state.use_error_feedback:
         if index in state.errors:
             flat.add_(state.errors[index])
@@ -110,11 +111,8 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
     if plain:  # vectors and small matrices: one uncompressed all-reduce of them all
         packed = torch.cat([t.reshape(-1) for t in plain])
         comm.all_reduce(packed, group=group)
-        packed.div_(world)
-        offset = 0
-        for t in plain:
-            t.copy_(packed[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, mean in zip(plain, split_like(packed.div_(world), plain)):
+            t.copy_(mean)
     ranks = [min(*m.shape, state.rank) for m in mats]
     qs = state.qs.get(index) if state.warm_start else None
     if qs is None:  # the same random Q on every rank: a seed from a generator every rank steps alike
@@ -126,12 +124,12 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
     if ps:
         p_flat = torch.cat([p.reshape(-1) for p in ps])
         comm.all_reduce(p_flat, group=group)  # sum: orthogonalised next, so no need to divide
-        ps = _split(p_flat, ps)
+        ps = split_like(p_flat, ps)
         for p in ps:
             orthogonalise(p, state.epsilon)
         q_flat = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(mats, ps)])  # (m, r) each
         comm.all_reduce(q_flat, group=group)
-        qs = _split(q_flat.div_(world), qs)
+        qs = split_like(q_flat.div_(world), qs)
         for m, p, q in zip(mats, ps, qs):
             m.copy_(p @ q.T)  # (n, m): the approximation of the mean, written into the bucket
     if state.use_error_feedback:
@@ -139,27 +137,13 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
     if state.warm_start:
         state.qs[index] = qs
     _count_iter(state, bucket)
-    return _done(flat)
+    return completed(flat)
 # --8<-- [end:powersgd]
-
-
-def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for t in like:
-        out.append(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
 
 
 def _count_iter(state: PowerSGDState, bucket) -> None:
     if bucket.is_last():  # one step = every bucket once; the step's last bucket ends it
         state.iter += 1
-
-
-def _done(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 def payload_elements(shapes: list[tuple[int, ...]], state: PowerSGDState) -> tuple[int, int, int]:

@@ -79,26 +79,38 @@ def stubs_and_solutions(tmp_path_factory) -> tuple[Path, Path]:
     return stubs, solutions
 
 
-def _stubs_fail_and_ours_pass(stubs: Path, solutions: Path, on_ranks: bool) -> None:
+@pytest.fixture(scope="module")
+def quick_rows(stubs_and_solutions) -> dict[str, list[dict]]:
+    """Every topic's quick tests, run once against the stubs and once against our code (one
+    pytest process each: a process costs ~7 s to start, the tests a few seconds)."""
+    quick = sorted(q for t in TOPICS.values() for q in t.quick)
+    stubs, solutions = stubs_and_solutions
+    return {"stubs": exercise.run_tests(stubs, quick), "solutions": exercise.run_tests(solutions, quick)}
+
+
+def _stubs_fail_and_ours_pass(quick_rows: dict[str, list[dict]], on_ranks: bool) -> None:
     quick = {q: t.name for t in TOPICS.values() if t.ranks == on_ranks for q in t.quick}
-    rows = exercise.run_tests(stubs, sorted(quick))
+    assert quick, "no quick tests of this kind"
+
+    def mine(rows):
+        return [r for r in rows if any(q.split("::")[1] == r["test"].split("::")[1] for q in quick)]
+
+    rows = mine(quick_rows["stubs"])
     assert len(rows) == len(quick)
     for row in rows:  # each fails because of its own topic's stub, not another's
         topic = next(name for q, name in quick.items() if q.split("::")[1] == row["test"].split("::")[1])
         assert row["outcome"] == "failed", row
         assert f"exercise {topic}: write" in row["details"] + row["message"], row
-    rows = exercise.run_tests(solutions, sorted(quick))
+    rows = mine(quick_rows["solutions"])
     assert len(rows) == len(quick) and [r for r in rows if r["outcome"] != "passed"] == []
 
 
-def test_exercise_stubs_fail_the_topic_tests_and_our_code_in_their_place_passes(stubs_and_solutions):
-    _stubs_fail_and_ours_pass(*stubs_and_solutions, on_ranks=False)
+def test_exercise_stubs_fail_the_topic_tests_and_our_code_in_their_place_passes(quick_rows):
+    _stubs_fail_and_ours_pass(quick_rows, on_ranks=False)
 
 
-@pytest.mark.slow
-def test_exercise_stubs_fail_the_topic_tests_on_ranks_and_our_code_passes(stubs_and_solutions):
-    # ~1-2 min on 2 cores: every failing rank test restarts its pool of rank processes
-    _stubs_fail_and_ours_pass(*stubs_and_solutions, on_ranks=True)
+def test_exercise_stubs_fail_the_topic_tests_on_ranks_and_our_code_passes(quick_rows):
+    _stubs_fail_and_ours_pass(quick_rows, on_ranks=True)
 
 
 def test_exercise_check_summarises_the_topic_tests(stubs_and_solutions, capsys):

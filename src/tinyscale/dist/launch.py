@@ -17,7 +17,6 @@ remote traceback; a rank that dies or hangs stops every rank, and `launch` raise
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -146,7 +145,8 @@ def raise_for_outcomes(outcomes: dict[int, procs.Outcome], timeout_s: float) -> 
 
 
 # --8<-- [start:rank-main]
-def _rank_main(rank, world_size, port, backend, timeout_s, fn, args, results, parent_pid, stack_dir):
+def _rank_main(rank, world_size, port, backend, timeout_s, fn, args, results, parent_pid, stack_dir, env):
+    procs.adopt_environment(env)
     procs.die_with_parent(parent_pid)
     procs.enable_stack_dumps(stack_dir, rank)
     # torchrun's variables, so code written for torchrun (and `init()`) sees a familiar world.
@@ -210,7 +210,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto", timeout_
     # --8<-- [start:launch]
     check_picklable(fn, args)
     deadline = time.monotonic() + timeout_s
-    ctx = mp.get_context("spawn")
+    ctx = procs.start_context()
     # The parent holds the rendezvous store on a free port: no fixed port, no race for one.
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
@@ -219,7 +219,7 @@ def launch(fn: Callable, world_size: int, *args, backend: str = "auto", timeout_
     ranks = [
         ctx.Process(target=_rank_main, name=f"tinyscale-rank{r}",
                     args=(r, world_size, store.port, backend, timeout_s, fn, args, results, os.getpid(),
-                          stack_dir))
+                          stack_dir, procs.child_environment()))
         for r in range(world_size)
     ]
     try:

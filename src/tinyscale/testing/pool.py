@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -43,7 +42,8 @@ _HOST = "127.0.0.1"
 _READY = -1  # task id of the "joined the process group" message
 
 
-def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, parent_pid, stack_dir):
+def _worker_main(rank, world_size, port, backend, timeout_s, tasks, results, parent_pid, stack_dir, env):
+    procs.adopt_environment(env)
     procs.die_with_parent(parent_pid)
     procs.enable_stack_dumps(stack_dir, rank)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -101,7 +101,7 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = procs.start_context()
         self._store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.timeout_s))
         self._results = ctx.Queue()
@@ -110,7 +110,8 @@ class RankPool:
         self._procs = [
             ctx.Process(target=_worker_main, name=f"tinyscale-pool{self.world_size}-rank{r}",
                         args=(r, self.world_size, self._store.port, self.backend, self.timeout_s,
-                              self._tasks[r], self._results, os.getpid(), self._stack_dir))
+                              self._tasks[r], self._results, os.getpid(), self._stack_dir,
+                              procs.child_environment()))
             for r in range(self.world_size)
         ]
         for p in self._procs:

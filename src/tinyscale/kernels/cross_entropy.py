@@ -75,7 +75,8 @@ class _FusedLinearCE(torch.autograd.Function):
         count = int((targets != IGNORE_INDEX).sum())
         inv = 1.0 / max(count, 1)
         losses = torch.empty(N, dtype=torch.float32, device=h.device)
-        dh, dw = torch.empty_like(h), torch.zeros_like(weight)
+        # dW sums over every chunk: in float32 at least, so bf16/fp16 weights are not rounded once per chunk
+        dh, dw = torch.empty_like(h), torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
         for start in range(0, N, chunk):
             rows = slice(start, min(start + chunk, N))
             logits = h[rows] @ weight.T  # (c, V): the only logits alive at any time
@@ -86,15 +87,16 @@ class _FusedLinearCE(torch.autograd.Function):
             else:
                 losses[rows] = _rows_reference(logits, t, inv)
             dh[rows] = logits @ weight  # (c, V) @ (V, C): logits hold dlogits now
-            dw += logits.T @ h[rows]  # (V, c) @ (c, C)
+            dw += logits.T @ h[rows]  # (V, c) @ (c, C): rounded to the format once per chunk, summed in float32
             del logits
         ctx.save_for_backward(dh, dw)
+        ctx.weight_dtype = weight.dtype
         return losses.sum() * inv
 
     @staticmethod
     def backward(ctx, grad_loss):
         dh, dw = ctx.saved_tensors
-        return dh * grad_loss, dw * grad_loss, None, None
+        return dh * grad_loss, (dw * grad_loss).to(ctx.weight_dtype), None, None
 
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,

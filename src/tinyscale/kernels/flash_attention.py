@@ -173,6 +173,19 @@ def _tiles(D: int, block: int) -> dict:
     return dict(D=D, BD=max(16, triton.next_power_of_2(D)), BM=block, BN=block)
 
 
+def _block(q: torch.Tensor, block: int | None) -> int:
+    """Query/key tile: 16 under the CPU interpreter (tiny tiles run fastest there); on a GPU 64,
+    or 32 where float32 or a head dim over 64 would make three 64-row tiles too big for
+    shared memory (untuned: no GPU has run these kernels yet, see lesson 11)."""
+    if block is not None:
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"flash attention: block={block} must be a power of two >= 16 (tl.dot's minimum)")
+        return block
+    if not q.is_cuda:
+        return 16
+    return 32 if q.dtype == torch.float32 or q.shape[-1] > 64 else 64
+
+
 def _key_ok(key_valid, Tk: int, device) -> torch.Tensor:
     if key_valid is None:
         return torch.ones(Tk, dtype=torch.int8, device=device)
@@ -190,13 +203,14 @@ def _check(q, k, v, causal_mask_kind: str) -> None:
         raise ValueError(f"a causal (diagonal) block needs as many queries as keys, got {Tq} and {k.shape[2]}")
 
 
-def flash_block(q, k, v, *, causal_mask_kind: str, scale: float, key_valid=None, block: int = 16):
+def flash_block(q, k, v, *, causal_mask_kind: str, scale: float, key_valid=None, block: int | None = None):
     """`block_attention`'s contract with the Triton kernel: out (B, H, Tq, D), lse (B, H, Tq) float32."""
     _check(q, k, v, causal_mask_kind)
     if not kernel_ok(q):
         return attention_reference(q, k, v, causal_mask_kind=causal_mask_kind, scale=scale, key_valid=key_valid)
     B, H, Tq, D = q.shape
     Kh, Tk = k.shape[1], k.shape[2]
+    block = _block(q, block)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
@@ -206,7 +220,7 @@ def flash_block(q, k, v, *, causal_mask_kind: str, scale: float, key_valid=None,
 
 
 def flash_block_backward(dout, q, k, v, out, lse, *, causal_mask_kind: str, scale: float, key_valid=None,
-                         block: int = 16):
+                         block: int | None = None):
     """`block_attention_backward`'s contract: given the rows' merged out and lse -> dq, dk, dv."""
     _check(q, k, v, causal_mask_kind)
     if not kernel_ok(q):
@@ -214,6 +228,7 @@ def flash_block_backward(dout, q, k, v, out, lse, *, causal_mask_kind: str, scal
                            f"float32/16 q, got {q.dtype} on {q.device}; use autograd through attention_reference")
     B, H, Tq, D = q.shape
     Kh, Tk = k.shape[1], k.shape[2]
+    block = _block(q, block)
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     # delta = rowsum(dO * O) = sum_j P_ij dP_ij: one small pass in torch before the kernels
     delta = (dout.float() * out.float()).sum(-1).contiguous()  # (B, H, Tq)

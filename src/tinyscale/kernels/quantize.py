@@ -44,8 +44,10 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, BLOCK: tl.constexpr):
     offs = b * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.max(tl.abs(x), axis=0) / 127
-    y = x / tl.maximum(scale, 1.1754943508222875e-38)  # float32's smallest normal: zeros stay zeros
+    # div_rn: IEEE round-to-nearest division, as PyTorch's. A plain `/` compiles to the GPU's
+    # approximate division (2 ulp), which moves a code by one where x / scale is near k + 1/2.
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 127.0)
+    y = tl.math.div_rn(x, tl.maximum(scale, 1.1754943508222875e-38))  # smallest normal: zeros stay zeros
     q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
     q = tl.minimum(tl.maximum(q, -127.0), 127.0)
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)

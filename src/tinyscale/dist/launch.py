@@ -1,13 +1,13 @@
 """`launch(fn, world_size)`: run a function on N ranks of this machine and get the results.
 
-    def work(scale):                     # module-level: spawned ranks import it by name
+    def work(scale):                     # module-level: ranks import it by name
         t = torch.ones(3) * (dist.get_rank() + 1)
         ts.dist.comm.all_reduce(t)
         return t * scale
     results = ts.dist.launch(work, 4, 2.0)   # [tensor, tensor, tensor, tensor], rank order
 
-Each rank is a fresh process (the "spawn" start method: CUDA cannot be forked) that joins
-a process group through a TCPStore this process holds on a free port, so two launches
+Each rank is a new process (forked from a fork server that has imported torch once, or a
+fresh interpreter where CUDA is available: `procs.start_context`) that joins a process group through a TCPStore this process holds on a free port, so two launches
 never race for a port. gloo on CPU; NCCL with ``cuda:local_rank`` when there is a GPU per
 rank. A rank's exception is re-raised here as `RankError` naming the rank, with the
 remote traceback; a rank that dies or hangs stops every rank, and `launch` raises within

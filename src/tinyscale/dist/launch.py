@@ -7,8 +7,9 @@
     results = ts.dist.launch(work, 4, 2.0)   # [tensor, tensor, tensor, tensor], rank order
 
 Each rank is a new process (forked from a fork server that has imported torch once, or a
-fresh interpreter where CUDA is available: `procs.start_context`) that joins a process group through a TCPStore this process holds on a free port, so two launches
-never race for a port. gloo on CPU; NCCL with ``cuda:local_rank`` when there is a GPU per
+fresh interpreter where CUDA is available: `procs.start_context`) that joins a process
+group through a TCPStore this process holds on a free port, so two launches never race
+for a port. gloo on CPU; NCCL with ``cuda:local_rank`` when there is a GPU per
 rank. A rank's exception is re-raised here as `RankError` naming the rank, with the
 remote traceback; a rank that dies or hangs stops every rank, and `launch` raises within
 `timeout_s`. It never hangs and leaves no process behind.

@@ -120,7 +120,8 @@ def start_context():
     because the server only imports; it is not used where CUDA is available, since a
     process forked after the CUDA driver is initialised cannot use CUDA (and GPU machines
     have the cores to spawn). Ranks do not inherit the parent's environment from the
-    server, so `child_environment` carries it.
+    server, so `child_environment` carries it. ``TINYSCALE_START_METHOD=spawn`` or
+    ``forkserver`` overrides the choice; any other value is a ValueError.
     """
     method = os.environ.get(START_METHOD_ENV) or ""
     if method not in ("", "spawn", "forkserver"):

@@ -26,3 +26,25 @@ from tinyscale.pipeline.schedules import (
     zb_h1,
 )
 from tinyscale.pipeline.simulator import ScheduleError, Simulation, simulate
+
+__all__ = [
+    "Action",
+    "GPTStage",
+    "PipelineExecutor",
+    "ScheduleError",
+    "Simulation",
+    "StageLayers",
+    "add_communication",
+    "afab",
+    "balanced_split",
+    "exchange_tied_grads",
+    "format_schedule",
+    "gpt_loss",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "partition_gpt",
+    "simulate",
+    "stage_ranks",
+    "stages_on_rank",
+    "zb_h1",
+]

@@ -7,7 +7,8 @@ pointer; checksums on load) holds:
     optimizer.pt   per-parameter optimizer state keyed by parameter NAME, hyperparameters,
                    mixed precision's fp32 masters and the loss scaler's state
     rng.pt         every rank's random number generators (torch CPU, CUDA where present,
-                   Python's `random`, numpy's), keyed by rank: dropout draws resume exactly
+                   Python's `random`, numpy's, and under tensor parallelism the dropout
+                   tracker's stream, `tp_tracker`), keyed by rank: dropout draws resume exactly
     meta.json      step, skipped steps (the LR schedule's position), the config, the
                    optimizer's class, the caller's `client_state` (the CLI's data position),
                    the world it was written from, and the files' SHA-256

@@ -35,26 +35,10 @@ from tinyscale.dist import ParallelMesh, comm
 from tinyscale.models import GPTConfig
 from tinyscale.models.gpt import Block, rope_tables
 from tinyscale.tensor_parallel import parallelize_block
+from tinyscale.tensor_parallel.dtensor_plan import torch_block_plan
 
 VARIANTS = ["ours", "ours, sequence parallel", "DTensor", "DTensor, SP"]
 REFERENCE = {"ours": "DTensor", "ours, sequence parallel": "DTensor, SP"}
-
-
-def torch_plan(sequence_parallel: bool) -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-    plan = {name: ColwiseParallel() for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")}
-    if not sequence_parallel:
-        return {**plan, "attn.wo": RowwiseParallel(), "mlp.w_down": RowwiseParallel()}
-    return {**plan, "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attn.wo": RowwiseParallel(output_layouts=Shard(1)), "mlp.w_down": RowwiseParallel(output_layouts=Shard(1))}
 
 
 def _bench_rank(n_blocks: int, steps: int, batch: int, seq: int, d_model: int) -> dict:
@@ -75,7 +59,7 @@ def _bench_rank(n_blocks: int, steps: int, batch: int, seq: int, d_model: int) -
             if name.startswith("ours"):
                 parallelize_block(block, dist.group.WORLD, sequence_parallel=sp)
             else:
-                parallelize_module(block, mesh, torch_plan(sp))
+                parallelize_module(block, mesh, torch_block_plan(sp))
         models[name] = (blocks, sp)
     cos, sin = (t.float() for t in rope_tables(seq, cfg.head_dim, cfg.rope_theta))
     x_full = torch.randn(batch, seq, d_model, generator=torch.Generator().manual_seed(1))

@@ -20,27 +20,8 @@ from tinyscale.dist import ParallelMesh
 from tinyscale.models import GPTConfig
 from tinyscale.models.gpt import Block, rope_tables
 from tinyscale.tensor_parallel import parallelize_block
+from tinyscale.tensor_parallel.dtensor_plan import torch_block_plan
 from tinyscale.testing import FLOAT64_ATOL, FLOAT64_RTOL, run_on_ranks
-
-
-def _torch_plan(sequence_parallel: bool) -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-    plan = {name: ColwiseParallel() for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")}
-    if not sequence_parallel:
-        return {**plan, "attn.wo": RowwiseParallel(), "mlp.w_down": RowwiseParallel()}
-    return {**plan,
-            "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                       desired_input_layouts=(Replicate(), None, None)),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp.w_down": RowwiseParallel(output_layouts=Shard(1))}
 
 
 def _full_grads(block) -> dict[str, torch.Tensor]:
@@ -68,7 +49,7 @@ def dtensor_body(sequence_parallel: bool):
     ours, theirs = copy.deepcopy(dense), copy.deepcopy(dense)
     parallelize_block(ours, dist.group.WORLD, sequence_parallel=sequence_parallel)
     from torch.distributed.tensor.parallel import parallelize_module
-    parallelize_module(theirs, ParallelMesh(tp=n).device_mesh["tp"], _torch_plan(sequence_parallel))
+    parallelize_module(theirs, ParallelMesh(tp=n).device_mesh["tp"], torch_block_plan(sequence_parallel))
 
     T = 8
     cos, sin = rope_tables(T, cfg.head_dim, cfg.rope_theta)

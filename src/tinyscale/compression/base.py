@@ -65,6 +65,13 @@ class Compressor:
         """Bytes all-reduced by `agree` (0 unless the compressor agrees on something)."""
         return 0
 
+    def state_dict(self) -> dict:
+        """What compressing changes (a random stream's position): a dropped step or a resume restores it."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Set what `state_dict` returned."""
+
     def ledger_bytes(self, numel: int, dtype: torch.dtype, world: int) -> int:
         """What the ledger records for one `compressed_mean` (its 'size' convention, see
         tinyscale.dist.comm): an all-reduce counts the payload once, an all-gather N times."""

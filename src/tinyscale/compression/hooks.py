@@ -37,6 +37,15 @@ class CompressionState:
         self.feedback = ErrorFeedback(compressor) if error_feedback else None
         self.residuals: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> its residual, flat
 
+    def state_dict(self) -> dict:
+        """Residuals (parameter -> tensor; each step replaces them, never writes into them) and
+        the compressor's state: what a dropped step must restore, and a resume load."""
+        return {"residuals": dict(self.residuals), "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residuals = dict(state["residuals"])
+        self.compressor.load_state_dict(state["compressor"])
+
     def mean(self, flat: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
         """The compressed mean over the group of this rank's `flat` (n,), the gradients of
         `params` concatenated in order."""

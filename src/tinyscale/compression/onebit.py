@@ -105,6 +105,15 @@ class OneBitAdam(torch.optim.Optimizer):
         self.freeze_step, self.group, self.steps = freeze_step, group, 0
         self.worker_error = self.server_error = None
 
+    def comm_state(self) -> dict:
+        """What `state_dict` lacks for a resume: the step count and this rank's two errors (not
+        the per-parameter states, which the optimizer's state holds). Copies."""
+        copy = lambda t: None if t is None else t.clone()  # noqa: E731
+        return {"steps": self.steps, "worker_error": copy(self.worker_error), "server_error": copy(self.server_error)}
+
+    def load_comm_state(self, state: dict) -> None:
+        self.steps, self.worker_error, self.server_error = state["steps"], state["worker_error"], state["server_error"]
+
     @torch.no_grad()
     def step(self, closure=None):
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1

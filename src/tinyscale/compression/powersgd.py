@@ -58,6 +58,21 @@ class PowerSGDState:
         self.iter = 0
         self.numel_before = self.numel_after = 0  # elements per bucket before / after compression
 
+    def state_dict(self) -> dict:
+        """The memories, the step count and Q's seed stream: what a dropped step must restore
+        and a resume load. Errors are replaced each step; Qs are orthogonalised in place: copied."""
+        kind, key, pos, has_gauss, gauss = self.rng.get_state()
+        return {"iter": self.iter, "errors": dict(self.errors),
+                "qs": {i: [q.clone() for q in qs] for i, qs in self.qs.items()},
+                "rng": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                        "gauss": float(gauss)}}  # tensors and numbers: a checkpoint loads weights_only
+
+    def load_state_dict(self, state: dict) -> None:
+        self.iter, self.errors = state["iter"], dict(state["errors"])
+        self.qs = {i: [q.clone() for q in qs] for i, qs in state["qs"].items()}
+        r = state["rng"]
+        self.rng.set_state(("MT19937", r["key"].numpy().astype(np.uint32), r["pos"], r["has_gauss"], r["gauss"]))
+
     def worth_compressing(self, n: int, m: int) -> bool:
         r = min(n, m, self.rank)
         return (n + m) * r * self.min_compression_rate < n * m

@@ -51,6 +51,7 @@ class QSGD(Compressor):
         self.bits, self.levels, self.seed = bits, 2 ** (bits - 1) - 1, seed
         self.scale: torch.Tensor | None = None
         self._gen: torch.Generator | None = None
+        self._gen_state: torch.Tensor | None = None  # a loaded position, applied when the generator is made
 
     def agree(self, x: torch.Tensor, group=None) -> None:
         scale = x.detach().abs().max().reshape(1).clone()  # (1,)
@@ -62,7 +63,16 @@ class QSGD(Compressor):
         if self._gen is None:  # each rank its own stream (independent rounding), reproducible
             rank = dist.get_rank() if dist.is_initialized() else 0
             self._gen = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
+            if self._gen_state is not None:
+                self._gen.set_state(self._gen_state)
         return self._gen
+
+    def state_dict(self) -> dict:
+        state = self._gen.get_state() if self._gen is not None else self._gen_state
+        return {} if state is None else {"generator": state}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._gen, self._gen_state = None, state.get("generator")
 
     def compress(self, x: torch.Tensor) -> Payload:
         _check_flat(x, "QSGD.compress")

@@ -80,6 +80,12 @@ class RandomK(Compressor):
         self.calls += 1
         return torch.randperm(numel, generator=gen)[: kept(numel, self.ratio)].sort().values  # (k,)
 
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state["calls"]
+
     def compress(self, x: torch.Tensor) -> Payload:
         _check_flat(x, "RandomK.compress")
         idx = self.indices(x.numel()).to(x.device)

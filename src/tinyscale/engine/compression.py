@@ -30,6 +30,7 @@ from tinyscale.compression import (
     QSGD, CompressionState, OneBitAdam, PowerSGDState, RandomK, TopK, compression_hook, powersgd_hook,
 )
 from tinyscale.config import EngineConfig
+from tinyscale.engine.checkpoint import CheckpointError
 
 
 def check_config(config: EngineConfig) -> list[str]:
@@ -89,3 +90,63 @@ def attach(ddp, config: EngineConfig, group) -> None:
                       "qsgd": lambda: QSGD(c.bits, seed=c.seed)}[c.type]()
         ddp.register_comm_hook(CompressionState(compressor, group, error_feedback=c.error_feedback), compression_hook)
 # --8<-- [end:attach]
+
+
+def _hook_state(ddp):
+    hook = getattr(ddp, "_comm_hook", None)
+    return hook[0] if hook is not None and isinstance(hook[0], (CompressionState, PowerSGDState)) else None
+
+
+def snapshot(ddp):
+    """The hook's state before a step (None without one): a step that is dropped has run the
+    hooks (every rank completes the buckets' communication), so it must be put back."""
+    state = _hook_state(ddp)
+    return None if state is None else state.state_dict()
+
+
+def restore(ddp, saved) -> None:
+    """Put back what `snapshot` took."""
+    if saved is not None:
+        _hook_state(ddp).load_state_dict(saved)
+
+
+def local_state(engine) -> dict | None:
+    """This rank's compression state for a checkpoint (residuals by parameter name), or None.
+    Per rank: each rank's residuals and errors differ, so rank 0 saves every rank's."""
+    names = {p: n for n, p in engine.model.named_parameters()}
+    if isinstance(engine.optimizer, OneBitAdam):
+        return {"type": "onebit_adam", "state": engine.optimizer.comm_state()}
+    state = snapshot(engine.ddp)
+    if state is None:
+        return None
+    if "residuals" in state:
+        state["residuals"] = {names[p]: r.clone() for p, r in state["residuals"].items()}
+    return {"type": engine.config.compression.type, "state": state}
+
+
+def check_resume(saved_world: int, world: int, saved_ranks: dict) -> None:
+    """Refuse a resume on another world size when the checkpoint holds compression state
+    (residuals and errors are per rank, 1-bit Adam's server error per rank's chunk)."""
+    if saved_world != world and any(s.get("compression") for s in saved_ranks.values()):
+        raise CheckpointError(f"load_checkpoint: the checkpoint holds per-rank compression state (residuals, "
+                              f"errors) of {saved_world} ranks and is loaded on {world}: resume on {saved_world} "
+                              "ranks, or load it into an engine with compression.type \"none\"")
+
+
+def load_local_state(engine, saved: dict | None) -> None:
+    """Set this rank's compression state from `local_state`'s (None: the checkpoint has none,
+    as from a run without compression: start it fresh)."""
+    if saved is None or saved["type"] != engine.config.compression.type:
+        return  # none saved, or another compressor's: this one starts fresh
+    device, state = engine.device, dict(saved["state"])
+    if isinstance(engine.optimizer, OneBitAdam):
+        engine.optimizer.load_comm_state({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                          for k, v in state.items()})
+        return
+    if "residuals" in state:
+        params = dict(engine.model.named_parameters())
+        state["residuals"] = {params[n]: r.to(device) for n, r in state["residuals"].items()}
+    if "errors" in state:  # PowerSGD's memories (its seed stream stays on the CPU)
+        state["errors"] = {i: e.to(device) for i, e in state["errors"].items()}
+        state["qs"] = {i: [q.to(device) for q in qs] for i, qs in state["qs"].items()}
+    restore(engine.ddp, state)

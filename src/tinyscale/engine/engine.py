@@ -277,6 +277,7 @@ class Engine:
         # a dropped step must not have drawn random numbers (dropout): its draws are undone
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                parallelize.rng_state(self.model))
+        hooked = compression.snapshot(self.ddp)  # a compression hook's residuals, memories, streams
         error, i = None, 0
         with comm.record(self.comm_ledger):
             try:
@@ -320,6 +321,7 @@ class Engine:
         diverged = not math.isfinite(mean_loss) and self.loss_scaler is None
         if failed_ranks or diverged:
             self._roll_back(rng)
+            compression.restore(self.ddp, hooked)  # every rank ran the hooks for the dropped step
         if error is not None:
             raise error
         if failed_ranks:
@@ -431,6 +433,9 @@ class Engine:
             optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = {**checkpoint.rng_state(self.device), **parallelize.rng_state(self.model)}  # + TP's tracker
+        local = compression.local_state(self)  # per-rank residuals and errors travel with the random state
+        if local is not None:
+            mine["compression"] = local
         rng = [mine]
         if world > 1:  # every rank's generators, to rank 0 (a few KB each)
             rng = [None] * world
@@ -493,6 +498,8 @@ class Engine:
         try:
             model_state, optimizer_state, meta = checkpoint.read(path)
             checkpoint.check_compatible(path, meta, model_state, shapes, type(self._torch_optimizer()).__name__)
+            if meta["rng"] is not None and self.config.compression.type != "none":
+                compression.check_resume(meta["rng"]["world_size"], world, meta["rng"]["ranks"])
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below: none waits in a gather
             error = exc
         if dist.is_initialized():
@@ -538,6 +545,7 @@ class Engine:
         warning = checkpoint.restore_rng(meta["rng"], rank, world, self.device)
         if meta["rng"] is not None:  # tensor parallelism's tracker stream (same world: exact)
             parallelize.restore_rng(self.model, meta["rng"]["ranks"].get(rank))
+            compression.load_local_state(self, meta["rng"]["ranks"].get(rank, {}).get("compression"))
         changes = checkpoint.config_changes(meta.get("config"), self.config.model_dump(mode="json"))
         if rank == 0 and (changes or warning):
             log = get_logger("tinyscale.checkpoint")

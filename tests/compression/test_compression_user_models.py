@@ -130,3 +130,20 @@ def test_compression_user_resume_on_another_world_size_is_refused(tmp_path):
     run_on_ranks(_train, WORLD, LOSSY["topk"], None, path, 1)
     with pytest.raises(Exception, match="per-rank compression state .* of 3 ranks and is loaded on 2"):
         run_on_ranks(_load_on, 2, LOSSY["topk"], path)
+
+
+def _exact(sections: dict) -> dict:
+    return {name: _train(section) for name, section in {"none": {"type": "none"}, **sections}.items()}
+
+
+def test_compression_user_exact_configurations_equal_the_uncompressed_engine():
+    """Found by this test: 1-bit Adam stepped the parameter no rank used (decay, momentum) in
+    its warm-up, where AdamW skips it."""
+    runs = run_on_ranks(_exact, WORLD, EXACT)[0]
+    ref_losses, ref_state = runs.pop("none")
+    for name, (losses, state) in runs.items():
+        # 1e-10: float64, the same sums in another order (a compressor's decompress-and-add,
+        # PowerSGD's P Q^T) over 3 steps
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-10, atol=0, msg=name)
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-10, atol=1e-12, msg=f"{name}: {k}")

@@ -19,8 +19,11 @@ per rank instead of 4n (fp32): ~32x less than an all-reduce's payload. Both erro
 (e = x - decompress(compress(x))), so nothing is lost, only delayed.
 
 The optimizer owns the gradient communication of its group: use it on a model that is not
-wrapped in a DDP. A parameter with no gradient on this rank contributes zeros (unlike
-torch's optimizers, which skip it). Shape legend: n elements of all parameters, N ranks.
+wrapped in a DDP. A parameter with no gradient on this rank contributes zeros; one that no
+rank used is not stepped in the warm-up (as AdamW; usage flags ride in its all-reduce).
+After it, the parameters used in the warm-up are stepped (no gradient: zeros) and the others
+never are (they have no variance to freeze; what gradient they get later is dropped).
+Shape legend: n elements of all parameters, N ranks.
 Lesson: lessons/10-compression.md. Tests: `pytest -k compression_onebit`.
 """
 
@@ -119,19 +122,24 @@ class OneBitAdam(torch.optim.Optimizer):
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         params = [p for group in self.param_groups for p in group["params"]]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        used = [p.grad is not None for p in params]  # on this rank
         self.steps += 1
         warmup = self.steps <= self.freeze_step
-        if warmup and world > 1:  # exact: the mean gradient, one all-reduce
+        if warmup and world > 1:  # exact: the mean gradient, one all-reduce (usage flags ride along)
             flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
+            flat = torch.cat([flat, torch.tensor(used, dtype=flat.dtype, device=flat.device)])
             comm.all_reduce(flat, group=self.group)
-            grads = split_like(flat, params)
-        if not warmup:
-            self._compressed_momentum(params, grads, world)
-        self._update(params, grads, warmup)
+            grads, used = split_like(flat, params), (flat[flat.numel() - len(params):] > 0).tolist()
+        if warmup:  # as AdamW: a parameter no rank used is not stepped (no state, no decay)
+            stepped = {p for p, u in zip(params, used) if u}
+            for p in stepped:
+                if not self.state[p]:
+                    self.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        else:  # the parameters with a variance to freeze: those used in the warm-up (the same on every rank)
+            stepped = {p for p in params if "bc2" in self.state[p]}
+            self._compressed_momentum([p for p in params if p in stepped],
+                                      [g for p, g in zip(params, grads) if p in stepped], world)
+        self._update(params, grads, warmup, stepped)
 
     def _compressed_momentum(self, params, grads, world: int) -> None:
         b1 = self.param_groups[0]["betas"][0]
@@ -149,17 +157,20 @@ class OneBitAdam(torch.optim.Optimizer):
         for p, part in zip(params, split_like(m[: m.numel() - pad], params)):
             self.state[p]["exp_avg"].copy_(part)
 
-    def _update(self, params, grads, warmup: bool) -> None:
+    def _update(self, params, grads, warmup: bool, stepped: set) -> None:
         i = 0
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
                 state, g = self.state[p], grads[i]
                 i += 1
+                if p not in stepped:
+                    continue
+                state["step"] += 1  # per parameter, as AdamW's bias corrections count
                 if warmup:
                     state["exp_avg"].lerp_(g, 1 - b1)  # AdamW's own arithmetic, so warm-up equals it
                     state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                    state["bc2"] = 1 - b2 ** self.steps  # frozen with v after the warm-up
+                    state["bc2"] = 1 - b2 ** state["step"]  # frozen with v after the warm-up
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 denom = (state["exp_avg_sq"].sqrt() / math.sqrt(state["bc2"])).add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** self.steps))
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** state["step"]))

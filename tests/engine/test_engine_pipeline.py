@@ -14,6 +14,7 @@
 - layouts the engine cannot serve are refused with a ConfigError naming the field, before any
   process group is made.
 The layouts of one world size run in one pooled multi-rank call (cached per module).
+A step that raised on one stage: `test_engine_pipeline_failed_step.py`.
 Run: `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b, pp_interleaved,
 pp_zero_bubble).
 """

@@ -24,9 +24,11 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
    the tied table counted once, on the first stage; with TP also over the TP group, each
    shard by its rank and a replicated parameter by TP rank 0), the learning rate, the step.
 
-A forward or backward that raises leaves the other stages waiting for its messages: the
-step cannot be dropped on every rank as the data-parallel engine does, so the engine refuses
-further steps (the process-group timeout ends the peers). Tests:
+A forward, backward or loss that raises on some stages: the executor runs the schedule's
+messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
+failed (one all-reduce of a flag per rank, `parallelize.failed_ranks`) and drops the step, as
+the data-parallel engine does: that rank re-raises its error, the others raise `StepFailed`
+naming it. A failure in the messages themselves still stops the engine. Tests:
 `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
 pp_interleaved, pp_zero_bubble).
 """
@@ -140,13 +142,29 @@ class PipelineStep:
         targets = [chunk[1].to(engine.device) for chunk in micro]
         # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})
+        from tinyscale.engine.engine import StepFailed  # noqa: PLC0415 - engine.py imports this module
+        from tinyscale.engine.parallelize import failed_ranks  # noqa: PLC0415 - so does parallelize.py
+        failed: list[int] = []
         try:
             with comm.record(engine.comm_ledger):
                 # --8<-- [start:step]
                 # DDP synchronises once, below: the schedule's backwards (and zero-bubble's W
                 # passes, which write .grad outside autograd's hooks) only accumulate.
+                error = None
                 with engine.ddp.no_sync() if engine.ddp is not None else contextlib.nullcontext():
-                    loss = self.executor.run(inputs, targets)
+                    try:
+                        loss = self.executor.run(inputs, targets)
+                    except Exception as exc:  # noqa: BLE001 - the schedule ran to its end: drop the step
+                        if self.executor.failed is None:
+                            raise  # the messages themselves failed
+                        error = exc if self.executor.failed[1] is not None else None  # else a peer's
+                failed = failed_ranks(error is not None, engine.device)  # who, over the world
+                if failed:
+                    engine._roll_back(rng)
+                    raise error if error is not None else StepFailed(
+                        f"train_batch: step {engine.step} raised on pipeline rank(s) {failed} (see the error "
+                        "there); every rank dropped the step, so the engine is as it was before it: retry "
+                        "the batch or skip it")
                 if self.tied is not None:
                     exchange_tied_grads(*self.tied, group=self.group)
                 if engine.ddp is not None:
@@ -159,7 +177,8 @@ class PipelineStep:
                     comm.all_reduce(total, group=engine.dp_group)
                 # --8<-- [end:step]
         except Exception as exc:
-            # Peers wait for this rank's messages: no way to drop the step together.
+            if failed:  # dropped on every rank
+                raise
             engine._broken = f"step {engine.step} raised inside the pipeline schedule ({type(exc).__name__}: {exc})"
             raise
         mean_loss = total.item() / engine.dp_size

@@ -14,6 +14,9 @@ only knows what each action means:
   (`tinyscale.dist.comm`, so the ledger counts it); each message is a small header (dtype,
   number of dims, shape), so the receiver can allocate a tensor of any shape (variable
   sequence lengths between steps work), then the data. Receives wait in schedule order.
+- a compute action that raises: the rank runs the rest of its schedule's messages, each a
+  header that says which rank failed (no data), and so does every rank that receives one;
+  `run` then re-raises the error (or `StageFailed` naming the rank), none left waiting.
 
 Gradients accumulate in `.grad` over the m micro-batches, each backward scaled by 1/m, so
 after `run` they are the gradient of the mean loss over the batch, as in one process; the
@@ -44,6 +47,15 @@ from tinyscale.pipeline.simulator import simulate
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
 _HEADER = 8  # int64 slots: dtype code, number of dims, up to 6 sizes
+_FAILED = -1  # header code: the sender's stage (or one before it) raised this step; [1] = who
+
+
+class StageFailed(RuntimeError):
+    """Another pipeline stage raised during this pass over the schedule (`rank`: its global rank)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"pipeline rank {rank} raised during the schedule")
+        self.rank = rank
 
 
 class GPTStage(nn.Module):
@@ -95,6 +107,7 @@ class PipelineExecutor:
         self.num_stages = max(self.where) + 1
         self.num_microbatches = len({a.microbatch for a in self.actions})
         self.ranks = list(ranks) if ranks is not None else list(range(len(schedule)))
+        self.me = self.ranks[rank]
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
         """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
@@ -104,6 +117,10 @@ class PipelineExecutor:
         self.sends: list[comm.Work] = []
         self.sent_tensors: list[torch.Tensor] = []
         self.inputs, self.targets, self.losses = inputs, targets, []
+        # A compute action that raises does not stop the schedule: this rank goes on with its
+        # messages only, each a header saying so (no data), so no peer waits for it; a peer that
+        # receives one does the same. `failed`: (global rank that raised first here, its error).
+        self.failed: tuple[int, BaseException | None] | None = None
         pending: list[Action] = []
         for a in self.actions:
             if a.kind in COMM_KINDS:
@@ -111,11 +128,19 @@ class PipelineExecutor:
                 continue
             self._communicate(pending)
             pending = []
-            {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
+            if self.failed is None:
+                try:
+                    {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
+                except Exception as exc:  # noqa: BLE001 - re-raised below, after the schedule's messages
+                    self.failed = (self.me, exc)
         self._communicate(pending)
         for work in self.sends:
             work.wait()
         self.sent_tensors = []
+        self.inbox, self.saved, self.losses = {}, {}, self.losses if self.failed is None else []
+        if self.failed is not None:
+            rank, error = self.failed
+            raise error if error is not None else StageFailed(rank)
         if not self.losses:
             return None
         return torch.stack(self.losses).sum()  # sum of loss_i / m: the mean loss
@@ -175,6 +200,12 @@ class PipelineExecutor:
         assumes, so a schedule it accepts cannot deadlock here."""
         ops = []
         for a in (a for a in actions if a.kind in (SEND_F, SEND_B)):
+            if self.failed is not None:  # the header alone, saying who failed
+                peer = self.where[a.stage + 1] if a.kind == SEND_F else self.where[a.stage - 1]
+                failure = torch.zeros(_HEADER, dtype=torch.int64, device=self._device)
+                failure[0], failure[1] = _FAILED, self.failed[0]
+                ops.append(comm.P2POp("isend", failure, self.ranks[peer], self.group))
+                continue
             tensor, peer = self._outgoing(a)
             ops += [comm.P2POp("isend", _header(tensor, self._device), self.ranks[peer], self.group),
                     comm.P2POp("isend", tensor.contiguous(), self.ranks[peer], self.group)]
@@ -184,6 +215,9 @@ class PipelineExecutor:
             peer = self.ranks[self.where[a.stage - 1] if a.kind == RECV_F else self.where[a.stage + 1]]
             header = torch.zeros(_HEADER, dtype=torch.int64, device=self._device)
             comm.irecv(header, peer, self.group).wait()
+            if header[0].item() == _FAILED:  # no data follows
+                self.failed = self.failed or (int(header[1].item()), None)
+                continue
             buffer = _empty_from_header(header)
             comm.irecv(buffer, peer, self.group).wait()
             self.inbox[(F if a.kind == RECV_F else B, a.stage, a.microbatch)] = buffer

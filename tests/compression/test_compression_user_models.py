@@ -30,8 +30,8 @@ class UserModel(TinyMLP):
 
     def __init__(self):
         super().__init__(dim=5, hidden=7, seed=0)
-        self.unused = nn.Parameter(torch.linspace(-1, 1, 15, dtype=torch.float64).view(3, 5))
-        self.trap, self.calls = None, 0
+        self.unused = nn.Parameter(torch.linspace(0.1, 1.5, 10, dtype=torch.float64).view(2, 5))  # no 0: Adam on g ~ 0 amplifies rounding
+        self.trap, self.calls, self.wake = None, 0, False  # wake: `unused` joins the loss
 
     def forward(self, x, y):
         self.calls += 1
@@ -39,7 +39,8 @@ class UserModel(TinyMLP):
         if self.trap == self.calls - 1:
             h.register_hook(lambda g: (_ for _ in ()).throw(MemoryError("simulated: backward")))
         h = torch.tanh(self.shared(torch.tanh(self.frozen(torch.tanh(self.shared(h))))))
-        return torch.mean((h @ self.fc_in.weight + self.out_bias - y) ** 2)
+        loss = torch.mean((h @ self.fc_in.weight + self.out_bias - y) ** 2)
+        return loss + (self.unused ** 2).sum() * 1e-2 if self.wake else loss
 
 
 def _config(section: dict) -> dict:
@@ -49,18 +50,20 @@ def _config(section: dict) -> dict:
             "zero_optimization": {"reduce_bucket_size": 40}, "compression": section}  # several buckets
 
 
-def _batches():
-    return synthetic_regression_batches(num_batches=STEPS, batch_size=MICRO * ACCUM * WORLD, dim=5, seed=1)
+def _batches(steps: int = STEPS):
+    return synthetic_regression_batches(num_batches=steps, batch_size=MICRO * ACCUM * WORLD, dim=5, seed=1)
 
 
-def _train(section: dict, fail_at: int | None = None, path: str | None = None, resume_at: int | None = None):
+def _train(section: dict, fail_at: int | None = None, path: str | None = None, resume_at: int | None = None,
+           wake_at: int | None = None, steps: int = STEPS):
     """Losses and final parameters. fail_at: that step's last backward raises on every rank,
     then the step is retried. path/resume_at: save there after `resume_at` steps, and finish
-    in a new engine that loaded it."""
+    in a new engine that loaded it. wake_at: the unused parameter is used from that step on."""
     model = UserModel()
     engine = ts.initialize(model, _config(section))
     losses = []
-    for step, batch in enumerate(_batches()):
+    for step, batch in enumerate(_batches(steps)):
+        model.wake = wake_at is not None and step >= wake_at
         if step == fail_at:
             model.trap = model.calls + ACCUM - 1
             with pytest.raises(MemoryError):
@@ -133,15 +136,21 @@ def test_compression_user_resume_on_another_world_size_is_refused(tmp_path):
 
 
 def _exact(sections: dict) -> dict:
-    return {name: _train(section) for name, section in {"none": {"type": "none"}, **sections}.items()}
+    runs = {name: _train(section) for name, section in {"none": {"type": "none"}, **sections}.items()}
+    # PowerSGD compresses from step 2; the parameter unused then is used from step 3
+    for name in ("none", "powersgd", "powersgd_no_feedback"):
+        runs[f"{name}_woken"] = _train({"type": "none"} if name == "none" else EXACT[name], wake_at=3, steps=4)
+    return runs
 
 
 def test_compression_user_exact_configurations_equal_the_uncompressed_engine():
     """Found by this test: 1-bit Adam stepped the parameter no rank used (decay, momentum) in
-    its warm-up, where AdamW skips it."""
+    its warm-up, where AdamW skips it; PowerSGD divided the unused parameter's zero P by its zero
+    norm, and the NaN it kept (error, Q) reached that parameter once it was used."""
     runs = run_on_ranks(_exact, WORLD, EXACT)[0]
-    ref_losses, ref_state = runs.pop("none")
+    truth = {False: runs.pop("none"), True: runs.pop("none_woken")}
     for name, (losses, state) in runs.items():
+        ref_losses, ref_state = truth[name.endswith("_woken")]
         # 1e-10: float64, the same sums in another order (a compressor's decompress-and-add,
         # PowerSGD's P Q^T) over 3 steps
         torch.testing.assert_close(losses, ref_losses, rtol=1e-10, atol=0, msg=name)

@@ -80,12 +80,14 @@ class PowerSGDState:
 
 def orthogonalise(mat: torch.Tensor, epsilon: float = 0) -> torch.Tensor:
     """Orthonormal columns spanning `mat` (n, r), in place: Gram-Schmidt for r <= 2 or half
-    precision, else QR (the same choice as torch's hook, so results match)."""
+    precision, else QR (the same choice as torch's hook, so results match). A zero column
+    stays zero (torch's hook makes it NaN): a parameter unused in a step has a zero gradient."""
     r = mat.shape[1]
     if r <= 2 or mat.dtype in (torch.float16, torch.bfloat16):
         for i in range(r):
             col = mat[:, i : i + 1]  # (n, 1)
-            col /= torch.linalg.vector_norm(col) + epsilon
+            norm = torch.linalg.vector_norm(col) + epsilon
+            col /= torch.where(norm > 0, norm, torch.ones_like(norm))  # a zero column stays 0, not NaN
             if i + 1 < r:
                 rest = mat[:, i + 1 :]  # (n, r - i - 1)
                 rest -= (col * rest).sum(dim=0, keepdim=True) * col
@@ -144,7 +146,10 @@ def powersgd_hook(state: PowerSGDState, bucket) -> torch.futures.Future[torch.Te
             orthogonalise(p, state.epsilon)
         q_flat = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(mats, ps)])  # (m, r) each
         comm.all_reduce(q_flat, group=group)
-        qs = split_like(q_flat.div_(world), qs)
+        fresh = split_like(q_flat.div_(world), qs)
+        # A matrix zero on every rank (an unused parameter) gives Q = 0, from which the power
+        # iteration never recovers (P = M Q = 0 ever after): it keeps its old Q instead.
+        qs = [q if bool(q.any()) else old for q, old in zip(fresh, qs)]
         for m, p, q in zip(mats, ps, qs):
             m.copy_(p @ q.T)  # (n, m): the approximation of the mean, written into the bucket
     if state.use_error_feedback:

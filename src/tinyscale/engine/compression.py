@@ -19,7 +19,10 @@ What is refused, and why (before any process group exists):
 - powersgd with start_iter 1: its per-bucket memories need one plain step first (torch
   refuses the same).
 
-Lesson: lessons/10-compression.md. Tests: `pytest -k compression_engine`.
+A step dropped after its hooks ran gets the hook's state put back (`snapshot`, `restore`); a
+checkpoint holds every rank's compression state (`local_state`) and resumes it on as many ranks.
+
+Lesson: lessons/10-compression.md. Tests: `pytest -k compression_engine`, `pytest -k compression_user`.
 """
 
 from __future__ import annotations

@@ -44,11 +44,11 @@ class UserModel(TinyMLP):
         return loss + (self.unused ** 2).sum() * 1e-2 if self.wake else loss
 
 
-def _config(section: dict) -> dict:
+def _config(section: dict, bucket: int = 40) -> dict:
     return {"train_batch_size": MICRO * ACCUM * (dist.get_world_size() if dist.is_initialized() else 1), "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": ACCUM,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "zero_optimization": {"reduce_bucket_size": 40}, "compression": section}  # several buckets
+            "zero_optimization": {"reduce_bucket_size": bucket}, "compression": section}  # 40: several buckets
 
 
 def _batches(steps: int = STEPS):
@@ -125,8 +125,8 @@ def test_compression_user_resume_equals_an_uninterrupted_run(tmp_path):
         _assert_equal_runs(runs)
 
 
-def _load_on(section: dict, path: str):
-    ts.initialize(UserModel(), _config(section)).load_checkpoint(path)
+def _load_on(section: dict, path: str, bucket: int = 40):
+    ts.initialize(UserModel(), _config(section, bucket)).load_checkpoint(path)
 
 
 def test_compression_user_resume_on_another_world_size_is_refused(tmp_path):
@@ -134,6 +134,14 @@ def test_compression_user_resume_on_another_world_size_is_refused(tmp_path):
     run_on_ranks(_train, WORLD, LOSSY["topk"], None, path, 1)
     with pytest.raises(CheckpointError, match="per-rank compression state .* of 3 ranks and is loaded on 1"):
         _load_on(LOSSY["topk"], path)  # in this process: one rank
+
+
+def test_compression_user_resume_with_other_powersgd_buckets_is_refused(tmp_path):
+    """PowerSGD's memories are per bucket: other buckets would add them to the wrong gradients."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_train, WORLD, LOSSY["powersgd"], None, path, 3, None, 4)  # saved once PowerSGD has memories
+    with pytest.raises(Exception, match="PowerSGD's memories are per bucket.*reduce_bucket_size"):
+        run_on_ranks(_load_on, WORLD, LOSSY["powersgd"], path, 1000)
 
 
 def _exact(sections: dict) -> dict:

@@ -150,6 +150,11 @@ def load_local_state(engine, saved: dict | None) -> None:
         params = dict(engine.model.named_parameters())
         state["residuals"] = {params[n]: r.to(device) for n, r in state["residuals"].items()}
     if "errors" in state:  # PowerSGD's memories (its seed stream stays on the CPU)
+        sizes = [b.offsets[-1] + b.params[-1].numel() for b in engine.ddp.buckets]
+        if any(i >= len(sizes) or e.numel() != sizes[i] for i, e in state["errors"].items()):
+            raise CheckpointError("load_checkpoint: PowerSGD's memories are per bucket, and this engine's buckets "
+                                  "differ from the checkpoint's: resume with the zero_optimization.reduce_bucket_size "
+                                  "(and model) it was saved with")
         state["errors"] = {i: e.to(device) for i, e in state["errors"].items()}
         state["qs"] = {i: [q.to(device) for q in qs] for i, qs in state["qs"].items()}
     restore(engine.ddp, state)

@@ -41,7 +41,7 @@ class UserModel(TinyMLP):
             h.register_hook(lambda g: (_ for _ in ()).throw(MemoryError("simulated: backward")))
         h = torch.tanh(self.shared(torch.tanh(self.frozen(torch.tanh(self.shared(h))))))
         loss = torch.mean((h @ self.fc_in.weight + self.out_bias - y) ** 2)
-        return loss + (self.unused ** 2).sum() * 1e-2 if self.wake else loss
+        return loss + (self.unused ** 2).sum() * 10 if self.wake else loss  # large: top-k picks it
 
 
 def _config(section: dict, bucket: int = 40) -> dict:
@@ -165,3 +165,24 @@ def test_compression_user_exact_configurations_equal_the_uncompressed_engine():
         torch.testing.assert_close(losses, ref_losses, rtol=1e-10, atol=0, msg=name)
         for k in ref_state:
             torch.testing.assert_close(state[k], ref_state[k], rtol=1e-10, atol=1e-12, msg=f"{name}: {k}")
+
+
+def _residual_while_unused(section: dict):
+    model = UserModel()
+    engine = ts.initialize(model, _config(section))
+    state = engine.ddp._comm_hook[0]
+    kept = []
+    for step, batch in enumerate(_batches()):
+        model.wake = step != 1  # `unused` is used in steps 0 and 2, by no rank in step 1
+        engine.train_batch(batch)
+        kept.append(state.residuals[model.unused].clone())
+    return kept
+
+
+def test_compression_user_residual_of_a_parameter_no_rank_used_waits():
+    """Error feedback sends nothing of a parameter's residual in a step where no rank used the
+    parameter: DDP drops that parameter's averaged gradient, so what the hook sent of it would
+    be lost. Found by this test: the residual shrank by what was sent, and that was dropped."""
+    for kept in run_on_ranks(_residual_while_unused, WORLD, LOSSY["topk"]):
+        assert kept[0].abs().sum() > 0  # top-k at 0.3 leaves some of it behind
+        assert torch.equal(kept[1], kept[0])

@@ -113,6 +113,19 @@ def restore(ddp, saved) -> None:
         _hook_state(ddp).load_state_dict(saved)
 
 
+def keep_unsent(ddp, saved) -> None:
+    """Error feedback: a parameter no rank used this step gets no gradient (DDP drops its
+    average), so what the hook sent of its residual would be lost: it keeps the residual it had."""
+    state = _hook_state(ddp)
+    if not isinstance(state, CompressionState) or state.feedback is None:
+        return
+    for p in ddp.params:
+        if p.grad is None and p in saved["residuals"]:
+            state.residuals[p] = saved["residuals"][p]
+        elif p.grad is None:
+            state.residuals.pop(p, None)
+
+
 def local_state(engine) -> dict | None:
     """This rank's compression state for a checkpoint (residuals by parameter name), or None.
     Per rank: each rank's residuals and errors differ, so rank 0 saves every rank's."""

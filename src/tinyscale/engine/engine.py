@@ -331,6 +331,8 @@ class Engine:
         if diverged:
             raise FloatingPointError(f"train_batch: the loss at step {self.step} is {mean_loss}; training diverged "
                                      "(the step was dropped on every rank)")
+        if hooked is not None:  # error feedback keeps the residual of a parameter no rank used
+            compression.keep_unsent(self.ddp, hooked)
         self._before_step_report = self.memory_report()  # the step's peak of model states
         # a skipped step does not advance the schedule
         lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None

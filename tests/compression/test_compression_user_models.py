@@ -186,3 +186,22 @@ def test_compression_user_residual_of_a_parameter_no_rank_used_waits():
     for kept in run_on_ranks(_residual_while_unused, WORLD, LOSSY["topk"]):
         assert kept[0].abs().sum() > 0  # top-k at 0.3 leaves some of it behind
         assert torch.equal(kept[1], kept[0])
+
+
+def _powersgd_error_while_unused():
+    model = UserModel()
+    engine = ts.initialize(model, _config({**LOSSY["powersgd"], "rank": 1}))  # rank 1 < 2: lossy for `unused`
+    b, i = engine.ddp._where[model.unused]
+    start = engine.ddp.buckets[b].offsets[i]
+    kept = []
+    for step, batch in enumerate(_batches(5)):
+        model.wake = step != 3  # PowerSGD compresses from step 2; no rank uses `unused` in step 3
+        engine.train_batch(batch)
+        kept.append(engine.ddp._comm_hook[0].errors.get(b, torch.zeros(start + 10))[start : start + 10].clone())
+    return kept
+
+
+def test_compression_user_powersgd_error_of_a_parameter_no_rank_used_waits():
+    for kept in run_on_ranks(_powersgd_error_while_unused, WORLD):
+        assert kept[2].abs().max() > 1e-3  # rank 1 leaves some of it behind
+        assert torch.equal(kept[3], kept[2])

@@ -115,8 +115,19 @@ def restore(ddp, saved) -> None:
 
 def keep_unsent(ddp, saved) -> None:
     """Error feedback: a parameter no rank used this step gets no gradient (DDP drops its
-    average), so what the hook sent of its residual would be lost: it keeps the residual it had."""
+    average), so what the hook sent of its residual would be lost: it keeps the residual it had
+    (PowerSGD: its slice of the bucket's error)."""
     state = _hook_state(ddp)
+    if isinstance(state, PowerSGDState) and state.use_error_feedback:  # errors per bucket: their slices
+        for b, bucket in enumerate(ddp.buckets):
+            if b not in state.errors or state.errors[b] is saved["errors"].get(b):
+                continue  # no memory yet, or not compressed this step
+            old = saved["errors"].get(b)
+            for i, p in enumerate(bucket.params):
+                if p.grad is None:
+                    where = slice(bucket.offsets[i], bucket.offsets[i] + p.numel())
+                    state.errors[b][where] = 0 if old is None else old[where]
+        return
     if not isinstance(state, CompressionState) or state.feedback is None:
         return
     for p in ddp.params:

@@ -111,8 +111,8 @@ class OneBitAdam(torch.optim.Optimizer):
     def comm_state(self) -> dict:
         """What `state_dict` lacks for a resume: the step count and this rank's two errors (not
         the per-parameter states, which the optimizer's state holds). Copies."""
-        copy = lambda t: None if t is None else t.clone()  # noqa: E731
-        return {"steps": self.steps, "worker_error": copy(self.worker_error), "server_error": copy(self.server_error)}
+        errors = {"worker_error": self.worker_error, "server_error": self.server_error}
+        return {"steps": self.steps, **{k: None if t is None else t.clone() for k, t in errors.items()}}
 
     def load_comm_state(self, state: dict) -> None:
         self.steps, self.worker_error, self.server_error = state["steps"], state["worker_error"], state["server_error"]

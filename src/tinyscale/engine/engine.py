@@ -439,7 +439,8 @@ class Engine:
         if local is not None:
             mine["compression"] = local
         rng = [mine]
-        if world > 1:  # every rank's generators (a few KB) and compression state (with error feedback ~ a model per rank), to rank 0
+        # every rank's generators (a few KB) and compression state (error feedback: ~ a model), to rank 0
+        if world > 1:
             rng = [None] * world
             dist.all_gather_object(rng, mine)
         error = None

@@ -72,6 +72,7 @@ from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint, compression, context, parallelize, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
+from tinyscale.engine.plan import plan_layout
 from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, counted_parameters, sharded_clipper
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
@@ -111,13 +112,13 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, mesh: ParallelMesh | None = None,
                  param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None, peak_flops: float | None = None,
                  optimizer: OptimizerFactory | None = None):
-        check_supported(config)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # The layout decided once: every refusal in one ConfigError, before any process group is made.
+        self.plan = plan_layout(config, model, world, mesh)
         self.config = config
         make = optimizer_factory(config, optimizer)  # the config's optimizer, or the caller's own
         # A caller's optimizer keeps its own learning rate unless the config has a schedule.
         self._schedules_lr = optimizer is None or config.scheduler is not None
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        parallelize.check_layout(config, model, world, mesh)  # before any process group is made
         mesh = parallelize.build_mesh(config, world, mesh)
         self.mesh = mesh
         self.dp_group = mesh.group("dp") if mesh is not None else None

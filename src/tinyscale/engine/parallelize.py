@@ -67,6 +67,12 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
     """Refuse a layout this model and world cannot take, naming the field and the fix (no collectives)."""
     context.check_layout(config, model, world_size, mesh)
     pipeline_layout.check_layout(config, model, world_size, mesh)
+    check_tensor_layout(config, model, world_size, mesh)
+
+
+def check_tensor_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
+                        mesh: ParallelMesh | None = None) -> None:
+    """Tensor parallelism's part of `check_layout` (`engine/plan.py` runs each part and lists them all)."""
     tp = config.parallel.tensor
     if mesh is not None and mesh.size("tp") != tp:
         raise ConfigError(f"parallel.tensor={tp} but the mesh passed to initialize has tp={mesh.size('tp')}: "

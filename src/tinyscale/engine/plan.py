@@ -1,0 +1,268 @@
+"""The layout plan: a config, a model and a world decided once (DESIGN.md, "One plan, one pass").
+
+    plan = plan_layout(config, model, world_size)   # every refusal at once, before any process group
+    plan.layout, plan.axis_jobs()                   # the (pp, dp, cp, tp) grid, what each axis does
+    table = placements(engine)                      # after the transforms: where each parameter lives here
+
+`plan_layout` runs every check the engine has (the config's own, the compression section's,
+then tensor, context and pipeline parallelism's with the model and the world) and raises ONE
+`ConfigError` listing every problem, so a reader fixes a config in one round instead of one
+error per run. What it returns is the grid and each axis's job; `Engine.__init__` builds the
+mesh from it and applies the transforms in the order `engine/parallelize.py` writes down.
+
+`placements(engine)` describes, for every parameter this rank holds, where it sits on each
+axis: its tp split (replicated; a shard along a dim, maybe padded; a copy of a K/V head), the
+pipeline stages that hold it (a tied table lives on the first and the last), and the part of
+it this rank's ZeRO shard owns over dp x cp. From those alone follows which elements this rank
+*counts* when something must see every parameter exactly once: the global gradient norm, the
+memory report, checkpoints. `counted_elements` summed over the world is the model's size
+(`pytest -k layout_plan` checks that in every layout).
+
+Shape legend: a placement's `global_shape` is the original model's tensor; `local_shape` is the
+tensor this rank's module holds before ZeRO flattens it (a TP shard, with its padding rows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.dist import ParallelMesh
+from tinyscale.dist.mesh import MeshLayout
+
+AXES = ("pp", "dp", "cp", "tp")  # the mesh's order: tp fastest (a TP group is consecutive ranks)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """The degrees of every axis and what each does, validated (`plan_layout` builds it)."""
+
+    world_size: int
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    context_algorithm: str = "ring"
+    zero_stage: int = 0
+
+    @property
+    def layout(self) -> MeshLayout:
+        return MeshLayout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
+
+    @property
+    def reduce_axes(self) -> tuple[str, ...]:
+        """The axes gradients are reduced (and ZeRO shards) over: dp, and cp when it is > 1."""
+        return ("dp", "cp") if self.cp > 1 else ("dp",)
+
+    def axis_jobs(self) -> dict[str, str]:
+        """One line per axis of degree > 1: what it splits and what it communicates."""
+        zero = {0: "gradients all-reduced", 1: "optimizer states sharded", 2: "gradients and states sharded",
+                3: "parameters, gradients and states sharded"}[self.zero_stage]
+        jobs = {
+            "pp": f"{self.pp * self.virtual_stages} model stages ({self.virtual_stages} per rank), schedule "
+                  f"{self.schedule}: activations sent forward, their gradients back",
+            "dp": f"rows of the batch; {zero} over {' x '.join(self.reduce_axes)}",
+            "cp": f"the sequence ({self.context_algorithm} attention); parameters replicated, gradients summed",
+            "tp": "heads, MLP width and vocab (Megatron's f/g); "
+                  + ("activations split along the sequence between them (SP)" if self.sequence_parallel
+                     else "activations replicated between them"),
+        }
+        return {axis: jobs[axis] for axis in AXES if getattr(self, axis) > 1}
+
+    def describe(self) -> str:
+        degrees = " x ".join(f"{a} {getattr(self, a)}" for a in AXES)
+        return f"{self.world_size} ranks = {degrees}, ZeRO stage {self.zero_stage}"
+
+
+def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
+                mesh: ParallelMesh | None = None) -> LayoutPlan:
+    """Validate `config` for `model` on `world_size` ranks in one pass; raise one `ConfigError`
+    naming every problem (each with its field and fix), or return the plan. No collectives."""
+    # Imported here: these modules build on the engine's pieces, which import this module's users.
+    from tinyscale.engine import compression, context, parallelize, pipeline_layout  # noqa: PLC0415
+
+    problems = parallelize.check_config(config) + compression.check_config(config)
+    if problems:  # the config alone: the "not supported" list, as check_supported words it
+        problems = ["not supported by this engine yet:\n  " + "\n  ".join(problems)]
+    for check in (context.check_layout, pipeline_layout.check_layout, parallelize.check_tensor_layout):
+        try:
+            check(config, model, world_size, mesh)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems with this layout:\n  " + "\n  ".join(problems))
+    par = config.parallel
+    tp, cp, pp = par.tensor, par.context, par.pipeline
+    return LayoutPlan(world_size=world_size, dp=world_size // (tp * cp * pp), pp=pp, cp=cp, tp=tp,
+                      virtual_stages=par.virtual_stages, schedule=par.pipeline_schedule,
+                      sequence_parallel=par.sequence_parallel, context_algorithm=par.context_algorithm,
+                      zero_stage=config.zero_optimization.stage)
+
+
+# --8<-- [start:placement]
+@dataclass(frozen=True)
+class Placement:
+    """Where one parameter lives on this rank, axis by axis."""
+
+    name: str                          # its key in the original model's state_dict
+    global_shape: tuple[int, ...]      # the original tensor
+    local_shape: tuple[int, ...]       # this rank's TP shard (padding rows included), before ZeRO
+    tp: str = "replicate"              # "replicate" | "shard" | "kv_copy" (one of t/K copies of a K/V head)
+    tp_dim: int | None = None          # the dim a shard splits
+    tp_range: tuple[int, int] | None = None  # the global [start, end) along tp_dim held here, padding excluded
+    tp_counted: bool = True            # this TP rank counts it (a shard: always; a copy: TP rank 0 / first copy)
+    stages: tuple[int, ...] = ()       # model stages holding it here (empty without a pipeline)
+    pp_counted: bool = True            # False on the last stage's copy of a tied table (the first counts it)
+    zero_ranges: tuple[tuple[int, int], ...] = field(default=())  # flat [start, end) of local_shape owned
+    zero_sharded: bool = False         # ZeRO 1-3: only zero_ranges are this rank's (else all of it)
+
+    @property
+    def real_local_elements(self) -> int:
+        """Elements of the local shard that are the model's (not vocab padding): they lead the flat tensor."""
+        if self.tp != "shard" or self.tp_range is None:
+            return math.prod(self.local_shape)
+        stride = math.prod(self.local_shape) // self.local_shape[self.tp_dim] if self.local_shape[self.tp_dim] else 0
+        return (self.tp_range[1] - self.tp_range[0]) * stride
+
+    @property
+    def counted_elements(self) -> int:
+        """The elements this rank counts so that the world counts every element exactly once."""
+        if not (self.tp_counted and self.pp_counted):
+            return 0
+        real = self.real_local_elements
+        if not self.zero_sharded:
+            return real
+        return sum(max(0, min(end, real) - start) for start, end in self.zero_ranges)
+# --8<-- [end:placement]
+
+
+def _tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int, ...],
+                  global_shape: tuple[int, ...], group) -> dict:
+    """The tp fields of `param`, a parameter of `module` (a TP layer, or a replicated module),
+    on the tensor-parallel process group `group`."""
+    # Imported here: tensor_parallel is a topic, the plan reads its layers only when tp > 1.
+    import torch.distributed as dist  # noqa: PLC0415
+    from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding  # noqa: PLC0415
+    from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear  # noqa: PLC0415
+
+    tp_rank = dist.get_rank(group)
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or \
+            (isinstance(module, RowParallelLinear) and param is module.weight):
+        dim = 1 if isinstance(module, RowParallelLinear) else 0
+        rows = local_shape[dim]  # (ZeRO-3 has flattened the parameter itself)
+        start = tp_rank * rows
+        return {"tp": "shard", "tp_dim": dim, "tp_range": (min(start, global_shape[dim]),
+                                                           min(start + rows, global_shape[dim]))}
+    if isinstance(module, ReplicatedKVLinear):  # copies on ranks head*t/K .. (head+1)*t/K - 1
+        tp = dist.get_world_size(group)
+        first = module.head * (tp // module.n_kv_head)
+        return {"tp": "kv_copy", "tp_dim": 0, "tp_range": (module.head * local_shape[0],
+                                                           (module.head + 1) * local_shape[0]),
+                "tp_counted": tp_rank == first}
+    return {"tp": "replicate", "tp_counted": tp_rank == 0}
+
+
+def placements(engine) -> dict[str, Placement]:
+    """Where every parameter this rank holds lives, keyed by its name in the original model.
+
+    Reads what the transforms left: the TP layers' shard sizes, the pipeline's stages and tied
+    copy, ZeRO's fragments (call it between steps, on every rank or just this one: no collectives)."""
+    model, pipeline, zero = engine.model, engine.pipeline, engine.zero
+    tp = engine.config.parallel.tensor
+    global_shapes = pipeline.full_shapes() if pipeline is not None else None
+    owners = {}  # id(param) -> (its module, its first name)
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), (module, f"{mod_name}.{p_name}" if mod_name else p_name))
+    zero_ranges: dict[int, list[tuple[int, int]]] = {}
+    if zero is not None:
+        for fragments in zero.sharded.fragments:
+            for f in fragments:
+                zero_ranges.setdefault(id(f.param), []).append((f.param_start, f.param_start + f.end - f.start))
+    stage_of = _stages_of(pipeline) if pipeline is not None else {}
+    tied_copy = id(pipeline.tied[0]) if pipeline is not None and pipeline.tied is not None and \
+        pipeline.rank == pipeline.plan[-1].rank else None
+    table = {}
+    for param in (p for p in model.parameters() if p.requires_grad):
+        module, name = owners[id(param)]
+        local_shape = tuple(engine._tp_shapes.get(name, param.shape))
+        if pipeline is not None:
+            key = pipeline.aliases.get(name, name)
+            global_shape = tuple(global_shapes[key])
+        else:
+            key, global_shape = name, None
+        global_shape = global_shape or _global_shape(engine, key, local_shape)
+        fields = _tp_placement(module, param, local_shape, global_shape, engine.mesh.group("tp")) if tp > 1 else {}
+        if tied_copy is not None and id(param) == tied_copy and pipeline.plan[0].rank != pipeline.rank:
+            fields["pp_counted"] = False
+        table[key] = Placement(name=key, global_shape=global_shape, local_shape=local_shape,
+                               stages=stage_of.get(name.split(".")[0] if not name.startswith("blocks.")
+                                                   else ".".join(name.split(".")[:2]), ()),
+                               zero_ranges=tuple(sorted(zero_ranges.get(id(param), ()))),
+                               zero_sharded=zero is not None, **fields)
+    return table
+
+
+def _global_shape(engine, name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The original tensor's shape (without a pipeline: the engine recorded the full shapes)."""
+    full = getattr(engine, "_full_shapes", None)
+    if full is None:
+        from tinyscale.engine import tp_state  # noqa: PLC0415 - the TP shards' full shapes
+
+        full = tp_state.full_shapes(engine.model, engine._tp_shapes) if engine.tp_size > 1 else engine._tp_shapes
+        engine._full_shapes = full
+    return tuple(full.get(name, local_shape))
+
+
+def _stages_of(pipeline) -> dict[str, tuple[int, ...]]:
+    """Module prefix ("embed", "blocks.3", "norm", "head") -> the model stages on this rank holding it."""
+    out: dict[str, tuple[int, ...]] = {}
+    for st in pipeline.plan:
+        if st.rank != pipeline.rank:
+            continue
+        names = [f"blocks.{i}" for i in st.layers] + (["embed"] if st.embedding else []) + \
+            (["norm", "head"] if st.head else [])
+        for n in names:
+            out[n] = out.get(n, ()) + (st.stage,)
+    return out
+
+
+def counted_grad_squares(engine) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm: each counted element's gradient
+    squared, in float64 (sum it over the world for the norm's square). Between backward and step."""
+    table = {id_: pl for id_, pl in _by_param(engine)}
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    if engine.zero is not None:
+        sharded = engine.zero.sharded
+        for g, fragments in zip(sharded.grad, sharded.fragments):
+            for f in fragments if g is not None else ():
+                pl = table[id(f.param)]
+                if pl.tp_counted and pl.pp_counted:
+                    real = pl.real_local_elements
+                    lo, hi = f.param_start, min(f.param_start + f.end - f.start, real)
+                    if hi > lo:
+                        total += g[f.start:f.start + hi - lo].double().pow(2).sum()
+        return total
+    for param in engine.params:
+        pl = table[id(param)]
+        if param.grad is not None and pl.tp_counted and pl.pp_counted:
+            total += param.grad.double().reshape(-1)[:pl.real_local_elements].pow(2).sum()
+    return total
+
+
+def _by_param(engine):
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+    table = placements(engine)
+    aliases = engine.pipeline.aliases if engine.pipeline is not None else {}
+    for p in engine.params:
+        name = names[id(p)]
+        yield id(p), table[aliases.get(name, name)]

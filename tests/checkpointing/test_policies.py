@@ -19,7 +19,7 @@ from tinyscale.checkpointing import (
     remove_policy,
 )
 from tinyscale.checkpointing.offload import _pack_to_host
-from tinyscale.checkpointing.policies import _rebuilt_as
+from tinyscale.checkpointing.policies import _with_policy
 from tinyscale.models import GPT, Block, GPTConfig, TinyMLP
 
 # (policy, options): both checkpoint variants for the policies that checkpoint.
@@ -148,13 +148,24 @@ def test_activation_checkpoint_bad_policy_raises_value_error_naming_the_field(kw
     assert policy_of(model) == ["plain"] * 3  # nothing half-applied
 
 
-def test_activation_checkpoint_policy_needs_a_gpt_and_no_hooks():
+def test_activation_checkpoint_policy_needs_a_gpt_and_keeps_blocks_and_hooks():
+    """A policy changes each block's class in place: another holder of the block (a pipeline
+    stage) and hooks registered on it (tensor parallelism's, ZeRO-3's) see the same object."""
     with pytest.raises(ValueError, match="needs a tinyscale GPT"):
         apply_policy(TinyMLP(), "full")
-    model = GPT(tiny())
-    model.blocks[1].register_forward_pre_hook(lambda *a: None)
-    with pytest.raises(ValueError, match="apply the checkpointing policy before"):
-        apply_policy(model, "full")
+    model = GPT(tiny(dropout=0.0))
+    blocks, calls = list(model.blocks), []
+    model.blocks[1].register_forward_pre_hook(lambda *a: calls.append("block"))
+    model.blocks[2].attn.register_forward_pre_hook(lambda *a: calls.append("attn"))
+    for policy in ("full", "selective"):
+        apply_policy(model, policy)
+        assert list(model.blocks) == blocks and policy_of(model) == [{"full": "checkpointed"}.get(policy, policy)] * 3
+        calls.clear()
+        model(*tokens(2, 5, 0)).backward()
+        # The block's hook runs outside its checkpoint: once. The attention's runs in the forward,
+        # and again in the rerun of the whole block under "full" (which is why tensor parallelism's
+        # hooks, entering the region, work under recomputation); "selective" reruns the core only.
+        assert calls.count("block") == 1 and calls.count("attn") == {"full": 2, "selective": 1}[policy]
 
 
 @given(seed=st.integers(0, 2**16), n_kv_head=st.sampled_from([1, 2, 4]), attn=st.sampled_from(["math", "sdpa"]),
@@ -164,7 +175,8 @@ def test_activation_checkpoint_selective_attention_matches_gpt_attention(seed, n
     backward, is bit-identical to the GPT's own, dropout on."""
     model = GPT(tiny(n_kv_head=n_kv_head, attn=attn, dropout=0.3), seed=seed, dtype=torch.float64)
     attn_module, cos, sin = model.blocks[0].attn, model.rope_cos[:7], model.rope_sin[:7]
-    selective = _rebuilt_as(SelectiveAttention, attn_module, use_reentrant=use_reentrant, preserve_rng_state=True)
+    twin = GPT(tiny(n_kv_head=n_kv_head, attn=attn, dropout=0.3), seed=seed, dtype=torch.float64).blocks[0].attn
+    selective = _with_policy(SelectiveAttention, twin, use_reentrant=use_reentrant, preserve_rng_state=True)
     x = torch.randn(2, 7, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(seed), requires_grad=True)
     results = []
     for module in (attn_module, selective):

@@ -197,19 +197,26 @@ def _refusal(config: dict, gpt: GPTConfig = GPT_CONFIG, world: int = 2):
     ({"parallel": {"context": 2, "tensor": 2, "context_algorithm": "ulysses"}}, GPT_CONFIG.with_(n_head=2, n_kv_head=2),
      4, ["parallel.context=2", "ulysses", "parallel.tensor=2", "1 heads per rank"]),
     ({"parallel": {"context": 2}, "bf16": {"enabled": True}}, GPT_CONFIG, 2, ["bf16.enabled", "parallel.context"]),
-    ({"parallel": {"context": 2}, "activation_checkpointing": {"policy": "full"}}, GPT_CONFIG, 2,
-     ["activation_checkpointing.policy", "parallel.context"]),
-    ({"parallel": {"context": 2}, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
-     GPT_CONFIG, 2, ["offload", "parallel.context"]),
     ({"parallel": {"context": 2}}, GPT_CONFIG.with_(dropout=0.1), 2, ["parallel.context=2", "dropout=0.1"]),
     ({"parallel": {"context": 2}}, None, 2, ["parallel.context=2", "TinyMLP"]),
 ], ids=["context_parallel_not_dividing_world", "context_parallel_one_process", "ulysses_heads_not_divisible",
         "context_parallel_unknown_algorithm", "zigzag_unknown_sharding", "context_parallel_with_sequence_parallel",
         "ulysses_heads_per_tp_shard_not_divisible",
-        "context_parallel_with_bf16", "context_parallel_with_activation_checkpointing",
-        "context_parallel_with_offload", "context_parallel_with_dropout", "context_parallel_not_a_gpt"])
+        "context_parallel_with_bf16", "context_parallel_with_dropout", "context_parallel_not_a_gpt"])
 def test_engine_context_parallel_bad_layouts_are_refused_by_name(config, gpt, world, names):
     with pytest.raises(ConfigError) as err:
         _refusal(config, gpt, world)
     for name in names:
         assert name in str(err.value), (name, str(err.value))
+
+
+@pytest.mark.parametrize("config", [
+    {"activation_checkpointing": {"policy": "selective"}},
+    {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+    {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+                           "offload_param": {"device": "cpu"}}},
+], ids=["activation_checkpointing", "offload_optimizer", "offload_param"])
+def test_engine_context_parallel_accepts_activation_checkpointing_and_offload(config):
+    """Once refused as untested; trained bit-identically to the same layout without them in
+    tests/engine/test_layout_activation_checkpointing.py and test_layout_offload.py."""
+    _refusal({"parallel": {"context": 2}, **config})

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 import tinyscale as ts
-from tinyscale.config import ConfigError
+from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import synthetic_token_batches
+from tinyscale.engine.engine import check_supported
 from tinyscale.models import GPT, GPTConfig, TinyMLP
 from tinyscale.pipeline.schedules import SEND_B, SEND_F
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
@@ -203,9 +204,13 @@ def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group()
     refused(base | {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}, "gradient_clipping=1.0")
     refused(base | {"bf16": {"enabled": True}}, "bf16.enabled")
     refused(base | {"fp16": {"enabled": True}}, "fp16.enabled")
-    refused(base | {"activation_checkpointing": {"policy": "full"}}, "activation_checkpointing.policy")
-    refused(base | {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
-            "zero_optimization offload with parallel.pipeline=2")
+    # served since issue 25 (tests/engine/test_layout_activation_checkpointing.py, test_layout_offload.py);
+    # a re-entrant checkpoint cannot be split into zero-bubble's B and W passes
+    check_supported(EngineConfig.load(base | {"activation_checkpointing": {"policy": "full"}}))
+    check_supported(EngineConfig.load(base | {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}))
+    with pytest.raises(ConfigError, match="activation_checkpointing.use_reentrant=true .*zb_h1"):
+        check_supported(EngineConfig.load(run_config(2, 1, "zb_h1", 2, "sgd")
+                                          | {"activation_checkpointing": {"policy": "full", "use_reentrant": True}}))
     refused(base | {"parallel": {"pipeline": 2, "tensor": 2, "sequence_parallel": True}},
             "parallel.sequence_parallel=true with parallel.pipeline=2", "set sequence_parallel false")
     refused(base | {"parallel": {"pipeline": 2, "context": 2}}, "parallel.context=2 with parallel.pipeline=2")

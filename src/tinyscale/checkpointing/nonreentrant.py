@@ -48,10 +48,10 @@ class _HoldInputs(torch.autograd.Function):
 class _Frame:
     """One checkpointed call: its inputs, its forward state, and the tensors a recompute saved."""
 
-    def __init__(self, fn, args: tuple, kwargs: dict, preserve_rng_state: bool) -> None:
+    def __init__(self, fn, args: tuple, kwargs: dict, preserve_rng_state: bool, generators=()) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs  # tensors are replaced at recompute
         tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
-        self.state = ForwardState.capture(tensors, preserve_rng_state)
+        self.state = ForwardState.capture(tensors, preserve_rng_state, generators)
         # The anchor requires grad so the holder gets a grad_fn (which owns the saved inputs).
         anchor = torch.empty(0, requires_grad=True)
         self.holder = _HoldInputs.apply(anchor, *tensors)
@@ -103,14 +103,15 @@ def _first_difference(a: list, b: list) -> str:
 
 
 # --8<-- [start:checkpoint]
-def checkpoint_nonreentrant(fn, *args, preserve_rng_state: bool = True, **kwargs):
+def checkpoint_nonreentrant(fn, *args, preserve_rng_state: bool = True, generators=(), **kwargs):
     """fn(*args, **kwargs) whose saved activations are recomputed in backward, not stored.
 
     Keeps only the tensor arguments (positional or keyword; tensors nested in lists are
-    kept by reference, unchecked). Any output structure works: autograd sees fn's own graph."""
+    kept by reference, unchecked). Any output structure works: autograd sees fn's own graph.
+    `generators`: torch.Generators fn draws from besides torch's global ones, replayed too."""
     if not torch.is_grad_enabled():  # nothing would be saved anyway
         return fn(*args, **kwargs)
-    frame = _Frame(fn, args, kwargs, preserve_rng_state)
+    frame = _Frame(fn, args, kwargs, preserve_rng_state, generators)
     with saved_tensors_hooks(frame.pack, frame.unpack):
         return fn(*args, **kwargs)
 # --8<-- [end:checkpoint]

@@ -17,17 +17,21 @@ attention core holds the 5as/h part of their per-layer sbh(34 + 5as/h) bytes and
 FLOPs to redo. `full` and `every_k` are Chen et al. (2016, arXiv:1604.06174).
 Lesson: lessons/05-activation-checkpointing.md. Tests: `pytest -k activation_checkpoint`.
 
-How a policy is applied: a block (or a block's `attn`) is replaced by a module of a
-subclass (`CheckpointedBlock`, `OffloadedBlock`, `SelectiveAttention`) that holds the *same*
-submodules, parameters and buffers under the *same* names. So `state_dict()` keys,
-`named_parameters()` and the parameter objects (and any optimizer built over them) are
-unchanged, and a checkpoint written with one policy loads under another. Apply a policy
-before anything registers hooks on the blocks (ZeRO-3, DDP): a replaced module's own hooks
-would be lost, so that raises.
+How a policy is applied: a block (or a block's `attn`) changes class in place, to a subclass
+of its own class (`CheckpointedBlock`, `OffloadedBlock`, `SelectiveAttention`, mixed over
+whatever class it had: a tensor-parallel block's stays underneath), as tensor parallelism and
+FSDP2's `fully_shard` swap classes. It is the same object, holding the same submodules,
+parameters, buffers and hooks: `state_dict()` keys, `named_parameters()`, the parameter objects
+(and any optimizer built over them) are unchanged, a checkpoint written with one policy loads
+under another, and every other reference to the block (a pipeline stage's list of its blocks,
+tensor parallelism's hooks on `attn`) sees the policy. A model whose `blocks` hold stand-ins
+without parameters for blocks kept elsewhere (a pipeline stage's model) has its own blocks
+changed, counted by their place in the whole model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -40,7 +44,7 @@ from tinyscale.models.gpt import Attention, Block
 
 POLICIES = ("none", "full", "every_k", "selective", "offload")
 # checkpoint() options of a module built directly (apply_policy sets its own per module); read-only.
-_DEFAULT_OPTIONS = MappingProxyType({"use_reentrant": False, "preserve_rng_state": True})
+_DEFAULT_OPTIONS = MappingProxyType({"use_reentrant": False, "preserve_rng_state": True, "generators": ()})
 
 
 @dataclass(frozen=True)
@@ -111,39 +115,46 @@ class SelectiveAttention(Attention):
         return checkpoint(super().core, q, k, v, **self._checkpoint_options)  # (B, H, T, D)
 # --8<-- [end:modules]
 
+_POLICY_CLASSES = (CheckpointedBlock, OffloadedBlock, SelectiveAttention)  # what a policy puts over a class
+_MIXED: dict[tuple[type, type], type] = {}  # (policy class, module's own class) -> their subclass
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+# --8<-- [start:with-policy]
+def _own_class(module: nn.Module) -> type:
+    """The module's class without any policy: the first class in its MRO no policy made."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, _POLICY_CLASSES))
 
 
-# --8<-- [start:rebuilt-as]
-def _rebuilt_as(cls: type[nn.Module], module: nn.Module, **options) -> nn.Module:
-    """A new `cls` module holding module's submodules, parameters, buffers and plain
-    attributes under the same names: the same model state, another forward."""
-    hooked = [name for name in _HOOK_DICTS if getattr(module, name, None)]
-    if hooked:
-        raise ValueError(f"{type(module).__name__} has hooks ({', '.join(hooked)}) that replacing it "
-                         "would drop: apply the checkpointing policy before wrapping the model "
-                         "(ZeRO-3, DDP) or registering hooks on its blocks")
-    new = cls.__new__(cls)
-    nn.Module.__init__(new)
-    for key, value in vars(module).items():
-        if not key.startswith("_"):  # training, dropout, head_dim, ...: not nn.Module internals
-            setattr(new, key, value)
-    for name, param in module._parameters.items():  # same order as before: named_parameters()
-        new.register_parameter(name, param)         # and state_dict() keep their order too
-    for name, buf in module._buffers.items():
-        new.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
-    for name, child in module._modules.items():
-        new.add_module(name, child)
+def _with_policy(cls: type[nn.Module], module: nn.Module, **options) -> nn.Module:
+    """`module` itself, its class now `cls` over its own class (`cls` when that is cls's base, as
+    for a plain Block; else a subclass of both, so `cls`'s forward wraps e.g. a tensor-parallel
+    block's): the same object, state and hooks, another forward."""
+    own = _own_class(module)
+    if own is not cls.__bases__[0]:
+        key = (cls, own)
+        if key not in _MIXED:
+            _MIXED[key] = type(f"{cls.__name__}Over{own.__name__}", (cls, own), {})
+        cls = _MIXED[key]
+    module.__class__ = cls
     if options:
-        new._checkpoint_options = options  # underscore: not carried over by a later rebuild
-    return new
-# --8<-- [end:rebuilt-as]
+        module._checkpoint_options = options
+    return module
+
+
+def _without_policy(module: nn.Module) -> nn.Module:
+    """`module` back to its own class (the inverse of `_with_policy`), in place."""
+    module.__class__ = _own_class(module)
+    module.__dict__.pop("_checkpoint_options", None)
+    return module
+# --8<-- [end:with-policy]
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
+    """The GPT's blocks: Blocks, or stand-ins without parameters for blocks held elsewhere (a
+    pipeline stage's model keeps only its own), at least one Block."""
     blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList) or not all(isinstance(b, Block) for b in blocks):
+    if not isinstance(blocks, nn.ModuleList) or not any(isinstance(b, Block) for b in blocks) or not all(
+            isinstance(b, Block) or not any(True for _ in b.parameters()) for b in blocks):
         raise ValueError(f"apply_policy needs a tinyscale GPT (`blocks`: an nn.ModuleList of Block), got "
                          f"{type(model).__name__}: for another model call checkpoint() in its forward")
     return blocks
@@ -151,36 +162,47 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
 
 # --8<-- [start:apply-policy]
 def apply_policy(model: nn.Module, policy: str | CheckpointPolicy = "none", *, every_k: int | None = None,
-                 use_reentrant: bool = False, preserve_rng_state: bool = True) -> nn.Module:
-    """Give the GPT `model` exactly this policy (replacing any earlier one), in place."""
+                 use_reentrant: bool = False, preserve_rng_state: bool = True,
+                 generators: Sequence[torch.Generator] = ()) -> nn.Module:
+    """Give the GPT `model` exactly this policy (replacing any earlier one), in place.
+    `generators`: the model's own torch.Generators (a tensor-parallel RNG tracker's stream),
+    replayed by every recomputation like torch's global ones."""
     if not isinstance(policy, CheckpointPolicy):
         policy = CheckpointPolicy(policy, every_k, use_reentrant, preserve_rng_state)
     blocks = _blocks(remove_policy(model))
-    options = dict(use_reentrant=policy.use_reentrant, preserve_rng_state=policy.preserve_rng_state)
+    options = dict(use_reentrant=policy.use_reentrant, preserve_rng_state=policy.preserve_rng_state,
+                   generators=tuple(generators))
     for i in policy.block_indices(len(blocks)):
+        if not isinstance(blocks[i], Block):
+            continue  # a stand-in: the block lives on another rank, which applies the policy there
         if policy.name == "selective":
-            blocks[i].attn = _rebuilt_as(SelectiveAttention, blocks[i].attn, **options)
+            _with_policy(SelectiveAttention, blocks[i].attn, **options)
         elif policy.name == "offload":
-            blocks[i] = _rebuilt_as(OffloadedBlock, blocks[i])
+            _with_policy(OffloadedBlock, blocks[i])
         else:  # full, every_k
-            blocks[i] = _rebuilt_as(CheckpointedBlock, blocks[i], **options)
+            _with_policy(CheckpointedBlock, blocks[i], **options)
     return model
 # --8<-- [end:apply-policy]
 
 
 def remove_policy(model: nn.Module) -> nn.Module:
-    """Back to plain Block and Attention modules (same parameters), in place."""
-    blocks = _blocks(model)
-    for i, block in enumerate(blocks):
-        if type(block.attn) is SelectiveAttention:
-            block.attn = _rebuilt_as(Attention, block.attn)
-        if type(block) in (CheckpointedBlock, OffloadedBlock):
-            blocks[i] = _rebuilt_as(Block, block)
+    """Back to the blocks' and attentions' own classes (same objects), in place."""
+    for block in _blocks(model):
+        if isinstance(block, Block):
+            _without_policy(block.attn)
+            _without_policy(block)
     return model
 
 
 def policy_of(model: nn.Module) -> list[str]:
-    """Per block, what runs differently: "plain", "checkpointed", "offloaded" or "selective"."""
-    kinds = {CheckpointedBlock: "checkpointed", OffloadedBlock: "offloaded"}
-    return [kinds.get(type(b), "selective" if type(b.attn) is SelectiveAttention else "plain")
-            for b in _blocks(model)]
+    """Per block, what runs differently: "plain", "checkpointed", "offloaded" or "selective"
+    ("elsewhere" for a stand-in of a block held by another rank)."""
+    def kind(b: nn.Module) -> str:
+        if not isinstance(b, Block):
+            return "elsewhere"
+        if isinstance(b, CheckpointedBlock):
+            return "checkpointed"
+        if isinstance(b, OffloadedBlock):
+            return "offloaded"
+        return "selective" if isinstance(b.attn, SelectiveAttention) else "plain"
+    return [kind(b) for b in _blocks(model)]

@@ -41,14 +41,14 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 # --8<-- [start:function]
 class ReentrantCheckpoint(torch.autograd.Function):
-    """apply(fn, preserve_rng_state, kwarg_names, *inputs): the last len(kwarg_names) inputs
-    are fn's keyword arguments (a Function takes positional inputs only)."""
+    """apply(fn, rng, kwarg_names, *inputs): rng is (preserve_rng_state, generators); the last
+    len(kwarg_names) inputs are fn's keyword arguments (a Function takes positional inputs only)."""
 
     @staticmethod
-    def forward(ctx, fn, preserve_rng_state: bool, kwarg_names: tuple[str, ...], *inputs):
+    def forward(ctx, fn, rng: tuple[bool, tuple], kwarg_names: tuple[str, ...], *inputs):
         tensors = [a for a in inputs if torch.is_tensor(a)]
         ctx.fn, ctx.kwarg_names = fn, kwarg_names
-        ctx.state = ForwardState.capture(tensors, preserve_rng_state)  # before fn draws anything
+        ctx.state = ForwardState.capture(tensors, *rng)  # before fn draws anything
         ctx.inputs = [_TENSOR if torch.is_tensor(a) else a for a in inputs]  # non-tensors kept as is
         ctx.save_for_backward(*tensors)  # saved through autograd: outer saved-tensor hooks see them
         args, kwargs = _call_args(inputs, kwarg_names)
@@ -71,7 +71,7 @@ class ReentrantCheckpoint(torch.autograd.Function):
             raise RuntimeError("checkpoint: none of fn's outputs requires grad in the recomputation")
         torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         input_grads = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in inputs)
-        return (None, None, None) + input_grads  # no gradient for fn, preserve_rng_state, kwarg_names
+        return (None, None, None) + input_grads  # no gradient for fn, rng, kwarg_names
 # --8<-- [end:function]
 
 
@@ -81,8 +81,9 @@ def _call_args(inputs, kwarg_names: tuple[str, ...]) -> tuple[tuple, dict[str, A
     return inputs[:split], dict(zip(kwarg_names, inputs[split:]))
 
 
-def checkpoint_reentrant(fn, *args, preserve_rng_state: bool = True, **kwargs):
+def checkpoint_reentrant(fn, *args, preserve_rng_state: bool = True, generators=(), **kwargs):
     """fn(*args, **kwargs), saving only its tensor arguments; recomputed in backward.
+    `generators`: torch.Generators fn draws from besides torch's global ones, replayed too.
 
     Tensor keyword arguments get gradients too (they are passed to the Function as inputs).
     Outputs: a tensor or a tuple (non-tensor elements pass through without gradient)."""
@@ -92,4 +93,4 @@ def checkpoint_reentrant(fn, *args, preserve_rng_state: bool = True, **kwargs):
                       "will not either and parameters inside fn get no gradient; use use_reentrant=False",
                       stacklevel=2)
     names = tuple(kwargs)
-    return ReentrantCheckpoint.apply(fn, preserve_rng_state, names, *args, *kwargs.values())
+    return ReentrantCheckpoint.apply(fn, (preserve_rng_state, tuple(generators)), names, *args, *kwargs.values())

@@ -6,7 +6,9 @@
     loss.backward(); reduce_cp_grads(model, group); optimizer.step()
 
 What changes (in place, on the model built identically on every rank):
-- every block's `attn.core` becomes ring or Ulysses attention over `group`;
+- every block's attention becomes a `ContextParallelAttention` (its class swapped in place, so
+  whatever wraps its `core` later, selective activation checkpointing, still does): its core is
+  ring or Ulysses attention over `group`;
 - `model.forward` reads RoPE at the shard's global positions (`Layout.positions`), and its
   loss is sum(token losses on this rank) / (real tokens on all ranks), summed over the group
   by an all-reduce (forward: all-reduce, backward: identity). So every rank returns the same
@@ -25,6 +27,7 @@ Lesson: lessons/09-context-parallel.md. Tests: `pytest tests/context_parallel -k
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable
 
@@ -36,6 +39,7 @@ from tinyscale.context_parallel.ring import ring_attention
 from tinyscale.context_parallel.sharding import IGNORE_INDEX, Layout, check_sharding, shard
 from tinyscale.context_parallel.ulysses import kv_replication, ulysses_attention
 from tinyscale.dist import comm
+from tinyscale.models.gpt import Attention
 
 ALGORITHMS = ("ring", "ulysses")
 
@@ -58,12 +62,26 @@ class ContextParallel:
         return Layout(self.cp, self.sharding, local_len * self.cp)
 
 
-def _attention_core(state: ContextParallel, q, k, v):
-    """Replaces Attention.core: q (B, H, Tl, D), k, v (B, K, Tl, D) -> (B, H, Tl, D)."""
-    layout = state.layout(q.shape[2])
-    if state.algorithm == "ring":
-        return ring_attention(q, k, v, state.group, layout=layout, causal=True)[0]
-    return ulysses_attention(q, k, v, state.group, layout=layout, causal=True)
+class ContextParallelAttention(Attention):
+    """Attention whose core runs over the cp group (`cp_state`), on this rank's shard."""
+
+    cp_state: ContextParallel
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, Tl, D), k, v (B, K, Tl, D) -> (B, H, Tl, D)."""
+        state = self.cp_state
+        layout = state.layout(q.shape[2])
+        if state.algorithm == "ring":
+            return ring_attention(q, k, v, state.group, layout=layout, causal=True)[0]
+        return ulysses_attention(q, k, v, state.group, layout=layout, causal=True)
+
+
+@functools.cache
+def _context_parallel_class(own: type) -> type:
+    """ContextParallelAttention over an attention's own class (itself for the GPT's Attention)."""
+    if own is Attention:
+        return ContextParallelAttention
+    return type(f"ContextParallel{own.__name__}", (ContextParallelAttention, own), {})
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -145,7 +163,8 @@ def apply_context_parallel(model: torch.nn.Module, group=None, *, algorithm: str
         if algorithm == "ulysses":  # head counts from the weights: a tensor-parallel shard has fewer
             kv_replication(attn.wq.weight.shape[0] // attn.head_dim, attn.wk.weight.shape[0] // attn.head_dim,
                            state.cp)  # raises on heads % cp != 0
-        attn.core = types.MethodType(lambda _attn, q, k, v: _attention_core(state, q, k, v), attn)
+        attn.cp_state = state
+        attn.__class__ = _context_parallel_class(type(attn))
     model.context_parallel = state
     model.forward = types.MethodType(_cp_forward, model)
     return model

@@ -56,10 +56,8 @@ def check_config(config: EngineConfig) -> list[str]:
                         "tensor-parallel ranks draw dropout masks): set parallel.tensor, or remove tensor_dropout")
     if par.tensor == 1:
         return problems
-    # Each of these is a combination no test covers yet: refused, not silently wrong. Offload is
-    # served: ZeRO keeps each TP shard's states on the host like any parameter's (-k acceptance).
-    untested = untested_combinations(config, f"parallel.tensor={par.tensor}", "tensor parallelism")
-    return problems + [p for p in untested if not p.startswith("zero_optimization offload")]
+    # Each of these is a combination no test covers yet: refused, not silently wrong.
+    return problems + untested_combinations(config, f"parallel.tensor={par.tensor}", "tensor parallelism")
 
 
 def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
@@ -129,8 +127,10 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
                               dropout_seed=seed)
     context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
     ac = config.activation_checkpointing
-    if ac.policy != "none":
-        apply_policy(model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant)
+    if ac.policy != "none":  # a recomputation replays the TP tracker's stream too (tensor_parallel/random.py)
+        tracker = getattr(model, "rng_tracker", None)
+        apply_policy(model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant,
+                     generators=[tracker.generator] if tracker is not None else [])
     return model
 
 

@@ -39,6 +39,12 @@ def config_problems(config: EngineConfig) -> list[str]:
                         "gradients in every micro-batch's backward and stage 3 gathers the parameters for every "
                         "micro-batch, which does not fit a schedule interleaving many micro-batches' passes "
                         "(DeepSpeed refuses it too); use stage 0 or 1")
+    ac = config.activation_checkpointing
+    if ac.use_reentrant and ac.policy in ("full", "every_k", "selective") and par.pipeline_schedule == "zb_h1":
+        problems.append("activation_checkpointing.use_reentrant=true with parallel.pipeline_schedule='zb_h1': "
+                        "zero-bubble's B pass asks autograd for the input gradient alone, and a re-entrant "
+                        "checkpoint's backward runs the whole inner backward (parameter gradients too) inside "
+                        "it, so it cannot be split into B and W; set use_reentrant false, or another schedule")
     # Combinations no test covers yet: refused, not silently wrong.
     if par.context > 1:
         problems.append(f"parallel.context={par.context} with parallel.pipeline={pp} (not composed yet): set "

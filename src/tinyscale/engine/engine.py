@@ -69,9 +69,10 @@ from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
-from tinyscale.engine import checkpoint, compression, context, parallelize, tp_state
+from tinyscale.engine import checkpoint, compression, context, parallelize, step_failure, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
+from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.engine.engine.StepFailed
 from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, counted_parameters, sharded_clipper
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
@@ -91,10 +92,6 @@ from tinyscale.zero.state_dict import (
 
 
 ParamGroups = Callable[[torch.nn.Module], list[dict]]
-
-
-class StepFailed(RuntimeError):
-    """Another rank's forward or backward raised; every rank dropped the step (retry or skip it)."""
 
 
 def check_supported(config: EngineConfig) -> None:
@@ -315,7 +312,7 @@ class Engine:
         failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
         if self.tp_size > 1:  # a TP peer's failure too: the whole world drops the step together
             with comm.record(self.comm_ledger):
-                failed_ranks, where = parallelize.failed_ranks(error is not None, self.device), "rank(s)"
+                failed_ranks, where = step_failure.failed_ranks(error is not None, self.device), "rank(s)"
         # The same value on every rank, so all raise together. fp16: an overflow is the
         # scaler's business (the step is skipped below), not divergence.
         diverged = not math.isfinite(mean_loss) and self.loss_scaler is None

@@ -32,11 +32,10 @@ TP group, and the ranks holding the same TP shard form a dp group. Tests:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
-from tinyscale.dist import ParallelMesh, comm
+from tinyscale.dist import ParallelMesh
 from tinyscale.engine import context, pipeline_layout
 from tinyscale.engine.refusals import untested_combinations
 from tinyscale.engine.pipeline_step import PipelineStep
@@ -152,12 +151,3 @@ def restore_rng(model: torch.nn.Module, state: dict | None) -> None:
     if tracker is not None and state and "tp_tracker" in state:
         tracker.set_state(state["tp_tracker"])
 
-
-def failed_ranks(failed_here: bool, device: torch.device) -> list[int]:
-    """The global ranks whose forward or backward raised this step, agreed over the whole world
-    (one all-reduce of a flag per rank): under tensor parallelism a rank's failure must stop its
-    TP peers as well as its dp peers, or the TP shards of one model would step apart."""
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    flags[dist.get_rank()] = float(failed_here)
-    comm.all_reduce(flags)
-    return [r for r, f in enumerate(flags.tolist()) if f]

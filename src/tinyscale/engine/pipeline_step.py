@@ -26,7 +26,7 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
 
 A forward, backward or loss that raises on some stages: the executor runs the schedule's
 messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
-failed (one all-reduce of a flag per rank, `parallelize.failed_ranks`) and drops the step, as
+failed (one all-reduce of a flag per rank, `step_failure.failed_ranks`) and drops the step, as
 the data-parallel engine does: that rank re-raises its error, the others raise `StepFailed`
 naming it. A failure in the messages themselves still stops the engine. Tests:
 `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
@@ -50,6 +50,7 @@ from tinyscale.pipeline import (
     add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
 )
 from tinyscale.engine import pipeline_tp
+from tinyscale.engine.step_failure import StepFailed, failed_ranks
 from tinyscale.engine.tp_grad_norm import counted_parameters
 from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
 from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
@@ -142,8 +143,6 @@ class PipelineStep:
         targets = [chunk[1].to(engine.device) for chunk in micro]
         # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})
-        from tinyscale.engine.engine import StepFailed  # noqa: PLC0415 - engine.py imports this module
-        from tinyscale.engine.parallelize import failed_ranks  # noqa: PLC0415 - so does parallelize.py
         failed: list[int] = []
         try:
             with comm.record(engine.comm_ledger):

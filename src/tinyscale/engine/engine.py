@@ -47,7 +47,7 @@ gets the same rows, and all reductions above run over the dp axis only. With
 shard of each micro-batch, and the reductions run over dp x cp with the loss scaled by c, so
 they sum over cp and average over dp (`engine/context.py`). With `parallel.pipeline` = p
 the model keeps this rank's stages only and a step runs the pipeline schedule over the
-micro-batches instead of the loop above, then DDP or ZeRO stage 1 over dp
+micro-batches instead of the loop above, then DDP or ZeRO stage 1 or 2 over dp (x cp), once
 (`engine/pipeline_step.py`).
 """
 
@@ -205,9 +205,10 @@ class Engine:
                 self.zero.sharded.comm_dtype = COMM_DTYPES[config.communication_data_type]
                 self.zero.sharded.prescale_gradients, self.zero.sharded.gradient_predivide_factor = \
                     gradient_scaling(config)
-                if self.tp_size > 1:  # the clipping norm sums the TP shards too (engine/tp_grad_norm.py)
-                    self.zero.sharded.clip_grad_norm_ = sharded_clipper(
-                        self.zero.sharded, counted_parameters(self.model, self.model.tp_group))
+                if self.tp_size > 1 or self.pipeline is not None:  # the clipping norm sums the TP shards
+                    counted = self.pipeline.counted_ids() if self.pipeline is not None else \
+                        counted_parameters(self.model, self.model.tp_group)  # and the stages (tp_grad_norm.py)
+                    self.zero.sharded.clip_grad_norm_ = sharded_clipper(self.zero.sharded, counted)
                 if self.compute_dtype is not None:  # frozen parameters compute in it too; buffers
                     with torch.no_grad():              # (the GPT's fp32 RoPE tables) stay as they are
                         for p in self.model.parameters():

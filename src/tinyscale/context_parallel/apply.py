@@ -134,6 +134,13 @@ def _cp_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) ->
     real = targets != IGNORE_INDEX  # (B, Tl)
     if ((targets[real] < 0) | (targets[real] >= cfg.vocab_size)).any():
         raise ValueError(f"targets has ids outside 0..{cfg.vocab_size - 1} (padding is {IGNORE_INDEX})")
+    return sharded_mean_loss(state, logits, targets)
+
+
+def sharded_mean_loss(state: ContextParallel, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The full rows' mean loss from this rank's shard: logits (B, Tl, V) (or a vocab slice, as
+    `state.token_losses` takes), targets (B, Tl) padded with IGNORE_INDEX; the same on every rank."""
+    real = targets != IGNORE_INDEX  # (B, Tl)
     # Padding's targets become id 0 for the loss function, and its losses (and gradients) 0 here.
     losses = state.token_losses(logits, targets.masked_fill(~real, 0))  # (B, Tl)
     loss_sum = losses.masked_fill(~real, 0.0).sum()
@@ -158,17 +165,23 @@ def apply_context_parallel(model: torch.nn.Module, group=None, *, algorithm: str
         raise ValueError(f"context parallelism does not support dropout={model.config.dropout} (each rank would "
                          "need the dropout mask of the keys it does not hold): set GPTConfig.dropout=0")
     state = ContextParallel(group, algorithm, sharding, token_losses)
-    for block in model.blocks:
-        attn = block.attn
-        if algorithm == "ulysses":  # head counts from the weights: a tensor-parallel shard has fewer
-            kv_replication(attn.wq.weight.shape[0] // attn.head_dim, attn.wk.weight.shape[0] // attn.head_dim,
-                           state.cp)  # raises on heads % cp != 0
-        attn.cp_state = state
-        attn.__class__ = _context_parallel_class(type(attn))
+    parallelize_attention(model.blocks, state)
     model.context_parallel = state
     model.forward = types.MethodType(_cp_forward, model)
     return model
 # --8<-- [end:apply]
+
+
+def parallelize_attention(blocks, state: ContextParallel) -> None:
+    """Swap each block's attention core for ring or Ulysses attention over `state.group`, in
+    place (the per-block part of `apply_context_parallel`; a pipeline stage's blocks alone too)."""
+    for block in blocks:
+        attn = block.attn
+        if state.algorithm == "ulysses":  # head counts from the weights: a tensor-parallel shard has fewer
+            kv_replication(attn.wq.weight.shape[0] // attn.head_dim, attn.wk.weight.shape[0] // attn.head_dim,
+                           state.cp)  # raises on heads % cp != 0
+        attn.cp_state = state
+        attn.__class__ = _context_parallel_class(type(attn))
 
 
 def shard_batch(batch, group=None, sharding: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor]:

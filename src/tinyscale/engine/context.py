@@ -24,6 +24,11 @@ then swaps attention and the forward, whose per-token loss becomes the vocab-par
 (the head holds a vocab slice); Ulysses then splits each TP shard's heads over cp. (The model's
 forward without targets returns this rank's vocab slice of the logits.)
 
+With a pipeline too (pp x cp, dp x pp x cp): `apply_to_stages` swaps the attention of this
+rank's stages only and gives the last stage a loss that is the full rows' mean with a
+backward of cp times its gradient (the executor both reports and backpropagates it), so the
+reduction over dp x cp is the same as without a pipeline.
+
 Refused by name before any process group exists (`check_config`, `check_layout`): sequence
 parallelism, fp16/bf16, activation checkpointing and offload with cp (untested), dropout > 0,
 models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that is not
@@ -37,7 +42,9 @@ import torch
 
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.context_parallel import apply_context_parallel, kv_replication, shard_batch
-from tinyscale.context_parallel.apply import token_cross_entropy
+from tinyscale.context_parallel.apply import (
+    ContextParallel, parallelize_attention, sharded_mean_loss, token_cross_entropy,
+)
 from tinyscale.dist import ParallelMesh
 from tinyscale.engine.refusals import check_degree, untested_combinations
 from tinyscale.tensor_parallel import vocab_parallel_cross_entropy
@@ -93,21 +100,66 @@ def reduce_group(mesh: ParallelMesh | None) -> tuple[object, int, int]:
 # --8<-- [end:reduce-group]
 
 
+def _token_losses(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh):
+    """Per-token losses of the head's output: cross-entropy, or with tensor parallelism (the
+    head holds a vocab slice) Megatron's loss over the TP group, never gathered."""
+    if config.parallel.tensor == 1:
+        return token_cross_entropy
+    group, vocab = mesh.group("tp"), model.config.vocab_size
+
+    def losses(local_logits, targets):  # (B, Tl, Vp/tp), (B, Tl) -> (B, Tl)
+        local_logits = local_logits.to(torch.promote_types(local_logits.dtype, torch.float32))
+        return vocab_parallel_cross_entropy(local_logits.flatten(0, 1), targets.flatten().long(), group,
+                                            vocab_size=vocab).view_as(targets)
+    return losses
+
+
 def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> None:
     """Context parallelism over the mesh's cp axis, in place (nothing when cp = 1)."""
     par = config.parallel
     if par.context == 1:
         return
-    losses = token_cross_entropy
-    if par.tensor > 1:  # the head holds a vocab slice: Megatron's loss over the TP group, never gathered
-        group, vocab = mesh.group("tp"), model.config.vocab_size
-
-        def losses(local_logits, targets):  # (B, Tl, Vp/tp), (B, Tl) -> (B, Tl)
-            local_logits = local_logits.to(torch.promote_types(local_logits.dtype, torch.float32))
-            return vocab_parallel_cross_entropy(local_logits.flatten(0, 1), targets.flatten().long(), group,
-                                                vocab_size=vocab).view_as(targets)
     apply_context_parallel(model, mesh.group("cp"), algorithm=par.context_algorithm,
-                           sharding=par.context_sharding, token_losses=losses)
+                           sharding=par.context_sharding, token_losses=_token_losses(model, config, mesh))
+
+
+# --8<-- [start:stages]
+def apply_to_stages(stages: dict, model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh):
+    """pp x cp: this rank's pipeline stages (`GPTStage`s) run on their sequence shard, in place;
+    returns the last stage's loss_fn. Each stage's attention becomes ring or Ulysses over the cp
+    axis and reads RoPE at the shard's global positions; the loss is the full rows' mean (the
+    same on every cp rank) with a backward of cp times its gradient, so that DDP's or ZeRO's
+    mean over dp x cp sums over cp (`reduce_group`)."""
+    par = config.parallel
+    group = mesh.group("cp")
+    losses = _token_losses(model, config, mesh)
+    state = ContextParallel(group, par.context_algorithm, par.context_sharding, losses)
+    rank, last = mesh.rank("cp"), model.config.max_seq_len - 1
+
+    def positions(local_len: int) -> torch.Tensor:  # padded positions past the table reach no real token
+        return state.layout(local_len).positions(rank).clamp(max=last)
+    for stage in stages.values():
+        parallelize_attention(stage.blocks, state)
+        stage.positions = positions
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # (B, Tl, V or Vp/tp), (B, Tl)
+        return _ScaleGrad.apply(sharded_mean_loss(state, logits, targets), float(state.cp))
+    return loss_fn
+# --8<-- [end:stages]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient times `scale` (the engine's x cp, applied to a
+    pipeline's loss, which the executor both reports and backpropagates)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 def shard_micro_batch(chunk: tuple[torch.Tensor, ...], model: torch.nn.Module) -> tuple[torch.Tensor, ...]:

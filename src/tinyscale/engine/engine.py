@@ -47,7 +47,7 @@ gets the same rows, and all reductions above run over the dp axis only. With
 shard of each micro-batch, and the reductions run over dp x cp with the loss scaled by c, so
 they sum over cp and average over dp (`engine/context.py`). With `parallel.pipeline` = p
 the model keeps this rank's stages only and a step runs the pipeline schedule over the
-micro-batches instead of the loop above, then DDP or ZeRO stage 1 over dp
+micro-batches instead of the loop above, then DDP or ZeRO stage 1 or 2 over dp (x cp), once
 (`engine/pipeline_step.py`).
 """
 
@@ -69,10 +69,11 @@ from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
-from tinyscale.engine import checkpoint, compression, context, parallelize, tp_state
+from tinyscale.engine import checkpoint, compression, context, parallelize, step_failure, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.plan import plan_layout
+from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.engine.engine.StepFailed
 from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, counted_parameters, sharded_clipper
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
@@ -92,10 +93,6 @@ from tinyscale.zero.state_dict import (
 
 
 ParamGroups = Callable[[torch.nn.Module], list[dict]]
-
-
-class StepFailed(RuntimeError):
-    """Another rank's forward or backward raised; every rank dropped the step (retry or skip it)."""
 
 
 def check_supported(config: EngineConfig) -> None:
@@ -209,9 +206,10 @@ class Engine:
                 self.zero.sharded.comm_dtype = COMM_DTYPES[config.communication_data_type]
                 self.zero.sharded.prescale_gradients, self.zero.sharded.gradient_predivide_factor = \
                     gradient_scaling(config)
-                if self.tp_size > 1:  # the clipping norm sums the TP shards too (engine/tp_grad_norm.py)
-                    self.zero.sharded.clip_grad_norm_ = sharded_clipper(
-                        self.zero.sharded, counted_parameters(self.model, self.model.tp_group))
+                if self.tp_size > 1 or self.pipeline is not None:  # the clipping norm sums the TP shards
+                    counted = self.pipeline.counted_ids() if self.pipeline is not None else \
+                        counted_parameters(self.model, self.model.tp_group)  # and the stages (tp_grad_norm.py)
+                    self.zero.sharded.clip_grad_norm_ = sharded_clipper(self.zero.sharded, counted)
                 if self.compute_dtype is not None:  # frozen parameters compute in it too; buffers
                     with torch.no_grad():              # (the GPT's fp32 RoPE tables) stay as they are
                         for p in self.model.parameters():
@@ -316,7 +314,7 @@ class Engine:
         failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
         if self.tp_size > 1:  # a TP peer's failure too: the whole world drops the step together
             with comm.record(self.comm_ledger):
-                failed_ranks, where = parallelize.failed_ranks(error is not None, self.device), "rank(s)"
+                failed_ranks, where = step_failure.failed_ranks(error is not None, self.device), "rank(s)"
         # The same value on every rank, so all raise together. fp16: an overflow is the
         # scaler's business (the step is skipped below), not divergence.
         diverged = not math.isfinite(mean_loss) and self.loss_scaler is None

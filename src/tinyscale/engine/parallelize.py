@@ -19,12 +19,13 @@ ZeRO stages 1-3 over the dp axis; context parallelism (`engine/context.py`: ring
 over the cp axis, gradients reduced over dp x cp), also with tensor parallelism (tp x cp,
 without sequence parallelism).
 Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
-rank's stages) with DDP or ZeRO stage 1 over dp, and with tensor parallelism (pp x tp at dp 1,
-without sequence parallelism: this rank's stages split over tp, `engine/pipeline_tp.py`); not
-yet with context parallelism.
+rank's stages) composes with every other axis, at the same places in the order: tensor and
+sequence parallelism split this rank's stages (`engine/pipeline_tp.py`), context parallelism
+swaps their attention (`context.apply_to_stages`), and DDP or ZeRO stages 1-2 run over dp
+(x cp), reducing once after the schedule; ZeRO stage 3 with a pipeline is refused, with the reason.
 
-The mesh is `ParallelMesh(dp=world // (cp tp), cp=cp, tp=tp)`: ranks 0..tp-1 form the first
-TP group, and the ranks holding the same TP shard form a dp group. Tests:
+The mesh is `ParallelMesh(dp=world // (pp cp tp), cp=cp, tp=tp, pp=pp)`, dims (pp, dp, cp, tp):
+ranks 0..tp-1 form the first TP group, and the ranks holding the same TP shard form a dp group. Tests:
 `pytest tests/engine/test_engine_tensor_parallel.py` (keys tp, tensor_parallel),
 `pytest tests/engine/test_engine_context_parallel.py` (key engine_context_parallel).
 """
@@ -32,11 +33,10 @@ TP group, and the ranks holding the same TP shard form a dp group. Tests:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
-from tinyscale.dist import ParallelMesh, comm
+from tinyscale.dist import ParallelMesh
 from tinyscale.engine import context, pipeline_layout
 from tinyscale.engine.refusals import untested_combinations
 from tinyscale.engine.pipeline_step import PipelineStep
@@ -117,7 +117,7 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
     After `partition_pipeline` (`pipeline`), tensor parallelism splits this rank's stages."""
     par = config.parallel
     if par.tensor > 1 and pipeline is not None:  # pp x tp (engine/pipeline_tp.py); no dropout with pp
-        pipeline.split_tensor_parallel(model, mesh)
+        pipeline.split_tensor_parallel(model, mesh, sequence_parallel=par.sequence_parallel)
     elif par.tensor > 1:
         exact, seed = par.tensor_dropout == "exact", 0
         if model.config.dropout > 0:  # the shared stream equal where the masks must agree (random.py)
@@ -125,7 +125,10 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
             seed = share_stream(group, src, next(model.parameters()).device)
         apply_tensor_parallel(model, mesh, sequence_parallel=par.sequence_parallel, exact_dropout=exact,
                               dropout_seed=seed)
-    context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
+    if par.context > 1 and pipeline is not None:  # pp x cp: this rank's stages on their sequence shard
+        pipeline.split_context_parallel(model, config, mesh)
+    else:
+        context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
     ac = config.activation_checkpointing
     if ac.policy != "none":  # a recomputation replays the TP tracker's stream too (tensor_parallel/random.py)
         tracker = getattr(model, "rng_tracker", None)
@@ -158,12 +161,3 @@ def restore_rng(model: torch.nn.Module, state: dict | None) -> None:
     if tracker is not None and state and "tp_tracker" in state:
         tracker.set_state(state["tp_tracker"])
 
-
-def failed_ranks(failed_here: bool, device: torch.device) -> list[int]:
-    """The global ranks whose forward or backward raised this step, agreed over the whole world
-    (one all-reduce of a flag per rank): under tensor parallelism a rank's failure must stop its
-    TP peers as well as its dp peers, or the TP shards of one model would step apart."""
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    flags[dist.get_rank()] = float(failed_here)
-    comm.all_reduce(flags)
-    return [r for r, f in enumerate(flags.tolist()) if f]

@@ -1,13 +1,17 @@
 """What the engine's pipeline parallelism (`parallel.pipeline`) refuses, before any process group.
 
+The pipeline composes with every other axis: the world is pp x dp x cp x tp (mesh order
+(pp, dp, cp, tp), tp fastest), with sequence parallelism when tp > 1, any schedule and
+virtual stages, and DDP or ZeRO stages 1 and 2 over dp (x cp), clipping included.
 Config alone (`config_problems`): the schedule's settings without a pipeline; virtual stages
-with a schedule that has no chunks; the combinations no test covers yet (context or sequence
-parallelism; tensor parallelism is served, `engine/pipeline_tp.py`; ZeRO stages 2 and 3,
-clipping under ZeRO 1, fp16/bf16, activation checkpointing, offload, communication_data_type,
+with a schedule that has no chunks; ZeRO stage 3 (its hooks gather each unit for one forward
+and one backward in turn, which a schedule's many in-flight micro-batches and zero-bubble's
+split backward do not follow: the reason is in the message); and what the other layouts'
+work refuses for now (fp16/bf16, activation checkpointing, offload, communication_data_type,
 wall_clock_breakdown). With the model and world size (`check_layout`): a GPT without dropout,
-a world that is pp x tp x dp (dp 1 when tp > 1: not tested yet), at least one block per model
-stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
-Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`.
+a world that is pp x cp x tp x dp, at least one block per model stage, and interleaving's
+micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
+Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`, `pytest tests/engine/test_engine_pipeline_compose.py`.
 """
 
 from __future__ import annotations
@@ -34,28 +38,19 @@ def config_problems(config: EngineConfig) -> list[str]:
                         f"{par.pipeline_schedule!r}: only 'interleaved_1f1b' runs several chunks per rank; set "
                         "pipeline_schedule 'interleaved_1f1b' or virtual_stages 1")
     stage = config.zero_optimization.stage
-    if stage >= 2:
-        problems.append(f"zero_optimization.stage={stage} with parallel.pipeline={pp}: stage 2 reduce-scatters the "
-                        "gradients in every micro-batch's backward and stage 3 gathers the parameters for every "
-                        "micro-batch, which does not fit a schedule interleaving many micro-batches' passes "
-                        "(DeepSpeed refuses it too); use stage 0 or 1")
+    if stage == 3:
+        problems.append(f"zero_optimization.stage=3 with parallel.pipeline={pp}: stage 3's hooks gather a block's "
+                        "parameters for one forward and one backward in turn and keep the embedding/head unit "
+                        "gathered from the first forward to the last backward, while a schedule runs up to p "
+                        "micro-batches' forwards before their backwards and zero-bubble splits a backward in two; "
+                        "use stage 2 (gradients and optimizer states sharded, reduce-scattered once per step) "
+                        "or stage 1")
     ac = config.activation_checkpointing
     if ac.use_reentrant and ac.policy in ("full", "every_k", "selective") and par.pipeline_schedule == "zb_h1":
         problems.append("activation_checkpointing.use_reentrant=true with parallel.pipeline_schedule='zb_h1': "
                         "zero-bubble's B pass asks autograd for the input gradient alone, and a re-entrant "
                         "checkpoint's backward runs the whole inner backward (parameter gradients too) inside "
                         "it, so it cannot be split into B and W; set use_reentrant false, or another schedule")
-    # Combinations no test covers yet: refused, not silently wrong.
-    if par.context > 1:
-        problems.append(f"parallel.context={par.context} with parallel.pipeline={pp} (not composed yet): set "
-                        "parallel.context to 1")
-    if par.sequence_parallel:  # tensor parallelism with a pipeline is served, sequence parallelism not yet
-        problems.append(f"parallel.sequence_parallel=true with parallel.pipeline={pp} (stages would pass "
-                        "(B, T/t, C) shards; not tested yet): set sequence_parallel false")
-    if config.gradient_clipping > 0 and stage == 1:
-        problems.append(f"gradient_clipping={config.gradient_clipping} with parallel.pipeline={pp} and "
-                        "zero_optimization.stage=1 (ZeRO's norm does not sum over the stages yet; stage 0 clips "
-                        "with the full model's norm): set gradient_clipping 0 or stage 0")
     problems += untested_combinations(config, f"parallel.pipeline={pp}", "pipeline parallelism")
     if config.communication_data_type is not None:
         problems.append(f"communication_data_type={config.communication_data_type!r} with parallel.pipeline={pp} "
@@ -74,14 +69,11 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
     if not check_degree(model, mesh, axis="pp", field="parallel.pipeline", degree=pp,
                         action="pipeline parallelism cuts tinyscale's GPT into stages"):
         return
-    if world_size % (pp * tp):
-        raise ConfigError(f"parallel.pipeline={pp} x parallel.tensor={tp} does not divide the world size "
-                          f"{world_size}: the ranks are pp x dp x tp; choose parallel.pipeline among "
-                          f"{[d for d in range(1, world_size + 1) if world_size % (d * tp) == 0]}")
-    if tp > 1 and world_size > pp * tp:  # pp x tp is tested at dp 1 only (world 4; dp 2 would need 8 ranks)
-        raise ConfigError(f"parallel.pipeline={pp} x parallel.tensor={tp} on {world_size} ranks gives dp="
-                          f"{world_size // (pp * tp)}: data parallelism with pp x tp is not tested yet; use "
-                          f"{pp * tp} ranks (dp 1), or parallel.tensor 1 for dp x pp")
+    cp = par.context
+    if world_size % (pp * cp * tp):
+        raise ConfigError(f"parallel.pipeline={pp} x parallel.context={cp} x parallel.tensor={tp} does not divide "
+                          f"the world size {world_size}: the ranks are pp x dp x cp x tp; choose parallel.pipeline "
+                          f"among {[d for d in range(1, world_size + 1) if world_size % (d * cp * tp) == 0]}")
     if model.config.dropout > 0:
         raise ConfigError(f"parallel.pipeline={pp} with GPTConfig.dropout={model.config.dropout}: each stage draws "
                           "its masks from its own generator, which no test compares with one process yet; set "
@@ -91,7 +83,7 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
         raise ConfigError(f"parallel.pipeline={pp} x parallel.virtual_stages={v} = {pp * v} model stages but the "
                           f"GPT has n_layer={n_layer} blocks (every stage needs one): lower parallel.pipeline or "
                           "parallel.virtual_stages, or use a deeper model")
-    m = config.batch(world_size // (pp * tp)).gradient_accumulation_steps  # the micro-batches per step
+    m = config.batch(world_size // (pp * cp * tp)).gradient_accumulation_steps  # the micro-batches per step
     if par.pipeline_schedule == "interleaved_1f1b" and m % pp:
         raise ConfigError(f"parallel.pipeline_schedule 'interleaved_1f1b' walks micro-batches in rounds of "
                           f"parallel.pipeline={pp}, but gradient_accumulation_steps={m} (the micro-batches per "

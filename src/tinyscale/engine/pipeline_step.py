@@ -1,36 +1,49 @@
 """The engine's step with pipeline parallelism (`parallel.pipeline` = p > 1).
 
-`build` (called by `engine/parallelize.py`, first in its order) cuts the GPT into p x v model
-stages (`tinyscale.pipeline.partition_gpt`, v = `parallel.virtual_stages`), keeps this rank's
-(`tinyscale.pipeline.apply_pipeline`: the model keeps only its parameters, under their
+`PipelineStep` (built by `engine/parallelize.py`, first in its order) cuts the GPT into p x v
+model stages (`tinyscale.pipeline.partition_gpt`, v = `parallel.virtual_stages`), keeps this
+rank's (`tinyscale.pipeline.apply_pipeline`: the model keeps only its parameters, under their
 original names) and lowers the schedule `parallel.pipeline_schedule` (afab, 1f1b,
 interleaved_1f1b, zb_h1) for m = `gradient_accumulation_steps` micro-batches. The mesh is
-(pp, dp, tp): the ranks of one pipeline are dp x tp apart. With tp > 1 the engine's order then
-splits this rank's stages over the TP group (`split_tensor_parallel`, `engine/pipeline_tp.py`):
-each TP rank runs its own pipeline over its own pp group, the last stage's loss vocab-parallel.
+(pp, dp, cp, tp): the ranks of one pipeline are dp x cp x tp apart, and every other axis
+composes with it, each in its place in the engine's order:
+
+- tp (`split_tensor_parallel`, `engine/pipeline_tp.py`): this rank's stages split over the TP
+  group; each TP rank runs its own pipeline over its own pp group, the last stage's loss
+  vocab-parallel. With sequence parallelism the stages pass (B, T/t, C) shards;
+- cp (`split_context_parallel`, `engine/context.py`): each micro-batch's sequence shard goes
+  in, every stage's attention is ring or Ulysses over the cp group, the loss is the full rows'
+  mean with a backward of cp times its gradient (the dp x cp mean then sums over cp);
+- dp: DDP, or ZeRO stage 1 or 2 over dp (x cp). Stage 2 runs the schedule under `no_sync`
+  and reduce-scatters every bucket once after it (torchtitan's FSDP with a pipeline): Psi
+  on the wire per step, not per micro-batch. Stage 3 is refused (`pipeline_layout`).
 
 One step (`PipelineStep.train_step`), on every rank of every pipeline:
 
 1. this dp rank's rows of the global batch, cut into m micro-batches (the engine's rule,
-   `tinyscale.data.local_micro_batches`), ids into the first stage, targets into the last;
+   `tinyscale.data.local_micro_batches`), with cp this rank's sequence shard of each, ids into
+   the first stage, targets into the last;
 2. the schedule's forwards, backwards and sends over the pp group (`PipelineExecutor`),
    each backward scaled by 1/m, gradients accumulating in ``.grad``;
 3. a tied embedding/head: the first and last stage add their gradients (`exchange_tied_grads`);
-4. the data-parallel reduction over dp: stage 0 all-reduces DDP's buckets once, after the
-   schedule (its backwards ran under `no_sync`); ZeRO stage 1 reduce-scatters in its step;
+4. the data-parallel reduction over dp (x cp), once, after the schedule: DDP's buckets
+   all-reduced, or ZeRO 2's reduce-scattered; ZeRO stage 1 reduce-scatters in its step;
 5. the loss: the last stage's mean over its m micro-batches, summed over the pp group (the
    others add zero: a broadcast from the last stage), then averaged over dp;
-6. clipping by the norm of the whole model's gradient (squares summed over the pp group,
-   the tied table counted once, on the first stage; with TP also over the TP group, each
-   shard by its rank and a replicated parameter by TP rank 0), the learning rate, the step.
+6. clipping by the norm of the whole model's gradient, each parameter once: squares summed
+   over the pp group, the tied table counted on the first stage only; with TP also over the
+   TP group, each shard by its rank and a replicated parameter by TP rank 0 (`counted`). ZeRO
+   sums the same parameters' fragments of its gradient shards over the world
+   (`engine/tp_grad_norm.sharded_clipper`). Then the learning rate and the step.
 
 A forward, backward or loss that raises on some stages: the executor runs the schedule's
 messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
-failed (one all-reduce of a flag per rank, `parallelize.failed_ranks`) and drops the step, as
+failed (one all-reduce of a flag per rank, `step_failure.failed_ranks`) and drops the step, as
 the data-parallel engine does: that rank re-raises its error, the others raise `StepFailed`
 naming it. A failure in the messages themselves still stops the engine. Tests:
 `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
-pp_interleaved, pp_zero_bubble).
+pp_interleaved, pp_zero_bubble), `pytest tests/engine/test_engine_pipeline_compose.py` (with
+the other axes and ZeRO: keys engine_pipeline, layout_pp).
 """
 
 from __future__ import annotations
@@ -39,21 +52,25 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 
 from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
-from tinyscale.engine import pipeline_checkpoint
+from tinyscale.engine import context, pipeline_checkpoint
 from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
 from tinyscale.pipeline import (
     add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
 )
 from tinyscale.engine import pipeline_tp
+from tinyscale.engine.step_failure import StepFailed, failed_ranks
 from tinyscale.engine.tp_grad_norm import counted_parameters
 from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
 from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
 from tinyscale.tensor_parallel import full_state_dict_from_tp
+from tinyscale.context_parallel import shard_batch
+from tinyscale.zero import ZeroStage2
 
 SCHEDULES = {  # parallel.pipeline_schedule -> (p, m, v) -> compute actions per rank
     "afab": lambda p, m, v: afab(p, m),
@@ -79,7 +96,8 @@ class PipelineStep:
         self.schedule = add_communication(SCHEDULES[par.pipeline_schedule](p, m, v))
         self.executor = PipelineExecutor(self.schedule, self.rank, self.stages, loss_fn=gpt_loss,
                                          ranks=self.ranks, group=self.group)
-        self.tp_group = None
+        self.tp_group = self.cp_group = None
+        self.sequence_parallel = False
         self._bind(model)
 
     def _bind(self, model: GPT) -> None:
@@ -100,13 +118,23 @@ class PipelineStep:
         self.counted = [q for q in model.parameters() if q.requires_grad and id(q) not in skip
                         and (tp_counted is None or id(q) in tp_counted)]
 
-    def split_tensor_parallel(self, model: GPT, mesh: ParallelMesh) -> None:
+    def split_tensor_parallel(self, model: GPT, mesh: ParallelMesh, *, sequence_parallel: bool = False) -> None:
         """Second in the engine's order: this rank's stages split over the tp axis
         (`engine/pipeline_tp.py`), the last stage's loss the vocab-parallel cross-entropy."""
-        self.tp_group = mesh.group("tp")
-        pipeline_tp.split_stages(model, self.stages, self.tp_group)
+        self.tp_group, self.sequence_parallel = mesh.group("tp"), sequence_parallel
+        pipeline_tp.split_stages(model, self.stages, self.tp_group, sequence_parallel=sequence_parallel)
         self.executor.loss_fn = pipeline_tp.vocab_parallel_loss(self.tp_group, model.config.vocab_size)
         self._bind(model)  # the embedding and head are new Parameters
+
+    def split_context_parallel(self, model: GPT, config: EngineConfig, mesh: ParallelMesh) -> None:
+        """Third: this rank's stages run on their sequence shard, attention over the cp axis
+        (`engine/context.py`); each micro-batch is sharded in `train_step`."""
+        self.cp_group, self.cp_sharding = mesh.group("cp"), config.parallel.context_sharding
+        self.executor.loss_fn = context.apply_to_stages(self.stages, model, config, mesh)
+
+    def counted_ids(self) -> set[int]:
+        """ids of the parameters this rank counts in the gradient norm (ZeRO's clipper reads them)."""
+        return {id(q) for q in self.counted}
 
     def full_state_dict(self, model: GPT) -> dict:
         """Every stage's parameters, original keys and order, on every rank (a collective over tp, then pp)."""
@@ -136,22 +164,26 @@ class PipelineStep:
         engine.model.train()
         if engine.zero is not None:
             engine.zero.abandon_backward()  # nothing to forget unless a caller ran backward itself
+        seq_len, tp = batch[0].shape[1], dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        if self.sequence_parallel and seq_len % tp:  # on every rank alike, before any message
+            raise ValueError(f"train_batch: sequence parallel: sequence length T={seq_len} is not divisible by "
+                             f"parallel.tensor={tp}; use a T that is a multiple of {tp}, or sequence_parallel false")
         micro = local_micro_batches(batch, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
                                     micro_batch_size=engine.batch.micro_batch_size)
+        if self.cp_group is not None:  # this cp rank's sequence shard of each (B, T) -> (B, Tl)
+            micro = [shard_batch(tuple(chunk), self.cp_group, self.cp_sharding) for chunk in micro]
         inputs = [chunk[0].to(engine.device) for chunk in micro]  # (B, T) ids per micro-batch
         targets = [chunk[1].to(engine.device) for chunk in micro]
         # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})
-        from tinyscale.engine.engine import StepFailed  # noqa: PLC0415 - engine.py imports this module
-        from tinyscale.engine.parallelize import failed_ranks  # noqa: PLC0415 - so does parallelize.py
         failed: list[int] = []
         try:
             with comm.record(engine.comm_ledger):
                 # --8<-- [start:step]
-                # DDP synchronises once, below: the schedule's backwards (and zero-bubble's W
-                # passes, which write .grad outside autograd's hooks) only accumulate.
+                # DDP and ZeRO 2 synchronise once, below: the schedule's backwards (and zero-bubble's
+                # W passes, which write .grad outside autograd's hooks) only accumulate.
                 error = None
-                with engine.ddp.no_sync() if engine.ddp is not None else contextlib.nullcontext():
+                with _no_sync(engine):
                     try:
                         loss = self.executor.run(inputs, targets)
                     except Exception as exc:  # noqa: BLE001 - the schedule ran to its end: drop the step
@@ -167,8 +199,14 @@ class PipelineStep:
                         "the batch or skip it")
                 if self.tied is not None:
                     exchange_tied_grads(*self.tied, group=self.group)
+                # which parameters got a gradient here (W passes too), before ZeRO 2 frees them
+                used = None if engine.zero is None else torch.tensor(
+                    [q.grad is not None for q in engine.zero.sharded.params], dtype=torch.float64,
+                    device=engine.device)
                 if engine.ddp is not None:
                     engine.ddp.sync_gradients()
+                if isinstance(engine.zero, ZeroStage2):  # one reduce-scatter per bucket, after the last backward
+                    engine.zero.reduce_gradients()
                 total = torch.zeros((), dtype=torch.float64, device=engine.device)
                 if loss is not None:
                     total += loss.detach().double()
@@ -190,23 +228,21 @@ class PipelineStep:
         lr = lr_at(engine.step - engine.skipped_steps, engine.config) if engine._schedules_lr else None
         try:
             with comm.record(engine.comm_ledger):
-                self._optimizer_step(engine, lr)
+                self._optimizer_step(engine, lr, used)
         except Exception as exc:
             engine._broken = f"step {engine.step} raised in the optimizer step ({type(exc).__name__}: {exc})"
             raise
         engine.step += 1
         return mean_loss, False
 
-    def _optimizer_step(self, engine, lr: float | None) -> None:
-        if engine.zero is not None:  # stage 1: reduce-scatter over dp, step the shard, all-gather
-            sharded = engine.zero.sharded
-            used = torch.tensor([q.grad is not None for q in sharded.params], dtype=torch.float64,
-                                device=engine.device)
-            if engine.dp_size > 1:
-                comm.all_reduce(used, group=engine.dp_group)  # got a gradient on some dp rank
+    def _optimizer_step(self, engine, lr: float | None, used: torch.Tensor | None) -> None:
+        if engine.zero is not None:  # stage 1: reduce-scatter over dp (x cp); stage 2 did; step the shard, all-gather
+            if engine.reduce_size > 1:
+                comm.all_reduce(used, group=engine.reduce_group)  # got a gradient on some dp (x cp) rank
             if lr is not None:
                 engine.zero.set_lr(lr)
-            engine.zero.step(used=used.cpu() > 0)
+            # clipping: ZeRO's clipper sums each counted fragment's squares over the world (pp x dp x cp x tp)
+            engine.zero.step(max_norm=engine.config.gradient_clipping, used=used.cpu() > 0)
             if engine.step == engine.skipped_steps:  # the first step taken: the states now exist
                 check_elementwise_state(engine.optimizer)
             return
@@ -217,6 +253,13 @@ class PipelineStep:
             set_lr(engine.optimizer, lr)
         engine.optimizer.step()
         engine.optimizer.zero_grad(set_to_none=True)
+
+
+def _no_sync(engine):
+    """The schedule's backwards only accumulate: DDP's buckets and ZeRO 2's wait for the end."""
+    if engine.ddp is not None:
+        return engine.ddp.no_sync()
+    return engine.zero.no_sync() if isinstance(engine.zero, ZeroStage2) else contextlib.nullcontext()
 
 
 @torch.no_grad()

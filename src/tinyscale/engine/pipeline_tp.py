@@ -10,10 +10,13 @@ splits a whole GPT (Megatron-LM's pp x tp layout, Narayanan et al. 2021, sec. 2.
                   the loss `vocab_parallel_cross_entropy` over the TP group on the local logits
 
 Between stages the activations are full (B, T, C), the same on every TP rank: TP rank i of
-stage s sends to TP rank i of stage s + 1 over its own pp group (the mesh's pp axis). A tied
-table: the first stage's embedding shard i and the last stage's head shard i hold the same
-vocab rows (both padded to ceil(V/t) rows per rank), so `exchange_tied_grads` over TP rank i's
-pp group pairs the right shards. No sequence parallelism (refused by name in pipeline_layout).
+stage s sends to TP rank i of stage s + 1 over its own pp group (the mesh's pp axis). With
+sequence parallelism they are TP rank i's (B, T/t, C) sequence shard instead (Megatron-LM sends
+the same; 1/t of the bytes): the embedding reduce-scatters along the sequence, every block
+takes and returns the shard, and the last stage's final norm runs on it before the head
+gathers the sequence. A tied table: the first stage's embedding shard i and the last stage's
+head shard i hold the same vocab rows (both padded to ceil(V/t) rows per rank), so
+`exchange_tied_grads` over TP rank i's pp group pairs the right shards.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k tp`.
 """
 
@@ -27,25 +30,31 @@ from torch import nn
 
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import (
-    ColumnParallelLinear, VocabParallelEmbedding, check_tensor_parallel, vocab_parallel_cross_entropy,
+    ColumnParallelLinear, SequenceParallelRMSNorm, VocabParallelEmbedding, check_tensor_parallel,
+    vocab_parallel_cross_entropy,
 )
 from tinyscale.tensor_parallel.apply import parallelize_block
 
 
 # --8<-- [start:split]
-def split_stages(model: GPT, stages: dict[int, nn.Module], group) -> None:
+def split_stages(model: GPT, stages: dict[int, nn.Module], group, *, sequence_parallel: bool = False) -> None:
     """Split this rank's `stages` (`GPTStage`s sharing `model`'s modules) over the TP `group`, in
-    place: the new embedding and head go into both the stage and `model` (under their original
-    names, so the optimizer, checkpoints and `full_state_dict_from_tp` find them)."""
-    cfg = model.config
+    place: the new embedding, final norm and head go into both the stage and `model` (under their
+    original names, so the optimizer, checkpoints and `full_state_dict_from_tp` find them).
+    `sequence_parallel`: the stages take and pass (B, T/t, C) sequence shards."""
+    cfg, sp = model.config, sequence_parallel
     check_tensor_parallel(cfg, dist.get_world_size(group))
     for stage in stages.values():
-        if stage.embed is not None:
-            model.embed = stage.embed = VocabParallelEmbedding.from_embedding(stage.embed, group)
+        if stage.embed is not None:  # sequence parallel: reduce-scatters its rows along the sequence
+            model.embed = stage.embed = VocabParallelEmbedding.from_embedding(stage.embed, group, sequence_parallel=sp)
         for block in stage.blocks:
-            parallelize_block(block, group, n_kv_head=cfg.kv_heads)
+            parallelize_block(block, group, sequence_parallel=sp, n_kv_head=cfg.kv_heads)
         if stage.head is not None:  # a tied head gets its own shard of the table (the first stage has the other)
-            model.head = stage.head = ColumnParallelLinear.from_linear(stage.head, group, pad_out_features=True)
+            if sp:  # the final norm on the shard; the head gathers the sequence first
+                model.norm = stage.norm = SequenceParallelRMSNorm(stage.norm, group)
+            model.head = stage.head = ColumnParallelLinear.from_linear(stage.head, group, pad_out_features=True,
+                                                                       sequence_parallel=sp)
+        stage.sequence_shards = dist.get_world_size(group) if sp else 1
     model.tp_group = group  # what the engine's TP helpers (clipping under ZeRO, tp_state) read
 # --8<-- [end:split]
 

@@ -71,12 +71,21 @@ class GPTStage(nn.Module):
         self.norm = model.norm if spec.head else None
         self.head = model.head if spec.head else None
         self._rope = (model.rope_cos, model.rope_sin)  # (max_seq_len, D) each, not parameters
+        # Set by the layouts that cut the sequence (the engine's): with sequence parallelism over
+        # t ranks the activations between stages are (B, T/t, C) shards (`sequence_shards` = t);
+        # with context parallelism `positions(Tl)` gives the global positions of this rank's Tl tokens.
+        self.sequence_shards = 1
+        self.positions: Callable[[int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1] if self.embed is not None else x.shape[1] * self.sequence_shards  # ids (B, T) or (B, T/t, C)
         if self.embed is not None:
-            x = self.embed(x)  # (B, T) -> (B, T, C)
-        T = x.shape[1]
-        cos, sin = self._rope[0][:T], self._rope[1][:T]  # (T, D)
+            x = self.embed(x)  # (B, T) -> (B, T, C), or (B, T/t, C) under sequence parallelism
+        if self.positions is None:
+            cos, sin = self._rope[0][:T], self._rope[1][:T]  # (T, D)
+        else:
+            where = self.positions(T).to(self._rope[0].device)  # (Tl,)
+            cos, sin = self._rope[0][where], self._rope[1][where]  # (Tl, D) at the global positions
         for block in self.blocks:
             x = block(x, cos, sin)  # (B, T, C)
         if self.head is not None:

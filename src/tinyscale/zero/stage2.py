@@ -15,12 +15,17 @@ Memory per rank: parameters B*Psi, gradients B*Psi/N, master + optimizer state K
 Communication per step: Psi (reduce-scatter) per micro-batch + Psi (all-gather): with one
 micro-batch 2 Psi, the same as DDP. With gradient accumulation every micro-batch's
 gradient is reduce-scattered at once (DeepSpeed does the same): keeping the full gradient
-across micro-batches would give back the memory stage 2 exists to save.
+across micro-batches would give back the memory stage 2 exists to save. Under a pipeline
+schedule, whose micro-batches' backwards interleave with other stages' work, the engine runs
+them under `no_sync()` and calls `reduce_gradients()` once at the end, as torchtitan's FSDP
+with a pipeline does: Psi per step on the wire, full gradients held until the schedule ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.autograd import Variable
@@ -47,6 +52,7 @@ class ZeroStage2:
         self._pending: list = []
         self._next = 0
         self._queued = False
+        self._deferred = False  # inside no_sync(): gradients accumulate, nothing is sent
         self.events: list[tuple[str, int | None, float]] = []
         for p in self._where:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -54,6 +60,9 @@ class ZeroStage2:
     # --8<-- [start:hook]
     @torch.no_grad()
     def _on_grad(self, param: torch.Tensor) -> None:
+        if self._deferred:  # no_sync: the full gradient stays in .grad until reduce_gradients
+            self.sharded.mark_used(param)
+            return
         if not self._queued:  # first gradient of this backward: finish when backward ends
             self._queued = True
             self.events = []
@@ -92,6 +101,28 @@ class ZeroStage2:
             ready.clear()
         self._next = 0
         self._queued = False
+
+    # --8<-- [start:no-sync]
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate full gradients locally and send nothing; `reduce_gradients`
+        then reduce-scatters every bucket once. A pipeline schedule runs its micro-batches'
+        backwards under it (torchtitan's FSDP with a pipeline does the same): Psi on the wire per
+        step instead of Psi per micro-batch, for full gradients held until the schedule ends."""
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter every bucket's accumulated gradients into this rank's shards, in
+        order (a missing gradient counts as zero), and free the full ones."""
+        for u in range(len(self.sharded.units)):
+            self._launch(u)
+        self._settle()
+    # --8<-- [end:no-sync]
 
     def abandon_backward(self) -> None:
         """Forget a forward or backward that raised (autograd then drops the end callback):

@@ -1,0 +1,142 @@
+"""The layout matrix: every (dp, pp, cp, tp) with degrees in {1, 2} on at most 8 ranks, plus a few
+with a degree of 3, each crossed with a ZeRO stage, sequence parallelism, activation checkpointing
+and a pipeline schedule, trains the odd GPT exactly like one process.
+
+The odd GPT is what a user brings, not what divides evenly: vocab 61 (no degree divides it: the
+TP vocab shards are padded), 5 layers (no pipeline degree, nor 2 chunks of 2 stages, divides them), 6 query heads on 2 K/V
+heads (GQA: at tp 2 each rank holds one K/V head), tied embedding and head, sequence 10
+(cp 2's zigzag cuts 4 chunks of 2.5: padded), weight decay, gradient clipping that binds, and 2
+micro-batches of accumulation. Each layout trains 2 steps; losses and `full_state_dict()` equal
+`tinyscale.reference.train` in float64 at rtol 1e-10 (reduction order differs: ~1e-15 per op).
+
+The features rotate over the layouts (`matrix()`), so that each one meets every axis in the
+default subset without a full cross product: ZeRO stages 0-3, SP wherever tp > 1 on every other
+layout, activation checkpointing policies, and the schedules. Layouts of one world size run in one
+pooled multi-rank call. Default: the layouts on at most 4 ranks; `--thorough`: all of them.
+Run: `pytest tests/engine/test_layout_matrix.py` (key layout_matrix).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+import tinyscale as ts
+from tinyscale.config import ConfigError
+from tinyscale.data import synthetic_token_batches
+from tinyscale.models import GPT, GPTConfig
+from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
+
+VOCAB, SEQ, STEPS, MICRO, ROWS, N_LAYER = 61, 10, 2, 2, 1, 5
+CLIP = 0.3  # the gradient norm of this model here is ~1-2: every step clips
+POLICIES = ("none", "full", "selective", "every_k")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "afab")
+
+
+def gpt() -> GPT:
+    cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=N_LAYER, n_head=6, n_kv_head=2, d_model=12,
+                    ffn_hidden=20, tie_embeddings=True)
+    return GPT(cfg, seed=7, dtype=torch.float64)  # d_model 12, head_dim 2
+
+
+@functools.cache
+def matrix() -> tuple[tuple, ...]:
+    """(dp, pp, cp, tp, zero stage, sp, policy, schedule) per layout, the features rotated."""
+    degrees = list(itertools.product((1, 2), repeat=4))  # (2, 2, 2, 2): the 16-rank run, --thorough only
+    # a degree of 3 (not tp: 2 K/V heads do not split over 3 ranks, nor copy evenly)
+    degrees += [(3, 1, 1, 1), (1, 3, 1, 1), (1, 1, 3, 1), (3, 1, 1, 2), (1, 3, 1, 2)]
+    out, pipelines = [], 0
+    for i, (dp, pp, cp, tp) in enumerate(degrees):
+        stage = i % 4
+        sp = tp > 1 and (i // 2) % 2 == 0  # tp is the fastest degree: every other tp > 1 layout
+        policy = POLICIES[(i + i // 4) % len(POLICIES)]  # shifted every 4, so not tied to the stage
+        schedule = "1f1b"
+        if pp > 1:  # the schedules in turn over the pipelined layouts
+            schedule, pipelines = SCHEDULES[pipelines % len(SCHEDULES)], pipelines + 1
+            if schedule == "interleaved_1f1b" and (MICRO % pp or 2 * pp > N_LAYER):
+                schedule = "1f1b"  # it walks micro-batches in rounds of pp, 2 chunks of a block each
+        out.append((dp, pp, cp, tp, stage, sp, policy, schedule))
+    return tuple(out)
+
+
+def world(layout: tuple) -> int:
+    dp, pp, cp, tp = layout[:4]
+    return dp * pp * cp * tp
+
+
+def config(layout: tuple) -> dict:
+    dp, pp, cp, tp, stage, sp, policy, schedule = layout
+    parallel = {"tensor": tp, "pipeline": pp, "context": cp}
+    if sp:
+        parallel["sequence_parallel"] = True
+    if pp > 1:
+        parallel["pipeline_schedule"] = schedule
+        if schedule == "interleaved_1f1b":
+            parallel["virtual_stages"] = 2
+    checkpointing = {"policy": policy} | ({"every_k": 2} if policy == "every_k" else {})
+    return {"train_batch_size": ROWS * MICRO * dp, "train_micro_batch_size_per_gpu": ROWS,
+            "gradient_accumulation_steps": MICRO, "gradient_clipping": CLIP,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage}, "activation_checkpointing": checkpointing,
+            "parallel": parallel}
+
+
+def batches(layout: tuple):
+    return synthetic_token_batches(num_batches=STEPS, batch_size=ROWS * MICRO * layout[0], seq_len=SEQ,
+                                   vocab_size=VOCAB, seed=9)
+
+
+def _train(layouts: list[tuple]) -> list:
+    out = []
+    for layout in layouts:
+        try:  # a refusal is raised on every rank alike before any collective: the next layout can run
+            engine = ts.initialize(gpt(), config(layout))
+        except ConfigError as exc:
+            out.append(exc)
+            continue
+        losses = [engine.train_batch(b) for b in batches(layout)]
+        out.append((losses, engine.full_state_dict()))
+    return out
+
+
+@functools.cache
+def results(world_size: int, thorough: bool) -> list:
+    layouts = [lay for lay in selected(thorough) if world(lay) == world_size]
+    return run_on_ranks(_train, world_size, layouts, timeout_s=600)
+
+
+def selected(thorough: bool) -> list[tuple]:
+    return [lay for lay in matrix() if thorough or world(lay) <= 4]
+
+
+def _id(layout: tuple) -> str:
+    dp, pp, cp, tp, stage, sp, policy, schedule = layout
+    name = f"dp{dp}-pp{pp}-cp{cp}-tp{tp}-zero{stage}" + ("-sp" if sp else "") + f"-ac_{policy}"
+    return name + (f"-{schedule}" if pp > 1 else "")
+
+
+def pytest_generate_tests(metafunc):
+    """The default suite gets the layouts on at most 4 ranks, --thorough all of them."""
+    if "layout" in metafunc.fixturenames:
+        layouts = selected(metafunc.config.getoption("--thorough"))
+        metafunc.parametrize("layout", layouts, ids=[_id(lay) for lay in layouts])
+
+
+def test_layout_matrix_trains_like_single_process(layout, request):
+    thorough = request.config.getoption("--thorough")
+    model = gpt()
+    reference = config(layout) | {"parallel": {}, "zero_optimization": {"stage": 0},
+                                  "activation_checkpointing": {"policy": "none"}}
+    expected_losses = ts.reference.train(model, batches(layout), reference)
+    expected = model.state_dict()
+    index = [lay for lay in selected(thorough) if world(lay) == world(layout)].index(layout)
+    for rank, rank_results in enumerate(results(world(layout), thorough)):
+        if isinstance(rank_results[index], ConfigError):
+            raise rank_results[index]
+        losses, state = rank_results[index]
+        assert_losses_close(losses, expected_losses)
+        assert list(state) == list(expected), f"rank {rank}: keys differ from the model's"
+        assert_state_dicts_close(state, expected, what=f"{_id(layout)} rank {rank} after {STEPS} steps")

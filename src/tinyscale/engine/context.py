@@ -24,10 +24,12 @@ then swaps attention and the forward, whose per-token loss becomes the vocab-par
 (the head holds a vocab slice); Ulysses then splits each TP shard's heads over cp. (The model's
 forward without targets returns this rank's vocab slice of the logits.)
 
-Refused by name before any process group exists (`check_config`, `check_layout`): sequence
-parallelism, fp16/bf16, activation checkpointing and offload with cp (untested), dropout > 0,
-models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that is not
-dp x cp x tp.
+Activation checkpointing (the attention core's ring or all-to-all runs again in a rerun, on
+every rank of the cp group alike) and ZeRO offload over dp x cp are served (`pytest -k
+"layout_activation_checkpointing or layout_offload"`). Refused by name before any process group
+exists (`check_config`, `check_layout`): sequence parallelism, fp16/bf16 with cp (untested),
+dropout > 0, models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that
+is not dp x cp x tp.
 Lesson: lessons/09-context-parallel.md. Tests: `pytest -k engine_context_parallel`.
 """
 

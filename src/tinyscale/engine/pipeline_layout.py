@@ -1,10 +1,12 @@
 """What the engine's pipeline parallelism (`parallel.pipeline`) refuses, before any process group.
 
 Config alone (`config_problems`): the schedule's settings without a pipeline; virtual stages
-with a schedule that has no chunks; the combinations no test covers yet (context or sequence
-parallelism; tensor parallelism is served, `engine/pipeline_tp.py`; ZeRO stages 2 and 3,
-clipping under ZeRO 1, fp16/bf16, activation checkpointing, offload, communication_data_type,
-wall_clock_breakdown). With the model and world size (`check_layout`): a GPT without dropout,
+with a schedule that has no chunks; re-entrant activation checkpointing with zb_h1 (its backward
+cannot be split into zero-bubble's B and W passes); the combinations no test covers yet (context
+or sequence parallelism; tensor parallelism is served, `engine/pipeline_tp.py`; ZeRO stages 2 and
+3, clipping under ZeRO 1, fp16/bf16, communication_data_type, wall_clock_breakdown). Activation
+checkpointing (every policy, every schedule) and offload at ZeRO 1 are served (`pytest -k
+"layout_activation_checkpointing or layout_offload"`). With the model and world size (`check_layout`): a GPT without dropout,
 a world that is pp x tp x dp (dp 1 when tp > 1: not tested yet), at least one block per model
 stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`.

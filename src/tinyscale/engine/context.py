@@ -29,10 +29,12 @@ rank's stages only and gives the last stage a loss that is the full rows' mean w
 backward of cp times its gradient (the executor both reports and backpropagates it), so the
 reduction over dp x cp is the same as without a pipeline.
 
-Refused by name before any process group exists (`check_config`, `check_layout`): sequence
-parallelism, fp16/bf16, activation checkpointing and offload with cp (untested), dropout > 0,
-models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that is not
-dp x cp x tp.
+Activation checkpointing (the attention core's ring or all-to-all runs again in a rerun, on
+every rank of the cp group alike) and ZeRO offload over dp x cp are served (`pytest -k
+"layout_activation_checkpointing or layout_offload"`). Refused by name before any process group
+exists (`check_config`, `check_layout`): sequence parallelism, fp16/bf16 with cp (untested),
+dropout > 0, models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that
+is not dp x cp x tp.
 Lesson: lessons/09-context-parallel.md. Tests: `pytest -k engine_context_parallel`.
 """
 

@@ -23,6 +23,14 @@ rank's stages) composes with every other axis, at the same places in the order: 
 sequence parallelism split this rank's stages (`engine/pipeline_tp.py`), context parallelism
 swaps their attention (`context.apply_to_stages`), and DDP or ZeRO stages 1-2 run over dp
 (x cp), reducing once after the schedule; ZeRO stage 3 with a pipeline is refused, with the reason.
+Activation checkpointing (every policy of `tinyscale.checkpointing`) composes with all of them: it
+comes after the layers are split, changes each block's class in place over the tensor-parallel one
+(a pipeline stage's blocks are the same objects), and a recomputation replays the TP RNG tracker's
+stream as well as torch's, so the masks are the forward's; under ZeRO-3 the rerun runs inside the
+block's backward, whose hooks have gathered its parameters. ZeRO offload (cpu, nvme) belongs to
+the optimizer over dp (x cp) and composes with every layout ZeRO does. Tests:
+`pytest -k "layout_activation_checkpointing or layout_offload"` (bit-identical to the same layout
+without them).
 
 The mesh is `ParallelMesh(dp=world // (pp cp tp), cp=cp, tp=tp, pp=pp)`, dims (pp, dp, cp, tp):
 ranks 0..tp-1 form the first TP group, and the ranks holding the same TP shard form a dp group. Tests:
@@ -129,11 +137,13 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
         pipeline.split_context_parallel(model, config, mesh)
     else:
         context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
+    # --8<-- [start:activation-checkpointing]
     ac = config.activation_checkpointing
     if ac.policy != "none":  # a recomputation replays the TP tracker's stream too (tensor_parallel/random.py)
         tracker = getattr(model, "rng_tracker", None)
         apply_policy(model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant,
                      generators=[tracker.generator] if tracker is not None else [])
+    # --8<-- [end:activation-checkpointing]
     return model
 
 

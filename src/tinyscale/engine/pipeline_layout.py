@@ -6,11 +6,14 @@ virtual stages, and DDP or ZeRO stages 1 and 2 over dp (x cp), clipping included
 Config alone (`config_problems`): the schedule's settings without a pipeline; virtual stages
 with a schedule that has no chunks; ZeRO stage 3 (its hooks gather each unit for one forward
 and one backward in turn, which a schedule's many in-flight micro-batches and zero-bubble's
-split backward do not follow: the reason is in the message); and what the other layouts'
-work refuses for now (fp16/bf16, activation checkpointing, offload, communication_data_type,
-wall_clock_breakdown). With the model and world size (`check_layout`): a GPT without dropout,
-a world that is pp x cp x tp x dp, at least one block per model stage, and interleaving's
-micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
+split backward do not follow: the reason is in the message); re-entrant activation
+checkpointing with zb_h1 (its backward cannot be split into zero-bubble's B and W passes); and
+what the other layouts' work refuses for now (fp16/bf16, communication_data_type,
+wall_clock_breakdown). Activation checkpointing (every policy, every schedule) and offload
+(tested at ZeRO 1) are served (`pytest -k "layout_activation_checkpointing or layout_offload"`). With the
+model and world size (`check_layout`): a GPT without dropout, a world that is pp x cp x tp x dp,
+at least one block per model stage, and interleaving's micro-batches
+(``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`, `pytest tests/engine/test_engine_pipeline_compose.py`.
 """
 

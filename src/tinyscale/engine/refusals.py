@@ -1,5 +1,8 @@
 """Combinations a parallel layout refuses until a test covers them, worded alike for every layout.
 
+Activation checkpointing and ZeRO offload left this list in issue 25: every layout serves them
+(tests/engine/test_layout_activation_checkpointing.py, test_layout_offload.py).
+
 Each layout's `check_config` (tensor parallelism in `engine/parallelize.py`, context parallelism
 in `engine/context.py`, pipeline parallelism in `engine/pipeline_layout.py`) adds these to its own
 refusals; `engine.check_supported` raises them all in one `ConfigError` before any process group

@@ -18,6 +18,10 @@ copies of a replicated activation drift apart. The exact mode over data-parallel
 dp rank draws the masks of the micro-batches before and after its own (`skip_exact_masks`), as one
 process draws the whole global batch's, so the engine's dp x tp run equals one process.
 
+Under activation checkpointing a recomputation must draw the forward's masks again: torch's
+checkpoint replays the global generators only, so the engine hands the tracker's generator to the
+policy (`apply_policy(..., generators=[tracker.generator])`), which replays it the same way.
+
 Run: `pytest tests/tensor_parallel -k "tensor_parallel and dropout"`.
 """
 

@@ -15,8 +15,9 @@ and its losses and `full_state_dict()` equal `tinyscale.reference.train` in floa
   the padded local parameters' bytes, whatever the number of micro-batches);
 - pp 2 x tp 2 at ZeRO 1 and 2 with clipping (the TP shards summed, replicated ones once);
 - at 8 ranks: dp 2 x pp 2 x tp 2 (DDP, ZeRO 1, ZeRO 2, SP) and dp 2 x pp 2 x cp 2.
-The layouts of one world size run in one pooled call (cached per module). The 8-rank call
-runs under --thorough only (it costs more than the default suite's share on 2 cores).
+The layouts of one world size run in one pooled call (cached per module). More world-4
+pairings and the 8-rank call run under --thorough only (the 8-rank pool alone takes ~25 s to
+start on 2 cores, more than the default suite's share).
 Run: `pytest tests/engine/test_engine_pipeline_compose.py` (keys engine_pipeline, layout_pp).
 """
 
@@ -178,6 +179,23 @@ def test_engine_pipeline_layout_pp_zero2_reduce_scatters_once_per_step():
             _, _, rows, _, local, _ = rank_results[index]
             dp = spec["dp"]
             assert [nbytes for op, nbytes in rows if op == "reduce_scatter"] == [-(-local // dp) * dp * 8], spec
+
+
+# More world-4 pairings (--thorough): the other schedules with ZeRO 2, cp with ZeRO 2 and dp, AFAB with SP.
+WORLD4_MORE = [
+    layout("interleaved_1f1b", dp=2, stage=2, v=2, n_layer=5, optimizer="adamw"),
+    layout("interleaved_1f1b", tp=2, sp=True, stage=2, v=2, n_layer=5, kv=1),
+    layout("afab", tp=2, sp=True, stage=1, tied=False, m=3),
+    layout("1f1b", cp=2, stage=2, algorithm="ulysses", sharding="zigzag", optimizer="adamw"),
+    layout("zb_h1", dp=2, stage=1, m=3, tied=False),
+]
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4_MORE)), ids=_ids(WORLD4_MORE))
+def test_engine_pipeline_layout_pp_more_pairings_train_like_single_process(index, request):
+    if not request.config.getoption("--thorough"):
+        pytest.skip("more schedules per pairing: run with --thorough")
+    _check(4, WORLD4_MORE, index)
 
 
 # World 8: dp 2 x pp 2 x tp 2 (DDP, ZeRO 1, ZeRO 2; SP) and dp 2 x pp 2 x cp 2, in one pooled call.

@@ -4,16 +4,15 @@ The pipeline composes with every other axis: the world is pp x dp x cp x tp (mes
 (pp, dp, cp, tp), tp fastest), with sequence parallelism when tp > 1, any schedule and
 virtual stages, and DDP or ZeRO stages 1 and 2 over dp (x cp), clipping included.
 Config alone (`config_problems`): the schedule's settings without a pipeline; virtual stages
-with a schedule that has no chunks; ZeRO stage 3 (its hooks gather each unit for one forward
-and one backward in turn, which a schedule's many in-flight micro-batches and zero-bubble's
-split backward do not follow: the reason is in the message); re-entrant activation
-checkpointing with zb_h1 (its backward cannot be split into zero-bubble's B and W passes); and
-what the other layouts' work refuses for now (fp16/bf16, communication_data_type,
-wall_clock_breakdown). Activation checkpointing (every policy, every schedule) and offload
-(tested at ZeRO 1) are served (`pytest -k "layout_activation_checkpointing or layout_offload"`). With the
-model and world size (`check_layout`): a GPT without dropout, a world that is pp x cp x tp x dp,
-at least one block per model stage, and interleaving's micro-batches
-(``gradient_accumulation_steps``) a multiple of the stages.
+with a schedule that has no chunks; ZeRO stage 3 (its hooks gather a unit for one forward then
+its backward, the embedding/head unit by the whole model's forward, which a pipeline never
+calls: the reason is in the message, and lesson 08); re-entrant activation checkpointing with
+zb_h1 (its backward cannot be split into zero-bubble's B and W passes); and what the other
+layouts' work refuses for now (fp16/bf16, communication_data_type, wall_clock_breakdown).
+Activation checkpointing (every policy, every schedule) and offload (tested at ZeRO 1) are served
+(`pytest -k "layout_activation_checkpointing or layout_offload"`). With the model and world size
+(`check_layout`): a GPT without dropout, a world that is pp x cp x tp x dp, at least one block per
+model stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`, `pytest tests/engine/test_engine_pipeline_compose.py`.
 """
 
@@ -42,12 +41,12 @@ def config_problems(config: EngineConfig) -> list[str]:
                         "pipeline_schedule 'interleaved_1f1b' or virtual_stages 1")
     stage = config.zero_optimization.stage
     if stage == 3:
-        problems.append(f"zero_optimization.stage=3 with parallel.pipeline={pp}: stage 3's hooks gather a block's "
-                        "parameters for one forward and one backward in turn and keep the embedding/head unit "
-                        "gathered from the first forward to the last backward, while a schedule runs up to p "
-                        "micro-batches' forwards before their backwards and zero-bubble splits a backward in two; "
-                        "use stage 2 (gradients and optimizer states sharded, reduce-scattered once per step) "
-                        "or stage 1")
+        problems.append(f"zero_optimization.stage=3 with parallel.pipeline={pp}: stage 3's hooks gather a unit for "
+                        "one forward and then its backward, the embedding/norm/head unit by the whole model's "
+                        "forward, which a pipeline never calls (it runs its stages, up to p micro-batches' "
+                        "forwards before their backwards, zero-bubble's backward in two passes); a stage-3 whose "
+                        "units are the stages is not built: use stage 2 (gradients and optimizer states sharded, "
+                        "reduce-scattered once per step) or stage 1")
     ac = config.activation_checkpointing
     if ac.use_reentrant and ac.policy in ("full", "every_k", "selective") and par.pipeline_schedule == "zb_h1":
         problems.append("activation_checkpointing.use_reentrant=true with parallel.pipeline_schedule='zb_h1': "

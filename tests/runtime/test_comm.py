@@ -84,15 +84,26 @@ def test_comm_bus_bytes_follow_the_ring_factors():
 
 def _nested_and_grouped():
     mesh = ParallelMesh(dp=2, tp=2)
+    rank = dist.get_rank()
     with comm.record() as outer:
         comm.all_reduce(torch.ones(10))
         with comm.record() as inner:
             work = comm.all_reduce(torch.ones(3), group=mesh.group("tp"), async_op=True)
             pending = inner.rows[0].end is None
             work.wait()
-    return outer.calls(), inner.calls(), [r.group_size for r in outer.rows], pending, inner.rows[0].seconds >= 0
+        # a dp-axis pair: rank r sends to r + 2 (or receives from r - 2)
+        x = torch.ones(2)
+        works = comm.batch_isend_irecv([comm.P2POp("isend" if rank < 2 else "irecv", x, (rank + 2) % 4)])
+        for w in works:
+            w.wait()
+    return (outer.calls(), inner.calls(), [r.group_size for r in outer.rows], pending, inner.rows[0].seconds >= 0,
+            [r.ranks for r in outer.rows], mesh.group_ranks("tp"))
 
 
 def test_comm_nested_records_and_async_rows():
-    for outer, inner, sizes, pending, timed in run_on_ranks(_nested_and_grouped, 4):
-        assert (outer, inner, sizes, pending, timed) == (2, 1, [4, 2], True, True)
+    for rank, (outer, inner, sizes, pending, timed, ranks, tp_group) in enumerate(run_on_ranks(_nested_and_grouped,
+                                                                                               4)):
+        assert (outer, inner, sizes, pending, timed) == (3, 1, [4, 2, 4], True, True)
+        pair = (rank, rank + 2) if rank < 2 else (rank - 2, rank)  # (sender, receiver)
+        assert ranks == [(0, 1, 2, 3), tuple(tp_group), pair]
+        assert tp_group == [rank - rank % 2, rank - rank % 2 + 1]  # tp fastest: consecutive ranks

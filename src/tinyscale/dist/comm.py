@@ -23,6 +23,10 @@ bandwidth-optimal (ring) algorithm, nccl-tests' "bus bandwidth" factor: all-redu
 2(n-1)/n of the size per rank, all-gather and reduce-scatter (n-1)/n. That is the figure
 ZeRO's "2 Psi" and "3 Psi" are written in.
 
+`Row.ranks` holds the global ranks the op ran over (its process group's, in group order; a
+point-to-point op's pair, (sender, receiver)), so that a ledger's bytes can be split by mesh
+axis (`tinyscale.engine.plan.traffic_by_axis`). It is filled only while a ledger records.
+
 An async op (``async_op=True``) returns a `Work` whose ``wait()`` stamps the row with the
 time the op completed, so the ledger also knows how long the op was in flight.
 
@@ -77,6 +81,7 @@ class Row:
     peer: int | None = None  # global rank of the other side, for point-to-point ops
     start: float = 0.0  # time.perf_counter() at issue
     end: float | None = None  # time.perf_counter() at completion (None: async, not waited yet)
+    ranks: tuple[int, ...] | None = None  # global ranks of the group (p2p: (sender, receiver))
 
     @property
     def bus_bytes(self) -> float:
@@ -170,6 +175,14 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+def _group_ranks(group, op: str, peer: int | None) -> tuple[int, ...]:
+    """The global ranks an op ran over: the group's, or a point-to-point op's (sender, receiver)."""
+    if peer is not None:
+        me = dist.get_rank()
+        return (me, peer) if op in ("send", "isend") else (peer, me)
+    return tuple(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
+
+
 def _issue(op: str, nbytes: int, tensor: torch.Tensor, group, async_op: bool, call, peer=None):
     """Run `call()` (the torch.distributed op) and record it in every open ledger."""
     start = time.perf_counter()
@@ -187,6 +200,7 @@ def _issue(op: str, nbytes: int, tensor: torch.Tensor, group, async_op: bool, ca
             peer=peer,
             start=start,
             end=end,
+            ranks=_group_ranks(group, op, peer),
         )
         for ledger in _active:
             ledger.rows.append(row)
@@ -307,7 +321,7 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
         row = None
         if _active:
             row = Row(p.op, _nbytes(p.tensor), _group_size(p.group), str(p.tensor.dtype).removeprefix("torch."),
-                      0.0, True, p.peer, start, None)
+                      0.0, True, p.peer, start, None, _group_ranks(p.group, p.op, p.peer))
             for ledger in _active:
                 ledger.rows.append(row)
         rows.append(row)

@@ -266,3 +266,57 @@ def _by_param(engine):
     for p in engine.params:
         name = names[id(p)]
         yield id(p), table[aliases.get(name, name)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Traffic by mesh axis (lesson 12, "Composing the layouts", DS-17): a ledger's rows split by the
+# axis whose group each op ran over. Pure bookkeeping over `comm.Row.ranks`; no collectives.
+
+# --8<-- [start:traffic-by-axis]
+def axis_groups(layout: MeshLayout, rank: int) -> dict[str, tuple[int, ...]]:
+    """The groups `rank` belongs to, by name, in the order an op's ranks are matched against them:
+    each axis of degree > 1, then dp x cp flattened ("dp_cp", when both are > 1), then "world"."""
+    groups = {axis: tuple(layout.group_ranks(axis, rank)) for axis in AXES if getattr(layout, axis) > 1}
+    if layout.dp > 1 and layout.cp > 1:
+        groups["dp_cp"] = next(tuple(g) for g in layout.flat_groups(("dp", "cp")) if rank in g)
+    groups["world"] = tuple(range(layout.world_size))
+    return groups
+
+
+def axis_of(ranks: tuple[int, ...] | None, groups: dict[str, tuple[int, ...]]) -> str:
+    """The name of the group an op ran over: the one with exactly its ranks; for a point-to-point
+    pair, the first group holding both; "self" for a group of one, "other" if none matches."""
+    if ranks is None:
+        raise ValueError("a ledger row without ranks: record it with this version of tinyscale.dist.comm")
+    wanted = set(ranks)
+    if len(wanted) == 1:
+        return "self"
+    for name, group in groups.items():
+        if set(group) == wanted:
+            return name
+    if len(ranks) == 2:  # a send or receive: the axis it crosses
+        for name, group in groups.items():
+            if wanted <= set(group):
+                return name
+    return "other"
+
+
+def traffic_by_axis(ledger, mesh: ParallelMesh | MeshLayout, rank: int | None = None) -> dict[str, dict[str, dict]]:
+    """{axis: {op: {"calls", "bytes", "bus_bytes"}}} of this rank's ledger (`comm.Ledger`), each row
+    under the mesh group it ran over (`axis_groups`). A group that is two things at once (with
+    world 2 and tp 2, the world *is* the tp group) counts under the first: the axis."""
+    layout = mesh if isinstance(mesh, MeshLayout) else mesh.layout
+    if rank is None:
+        import torch.distributed as dist  # noqa: PLC0415 - only when the caller does not say
+
+        rank = dist.get_rank()
+    groups = axis_groups(layout, rank)
+    out: dict[str, dict[str, dict]] = {}
+    for row in ledger.rows:
+        per_op = out.setdefault(axis_of(row.ranks, groups), {})
+        s = per_op.setdefault(row.op, {"calls": 0, "bytes": 0, "bus_bytes": 0.0})
+        s["calls"] += 1
+        s["bytes"] += row.bytes
+        s["bus_bytes"] += row.bus_bytes
+    return out
+# --8<-- [end:traffic-by-axis]

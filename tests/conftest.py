@@ -32,6 +32,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="run hypothesis property tests with many more examples (slow)")
 
 
+def _deselect_thorough(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`@pytest.mark.thorough` tests run only with --thorough: deselected (not skipped) otherwise,
+    so the default suite's summary counts what it ran."""
+    if config.getoption("--thorough"):
+        return
+    keep = [item for item in items if item.get_closest_marker("thorough") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("thorough")])
+        items[:] = keep
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--thorough"):
         settings.load_profile("thorough")
@@ -50,6 +61,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_thorough(config, items)
     topics = getattr(config, "_exercise_topics", None)
     if topics is None:
         return

@@ -191,10 +191,9 @@ WORLD4_MORE = [
 ]
 
 
+@pytest.mark.thorough  # more schedules per pairing
 @pytest.mark.parametrize("index", range(len(WORLD4_MORE)), ids=_ids(WORLD4_MORE))
-def test_engine_pipeline_layout_pp_more_pairings_train_like_single_process(index, request):
-    if not request.config.getoption("--thorough"):
-        pytest.skip("more schedules per pairing: run with --thorough")
+def test_engine_pipeline_layout_pp_more_pairings_train_like_single_process(index):
     _check(4, WORLD4_MORE, index)
 
 
@@ -207,10 +206,9 @@ WORLD8 = [
 ]
 
 
+@pytest.mark.thorough  # 8 ranks on the 2 CPU cores cost more than the default suite's share
 @pytest.mark.parametrize("index", range(len(WORLD8)), ids=_ids(WORLD8))
-def test_engine_pipeline_layout_pp_eight_ranks_train_like_single_process(index, request):
-    if not request.config.getoption("--thorough"):
-        pytest.skip("8 ranks on the 2 CPU cores cost more than the default suite's share: run with --thorough")
+def test_engine_pipeline_layout_pp_eight_ranks_train_like_single_process(index):
     _check(8, WORLD8, index)
 
 

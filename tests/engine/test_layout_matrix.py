@@ -118,13 +118,8 @@ def _id(layout: tuple) -> str:
     return name + (f"-{schedule}" if pp > 1 else "")
 
 
-def pytest_generate_tests(metafunc):
-    """The default suite gets the layouts on at most 4 ranks, --thorough all of them."""
-    if "layout" in metafunc.fixturenames:
-        layouts = selected(metafunc.config.getoption("--thorough"))
-        metafunc.parametrize("layout", layouts, ids=[_id(lay) for lay in layouts])
-
-
+@pytest.mark.parametrize("layout", [pytest.param(lay, id=_id(lay), marks=() if world(lay) <= 4 else pytest.mark.thorough)
+                                    for lay in matrix()])  # more than 4 ranks: --thorough only
 def test_layout_matrix_trains_like_single_process(layout, request):
     thorough = request.config.getoption("--thorough")
     model = gpt()

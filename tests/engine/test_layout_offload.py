@@ -104,11 +104,10 @@ def results(world: int, thorough: bool, nvme_root: str) -> dict:
     return {case: [r[i] for r in per_rank] for i, case in enumerate(todo)}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if variants(n, False) else pytest.mark.thorough)
+                                    for n in LAYOUTS])  # layouts with no default variant: --thorough only
 def test_layout_offload_is_bit_identical_to_no_offload(layout, pytestconfig, tmp_path_factory):
     thorough = pytestconfig.getoption("--thorough")
-    if not variants(layout, thorough):
-        pytest.skip("in the --thorough sweep only")
     got = results(LAYOUTS[layout][0], thorough, str(tmp_path_factory.getbasetemp() / "layout_offload"))
     plain = got[(layout, "none")]
     for variant in variants(layout, thorough):

@@ -1,3 +1,4 @@
+# --8<-- [start:order]
 """Layouts composed in one place, in one order (DESIGN.md, "Composing layouts").
 
     pipeline partition -> tensor / sequence parallel -> context parallel
@@ -37,6 +38,7 @@ ranks 0..tp-1 form the first TP group, and the ranks holding the same TP shard f
 `pytest tests/engine/test_engine_tensor_parallel.py` (keys tp, tensor_parallel),
 `pytest tests/engine/test_engine_context_parallel.py` (key engine_context_parallel).
 """
+# --8<-- [end:order]
 
 from __future__ import annotations
 

@@ -188,6 +188,9 @@ def test_engine_pipeline_checkpoint_resumes_across_layouts(tmp_path):
 
 
 def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group():
+    from tinyscale.config import EngineConfig
+    from tinyscale.engine.engine import check_supported
+
     assert not dist.is_initialized()
     base = run_config(2, 1, "1f1b", 2, "sgd")
 
@@ -201,8 +204,8 @@ def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group()
     refused(base | {"zero_optimization": {"stage": 2}}, "zero_optimization.stage=2", "use stage 0 or 1")
     refused(base | {"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3")
     refused(base | {"zero_optimization": {"stage": 1}, "gradient_clipping": 1.0}, "gradient_clipping=1.0")
-    refused(base | {"bf16": {"enabled": True}}, "bf16.enabled")
-    refused(base | {"fp16": {"enabled": True}}, "fp16.enabled")
+    for precision in ("bf16", "fp16"):  # served (tests/engine/test_layout_mixed_precision.py): no refusal
+        check_supported(EngineConfig.load(base | {precision: {"enabled": True}}))
     refused(base | {"activation_checkpointing": {"policy": "full"}}, "activation_checkpointing.policy")
     refused(base | {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
             "zero_optimization offload with parallel.pipeline=2")

@@ -158,12 +158,19 @@ class Engine:
         # DeepSpeed counts reduce_bucket_size in elements, not bytes.
         element_size = self.params[0].element_size() if self.compute_dtype is None else 2
         bucket_bytes = zero.reduce_bucket_size * element_size
+        # fp16's overflow flag is agreed over the whole world, not the reduce group: under tensor,
+        # pipeline or context parallelism the other ranks hold the rest of the model (or the rest
+        # of the sequence), and a rank that stepped while its peers skipped would tear it apart.
+        overflow_group = dist.group.WORLD if dist.is_initialized() else None
         with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
             if zero.stage == 0:
                 if self.compute_dtype is not None:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, make, dtype=self.compute_dtype,
-                        loss_scaler=self.loss_scaler, process_group=self.reduce_group)  # rounds frozen ones too
+                        loss_scaler=self.loss_scaler, process_group=overflow_group)  # rounds frozen ones too
+                    clip = parallelize.mixed_precision_clipper(self.optimizer, self.model, config, self.pipeline)
+                    if clip is not None:  # tp / pp: the whole model's norm, each parameter counted once
+                        self.optimizer.clip_grad_norm_ = clip
                 elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
                     self.optimizer = compression.optimizer(groups, config, self.reduce_group)
                 else:
@@ -205,6 +212,7 @@ class Engine:
                 else:  # stage 3's prefetch bounds, in elements (DeepSpeed's; zero/stage3_prefetch.py)
                     self.zero.prefetch_bucket_size = zero.stage3_prefetch_bucket_size
                     self.zero.max_live_parameters = zero.stage3_max_live_parameters
+                self.zero.sharded.overflow_group = overflow_group
                 self.zero.sharded.comm_dtype = COMM_DTYPES[config.communication_data_type]
                 self.zero.sharded.prescale_gradients, self.zero.sharded.gradient_predivide_factor = \
                     gradient_scaling(config)

@@ -237,3 +237,39 @@ def test_layout_mixed_precision_an_inf_on_one_rank_of_one_axis_skips_the_step_on
         assert all(torch.equal(after_skip[k], v) for k, v in before.items()), (name, r, "a rank stepped")
         assert not all(torch.equal(after[k], v) for k, v in before.items()), (name, r, "step 1 must train")
         assert losses == results[0][-1], (name, r)
+
+
+# --- checkpoints: the fp32 masters travel as full tensors under the original names
+
+def _resume(layout: dict, path: str, precision: str):
+    """Straight: 3 steps, a checkpoint after 2. Resumed: a fresh engine loads it, takes step 3."""
+    dp = dist.get_world_size() // degrees(layout)
+    cfg = config(precision, dp, layout)
+    engine = ts.initialize(model(), cfg)
+    for step, batch in enumerate(batches(dp)):
+        if step == STEPS - 1:
+            engine.save_checkpoint(path)
+        straight = engine.train_batch(batch)
+    resumed = ts.initialize(model(tied=True), cfg)
+    resumed.load_checkpoint(path)
+    loss = resumed.train_batch(batches(dp)[-1])
+    return straight, engine.full_state_dict(), loss, resumed.full_state_dict()
+
+
+@pytest.mark.parametrize(("name", "world", "layout", "precision"), [
+    ("pp2_tp2", 4, {"pipeline": 2, "tensor": 2}, "bf16"),
+    ("dp2_tp2_zero1", 4, {"tensor": 2, "stage": 1}, "fp16"),
+])
+def test_layout_mixed_precision_checkpoint_holds_full_masters_and_resumes_bit_for_bit(tmp_path, name, world,
+                                                                                      layout, precision):
+    from tinyscale.engine import checkpoint
+
+    path = str(tmp_path / name)
+    for straight, state, loss, resumed in run_on_ranks(_resume, world, layout, path, precision):
+        assert loss == straight
+        assert all(torch.equal(resumed[k], v) for k, v in state.items())
+    model_state, optimizer_state, _ = checkpoint.read(path)
+    masters = optimizer_state["masters"]  # every parameter's, whole, under the original model's names
+    assert set(masters) == {n for n, _ in model().named_parameters()}
+    for key, master in masters.items():  # the parameters the file holds are the masters, rounded
+        assert master.dtype == torch.float32 and torch.equal(master.to(model_state[key].dtype), model_state[key]), key

@@ -17,6 +17,12 @@ loss over the whole batch:
 
 It returns the per-step mean losses and leaves the trained parameters in `model`.
 Parallelism-only config (ZeRO stage, parallel degrees) is ignored: the math is the same.
+
+With ``fp16`` or ``bf16`` enabled it trains as the engine does in one process
+(`tinyscale.precision.MixedPrecisionOptimizer`): the model computes in that format, fp32
+masters and states step; fp16 backpropagates loss x S, and an overflowing step is skipped
+(the scale backs off; the learning-rate schedule does not advance). Clipping then runs on the
+masters' unscaled gradients.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from tinyscale.config import EngineConfig
 from tinyscale.data import micro_batches
 from tinyscale.optim import OptimizerFactory, lr_at, optimizer_factory, set_lr
+from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 
 Batch = Sequence[torch.Tensor]
 
@@ -53,11 +60,22 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     batch = tuple(t.to(device) for t in batch)
     chunks = micro_batches(batch, _micro_batch_size(config, batch[0].shape[0]))
     total = torch.zeros((), dtype=torch.float64, device=device)
+    mixed = isinstance(optimizer, MixedPrecisionOptimizer)  # fp16/bf16 (see the module docstring)
     for chunk in chunks:
         loss = model(*chunk)
-        (loss / len(chunks)).backward()
+        if mixed:
+            optimizer.backward(loss / len(chunks))  # (loss_i / n) x S under fp16
+        else:
+            (loss / len(chunks)).backward()
         total += loss.detach().double()
     mean_loss = (total / len(chunks)).item()
+    if mixed:  # overflow check, unscale, clip, step on the fp32 masters; a skipped step takes no lr
+        if schedule_lr:
+            skipped = optimizer.loss_scaler.overflows if optimizer.loss_scaler is not None else 0
+            set_lr(optimizer, lr_at(step - skipped, config))
+        optimizer.step(max_norm=config.gradient_clipping)
+        optimizer.zero_grad(set_to_none=True)
+        return mean_loss
     if not math.isfinite(mean_loss):
         raise FloatingPointError(f"reference: the loss at step {step} is {mean_loss}; training diverged")
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -87,7 +105,14 @@ def train(model: torch.nn.Module, batches: Iterable[Batch], config,
     if not params:
         raise ValueError("reference.train: the model has no parameter that requires grad")
     schedule_lr = optimizer is None or config.scheduler is not None
-    optimizer = optimizer_factory(config, optimizer)(param_groups(model) if param_groups is not None else params)
+    make = optimizer_factory(config, optimizer)
+    groups = param_groups(model) if param_groups is not None else params
+    if config.fp16.enabled or config.bf16.enabled:  # the masters are taken before the model is rounded
+        scaler = make_loss_scaler(**config.fp16.model_dump(exclude={"enabled"})) if config.fp16.enabled else None
+        optimizer = MixedPrecisionOptimizer(groups, make, dtype=torch.float16 if config.fp16.enabled else torch.bfloat16,
+                                            loss_scaler=scaler)
+    else:
+        optimizer = make(groups)
     model.train()
     losses = []
     for step, batch in enumerate(batches):

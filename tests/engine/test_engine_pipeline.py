@@ -191,6 +191,9 @@ def test_engine_pipeline_checkpoint_resumes_across_layouts(tmp_path):
 
 
 def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group():
+    from tinyscale.config import EngineConfig
+    from tinyscale.engine.engine import check_supported
+
     assert not dist.is_initialized()
     base = run_config(2, 1, "1f1b", 2, "sgd")
 
@@ -202,8 +205,8 @@ def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group()
 
     refused(base, "parallel.pipeline=2 x parallel.context=1 x parallel.tensor=1 does not divide the world size 1")
     refused(base | {"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3", "use stage 2")
-    refused(base | {"bf16": {"enabled": True}}, "bf16.enabled")
-    refused(base | {"fp16": {"enabled": True}}, "fp16.enabled")
+    for precision in ("bf16", "fp16"):  # served (tests/engine/test_layout_mixed_precision.py): no refusal
+        check_supported(EngineConfig.load(base | {precision: {"enabled": True}}))
     # served since issue 25 (tests/engine/test_layout_activation_checkpointing.py, test_layout_offload.py);
     # a re-entrant checkpoint cannot be split into zero-bubble's B and W passes
     check_supported(EngineConfig.load(base | {"activation_checkpointing": {"policy": "full"}}))

@@ -251,9 +251,8 @@ def _base(**extra) -> dict:
     ("gpt", {"parallel": {"sequence_parallel": True}}, ["parallel.sequence_parallel", "parallel.tensor"]),
     ("gpt", {"parallel": {"tensor_dropout": "tracker"}}, ["parallel.tensor_dropout", "parallel.tensor"]),
     ("gpt", {"parallel": {"tensor": 2, "tensor_dropout": "fast"}}, ["parallel.tensor_dropout", "exact", "tracker"]),
-    ("gpt", {"parallel": {"tensor": 2}, "bf16": {"enabled": True}}, ["bf16.enabled", "parallel.tensor=2"]),
 ], ids=["tp_not_dividing_world", "tp_heads_not_divisible", "tp_not_a_gpt", "sequence_parallel_without_tp",
-        "tensor_dropout_without_tp", "tp_dropout_mode_unknown", "tp_with_bf16"])
+        "tensor_dropout_without_tp", "tp_dropout_mode_unknown"])
 def test_engine_tensor_parallel_bad_layouts_are_refused_by_name(model, config, names):
     net = GPT(gpt_config(False), seed=0, dtype=torch.float64) if model == "gpt" else TinyMLP(dim=4, hidden=8)
     with pytest.raises(ConfigError) as err:  # in a plain process: refused before any group is needed
@@ -269,6 +268,17 @@ def test_engine_tensor_parallel_accepts_activation_checkpointing():
     with pytest.raises(ConfigError) as err:
         ts.initialize(net, _base(parallel={"tensor": 2}, activation_checkpointing={"policy": "full"}))
     assert "world size 1" in str(err.value) and "activation_checkpointing" not in str(err.value)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_engine_tensor_parallel_serves_mixed_precision(precision):
+    """fp16/bf16 with tp (and sequence parallelism) pass the config checks: they are served, and
+    tests/engine/test_layout_mixed_precision.py trains them against one process."""
+    from tinyscale.config import EngineConfig
+    from tinyscale.engine.engine import check_supported
+
+    check_supported(EngineConfig.load(_base(parallel={"tensor": 2, "sequence_parallel": True},
+                                            **{precision: {"enabled": True}})))
 
 
 def test_train_preset_tp_layout_is_refused_before_any_process_when_the_world_cannot_split():

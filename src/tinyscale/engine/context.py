@@ -48,7 +48,7 @@ from tinyscale.context_parallel.apply import (
     ContextParallel, parallelize_attention, sharded_mean_loss, token_cross_entropy,
 )
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine.refusals import check_degree, untested_combinations
+from tinyscale.engine.refusals import check_degree
 from tinyscale.tensor_parallel import vocab_parallel_cross_entropy
 
 
@@ -61,7 +61,7 @@ def check_config(config: EngineConfig) -> list[str]:
     if par.sequence_parallel:
         problems.append(f"parallel.sequence_parallel=true with parallel.context={cp} (not tested yet): "
                         "set sequence_parallel false, or context 1")
-    return problems + untested_combinations(config, f"parallel.context={cp}", "context parallelism")
+    return problems
 
 
 def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,

@@ -156,12 +156,19 @@ class Engine:
         # DeepSpeed counts reduce_bucket_size in elements, not bytes.
         element_size = self.params[0].element_size() if self.compute_dtype is None else 2
         bucket_bytes = zero.reduce_bucket_size * element_size
+        # fp16's overflow flag is agreed over the whole world, not the reduce group: under tensor,
+        # pipeline or context parallelism the other ranks hold the rest of the model (or the rest
+        # of the sequence), and a rank that stepped while its peers skipped would tear it apart.
+        overflow_group = dist.group.WORLD if dist.is_initialized() else None
         with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
             if zero.stage == 0:
                 if self.compute_dtype is not None:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, make, dtype=self.compute_dtype,
-                        loss_scaler=self.loss_scaler, process_group=self.reduce_group)  # rounds frozen ones too
+                        loss_scaler=self.loss_scaler, process_group=overflow_group)  # rounds frozen ones too
+                    clip = parallelize.mixed_precision_clipper(self.optimizer, self.model, config, self.pipeline)
+                    if clip is not None:  # tp / pp: the whole model's norm, each parameter counted once
+                        self.optimizer.clip_grad_norm_ = clip
                 elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
                     self.optimizer = compression.optimizer(groups, config, self.reduce_group)
                 else:
@@ -203,6 +210,7 @@ class Engine:
                 else:  # stage 3's prefetch bounds, in elements (DeepSpeed's; zero/stage3_prefetch.py)
                     self.zero.prefetch_bucket_size = zero.stage3_prefetch_bucket_size
                     self.zero.max_live_parameters = zero.stage3_max_live_parameters
+                self.zero.sharded.overflow_group = overflow_group
                 self.zero.sharded.comm_dtype = COMM_DTYPES[config.communication_data_type]
                 self.zero.sharded.prescale_gradients, self.zero.sharded.gradient_predivide_factor = \
                     gradient_scaling(config)
@@ -425,11 +433,16 @@ class Engine:
         names = {id(p): n for n, p in self.model.named_parameters()}
         model_state = self.full_state_dict()
         optimizer_state = self._optimizer_state_by_name(names)
+        masters = optimizer_state.pop("masters", None)  # mixed precision: gathered as the states are
+        if masters is not None:
+            optimizer_state["state"] = checkpoint.fold_masters(optimizer_state["state"], masters)
         if self.tp_size > 1:  # this rank's TP shards of the states -> full tensors (this rank's stages')
             optimizer_state["state"] = tp_state.gather_state(self.model, self._tp_shapes, optimizer_state["state"],
                                                              self.device)
         if self.pipeline is not None:  # every stage's states, under the original names
             optimizer_state = self.pipeline.gather_optimizer_state(optimizer_state)
+        if masters is not None:  # whole, under the original names
+            optimizer_state["state"], optimizer_state["masters"] = checkpoint.unfold_masters(optimizer_state["state"])
         if self.loss_scaler is not None:
             optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -512,17 +525,21 @@ class Engine:
         if error is not None:
             raise error
         names = {id(p): n for n, p in self.model.named_parameters()}
+        masters = optimizer_state.pop("masters", None)  # mixed precision's fp32 values: cut as the states are
+        scaler_state = optimizer_state.pop("loss_scaler", None)
+        if masters is not None:
+            optimizer_state["state"] = checkpoint.fold_masters(optimizer_state["state"], masters)
         if self.pipeline is not None:  # the whole model's state -> this rank's stages' share (before TP's cut)
             model_state, optimizer_state = self.pipeline.local_state(self.model, model_state, optimizer_state)
         if self.tp_size > 1:  # full tensors -> this rank's TP shards (every rank read the whole file)
             model_state = tp_state.shard_model_state(self.model, model_state)
             optimizer_state["state"] = tp_state.shard_state(self.model, self._tp_shapes, optimizer_state["state"])
+        if masters is not None:
+            optimizer_state["state"], masters = checkpoint.unfold_masters(optimizer_state["state"])
         with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
             self.model.load_state_dict(model_state)
             if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters
                 load_master_from_params(self.zero.sharded, self.zero.publish_shard if stage3 else None)
-        masters = optimizer_state.pop("masters", None)  # mixed precision's fp32 values
-        scaler_state = optimizer_state.pop("loss_scaler", None)
         # The new config's hyperparameters win over the saved param_groups.
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self._torch_optimizer().param_groups]
         if self.zero is not None:

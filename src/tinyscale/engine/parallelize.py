@@ -42,14 +42,16 @@ ranks 0..tp-1 form the first TP group, and the ranks holding the same TP shard f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.engine import context, pipeline_layout
-from tinyscale.engine.refusals import untested_combinations
-from tinyscale.engine.pipeline_step import PipelineStep
+from tinyscale.engine.pipeline_step import PipelineStep, clip_grad_norm_pp
+from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, counted_parameters
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from tinyscale.tensor_parallel.random import share_stream, skip_exact_masks
@@ -64,10 +66,7 @@ def check_config(config: EngineConfig) -> list[str]:
     if "tensor_dropout" in par.model_fields_set and par.tensor == 1:
         problems.append(f"parallel.tensor_dropout={par.tensor_dropout!r} needs parallel.tensor > 1 (it chooses how "
                         "tensor-parallel ranks draw dropout masks): set parallel.tensor, or remove tensor_dropout")
-    if par.tensor == 1:
-        return problems
-    # Each of these is a combination no test covers yet: refused, not silently wrong.
-    return problems + untested_combinations(config, f"parallel.tensor={par.tensor}", "tensor parallelism")
+    return problems
 
 
 def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
@@ -147,6 +146,26 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
                      generators=[tracker.generator] if tracker is not None else [])
     # --8<-- [end:activation-checkpointing]
     return model
+
+
+def mixed_precision_clipper(mp, model: torch.nn.Module, config: EngineConfig,
+                            pipeline: PipelineStep | None) -> Callable[[float], float] | None:
+    """Mixed precision at ZeRO stage 0: a `clip_grad_norm_` for the `MixedPrecisionOptimizer`
+    `mp` when this rank holds a piece of the model. Its fp32 masters' unscaled gradients are
+    clipped by the whole model's norm, each master counted as its parameter is: over the pp
+    group and the TP group with a pipeline (`clip_grad_norm_pp`), over the TP group without
+    (`engine/tp_grad_norm.py`). None where torch's local norm is already the whole model's
+    (dp and cp: every rank holds the whole model's reduced gradients). ZeRO clips its shards
+    itself (`sharded_clipper`)."""
+    master = {id(p): m for p, m in zip(mp.params, mp.masters)}
+    if pipeline is not None:
+        counted = [master[id(q)] for q in pipeline.counted if id(q) in master]
+        return lambda max_norm: float(clip_grad_norm_pp(mp.masters, counted, max_norm, pipeline.group,
+                                                        tp_group=pipeline.tp_group))
+    if config.parallel.tensor > 1:
+        ids = {id(master[i]) for i in counted_parameters(model, model.tp_group) if i in master}
+        return lambda max_norm: float(clip_grad_norm_tp(mp.masters, ids, max_norm, model.tp_group))
+    return None
 
 
 # --8<-- [start:dropout]

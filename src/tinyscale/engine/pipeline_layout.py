@@ -22,7 +22,7 @@ import torch
 
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine.refusals import check_degree, untested_combinations
+from tinyscale.engine.refusals import check_degree
 
 
 def config_problems(config: EngineConfig) -> list[str]:
@@ -53,7 +53,6 @@ def config_problems(config: EngineConfig) -> list[str]:
                         "zero-bubble's B pass asks autograd for the input gradient alone, and a re-entrant "
                         "checkpoint's backward runs the whole inner backward (parameter gradients too) inside "
                         "it, so it cannot be split into B and W; set use_reentrant false, or another schedule")
-    problems += untested_combinations(config, f"parallel.pipeline={pp}", "pipeline parallelism")
     if config.communication_data_type is not None:
         problems.append(f"communication_data_type={config.communication_data_type!r} with parallel.pipeline={pp} "
                         "(not tested yet); remove it")

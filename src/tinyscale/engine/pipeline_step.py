@@ -89,6 +89,7 @@ class PipelineStep:
         m = config.batch(mesh.size("dp")).gradient_accumulation_steps
         self.group, self.ranks, self.rank = mesh.group("pp"), mesh.group_ranks("pp"), mesh.rank("pp")
         self.shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}  # the original keys
+        self.dtypes: dict | None = None  # each entry's dtype as the stages hold it (full_state_dict)
         self.order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # a tied table once
         self.gpt_config = model.config
         self.plan = partition_gpt(model.config, p, virtual_stages=v)
@@ -139,7 +140,12 @@ class PipelineStep:
     def full_state_dict(self, model: GPT) -> dict:
         """Every stage's parameters, original keys and order, on every rank (a collective over tp, then pp)."""
         local = full_state_dict_from_tp(model) if self.tp_group is not None else None  # unsharded, unpadded
-        return gather_full_state(model, self.shapes, self.plan, self.rank, self.ranks, self.group, local=local)
+        if self.dtypes is None:  # as the stages hold them now: mixed precision rounded them after `shapes`
+            held = [None] * len(self.ranks)
+            dist.all_gather_object(held, {k: v.dtype for k, v in model.state_dict().items()}, group=self.group)
+            self.dtypes = {k: d for part in held for k, d in part.items()}
+        like = {k: (shape, self.dtypes.get(k, dtype)) for k, (shape, dtype) in self.shapes.items()}
+        return gather_full_state(model, like, self.plan, self.rank, self.ranks, self.group, local=local)
 
     def gather_optimizer_state(self, local: dict) -> dict:
         """Every stage's by-name optimizer state, for save_checkpoint (`engine/pipeline_checkpoint.py`)."""
@@ -177,6 +183,8 @@ class PipelineStep:
         # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})
         failed: list[int] = []
+        # fp16: every backward is of loss x S (the loss reported stays unscaled)
+        self.executor.loss_scale = 1.0 if engine.loss_scaler is None else engine.loss_scaler.scale
         try:
             with comm.record(engine.comm_ledger):
                 # --8<-- [start:step]
@@ -220,7 +228,9 @@ class PipelineStep:
             engine._broken = f"step {engine.step} raised inside the pipeline schedule ({type(exc).__name__}: {exc})"
             raise
         mean_loss = total.item() / engine.dp_size
-        if not math.isfinite(mean_loss):  # the same value on every rank: all drop the step together
+        # The same value on every rank: all drop the step together. fp16: an overflow is the
+        # scaler's business (every rank skips the step in the optimizer step), not divergence.
+        if not math.isfinite(mean_loss) and engine.loss_scaler is None:
             engine._roll_back(rng)
             raise FloatingPointError(f"train_batch: the loss at step {engine.step} is {mean_loss}; training "
                                      "diverged (the step was dropped on every rank)")
@@ -228,24 +238,32 @@ class PipelineStep:
         lr = lr_at(engine.step - engine.skipped_steps, engine.config) if engine._schedules_lr else None
         try:
             with comm.record(engine.comm_ledger):
-                self._optimizer_step(engine, lr, used)
+                skipped = self._optimizer_step(engine, lr, used)
         except Exception as exc:
             engine._broken = f"step {engine.step} raised in the optimizer step ({type(exc).__name__}: {exc})"
             raise
+        engine.skipped_steps += int(skipped)
         engine.step += 1
-        return mean_loss, False
+        return mean_loss, skipped
 
-    def _optimizer_step(self, engine, lr: float | None, used: torch.Tensor | None) -> None:
+    def _optimizer_step(self, engine, lr: float | None, used: torch.Tensor | None) -> bool:
+        """Clip, step; True if fp16 overflow skipped the step (on every rank of the world)."""
         if engine.zero is not None:  # stage 1: reduce-scatter over dp (x cp); stage 2 did; step the shard, all-gather
             if engine.reduce_size > 1:
                 comm.all_reduce(used, group=engine.reduce_group)  # got a gradient on some dp (x cp) rank
             if lr is not None:
                 engine.zero.set_lr(lr)
             # clipping: ZeRO's clipper sums each counted fragment's squares over the world (pp x dp x cp x tp)
-            engine.zero.step(max_norm=engine.config.gradient_clipping, used=used.cpu() > 0)
+            skipped = engine.zero.step(max_norm=engine.config.gradient_clipping, used=used.cpu() > 0)
             if engine.step == engine.skipped_steps:  # the first step taken: the states now exist
                 check_elementwise_state(engine.optimizer)
-            return
+            return skipped
+        if engine.compute_dtype is not None:  # fp32 masters: overflow check, unscale, clip, step, round
+            if lr is not None:
+                set_lr(engine.optimizer, lr)
+            skipped = engine.optimizer.step(max_norm=engine.config.gradient_clipping)  # the layout's norm
+            engine.optimizer.zero_grad(set_to_none=True)
+            return skipped
         if engine.config.gradient_clipping > 0:
             clip_grad_norm_pp(engine.params, self.counted, engine.config.gradient_clipping, self.group,
                               tp_group=self.tp_group)
@@ -253,6 +271,7 @@ class PipelineStep:
             set_lr(engine.optimizer, lr)
         engine.optimizer.step()
         engine.optimizer.zero_grad(set_to_none=True)
+        return False
 
 
 def _no_sync(engine):

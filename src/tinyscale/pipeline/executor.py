@@ -18,8 +18,9 @@ only knows what each action means:
   header that says which rank failed (no data), and so does every rank that receives one;
   `run` then re-raises the error (or `StageFailed` naming the rank), none left waiting.
 
-Gradients accumulate in `.grad` over the m micro-batches, each backward scaled by 1/m, so
-after `run` they are the gradient of the mean loss over the batch, as in one process; the
+Gradients accumulate in `.grad` over the m micro-batches, each backward scaled by 1/m (and
+by `loss_scale` S under fp16: the caller unscales), so after `run` they are the gradient of
+the mean loss over the batch, as in one process; the
 optimizer step (and any data-parallel reduction) is the caller's. Messages between two ranks
 are matched in the order posted (NCCL has no tags): the simulator checks that a schedule
 receives in the order it sends.
@@ -117,6 +118,7 @@ class PipelineExecutor:
         self.num_microbatches = len({a.microbatch for a in self.actions})
         self.ranks = list(ranks) if ranks is not None else list(range(len(schedule)))
         self.me = self.ranks[rank]
+        self.loss_scale = 1.0  # fp16's loss scale S, set by the caller before each run
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
         """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
@@ -165,6 +167,8 @@ class PipelineExecutor:
         if s == self.num_stages - 1:  # scaled so the m backwards sum to the mean's gradient
             out = self.loss_fn(out, self.targets[i]) / self.num_microbatches
             self.losses.append(out.detach())
+            if self.loss_scale != 1.0:  # fp16: backward of loss x S; the loss kept above is the true one
+                out = out * self.loss_scale
         elif self.where[s + 1] == self.where[s]:  # the next stage is on this rank: no message
             self.inbox[(F, s + 1, i)] = out.detach()
         self.saved[(s, i)] = (x, out)

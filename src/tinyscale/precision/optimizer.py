@@ -68,7 +68,9 @@ class MixedPrecisionOptimizer:
     `make_optimizer(param_groups)` builds the torch optimizer over the masters (groups keep
     their own hyperparameters). `loss_scaler`: a `DynamicLossScaler` or `StaticLossScaler` for
     fp16; None for bf16, whose range is fp32's and needs none. `process_group`: the ranks that
-    must agree on overflow (the data-parallel group; None: the default group, if any).
+    must agree on overflow (None: the default group, if any): every rank whose skipping or
+    stepping must match this one's (the data-parallel group; the engine passes the whole world,
+    since under tensor or pipeline parallelism the other ranks hold the rest of the model).
     """
 
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, *, dtype: torch.dtype,
@@ -129,7 +131,7 @@ class MixedPrecisionOptimizer:
         if scaler is not None:
             scaler.unscale_(m.grad for m in self.masters)  # the S of this backward: update() comes last
         if max_norm > 0:  # on the true (unscaled) gradients: max_norm means what it says
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.masters, max_norm))
+            self.last_grad_norm = self.clip_grad_norm_(max_norm)
         self.optimizer.step()
         for p, m in zip(self.params, self.masters):
             p.copy_(m)  # round to nearest: the model computes with the rounded masters
@@ -138,6 +140,12 @@ class MixedPrecisionOptimizer:
             scaler.update(False)
         return False
     # --8<-- [end:step]
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the masters' fp32 gradients by their global norm (torch's rule); returns the norm.
+        A layout whose ranks hold pieces of the model (tensor or pipeline parallelism) replaces
+        this with a norm summed over those pieces, each counted once (the engine does)."""
+        return float(torch.nn.utils.clip_grad_norm_(self.masters, max_norm))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

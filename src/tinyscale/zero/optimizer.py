@@ -106,6 +106,9 @@ class ShardedOptimizer:
         # (unit, fragment) pairs per sub-group; one sub-group (the default): one optimizer step
         self.sub_groups = group_fragments(self.fragments, bases, sub_group_size)
         self.loss_scaler = loss_scaler
+        # The ranks that agree on an overflow: this group, unless the caller widens it (the
+        # engine: the whole world, whose other axes hold the rest of the model).
+        self.overflow_group = process_group
         if param_dtype is not None:  # masters above hold the full-precision values; round the model's
             with torch.no_grad():
                 for unit in self.units:
@@ -179,7 +182,7 @@ class ShardedOptimizer:
         used = self.agree_used() if used is None else used
         self.forget_usage()
         scaler = self.loss_scaler
-        if scaler is not None and scaler.found_overflow(self.grad, self.process_group):
+        if scaler is not None and scaler.found_overflow(self.grad, self.overflow_group):
             scaler.update(True)  # every rank got the same answer: all skip and back off together
             self.grad = [None] * len(self.master)
             return True

@@ -18,8 +18,9 @@ Two DeepSpeed options act on exactly those tensors:
   the rerun (offload.py's trade, for the checkpoints only).
 
 Only tensors that require grad (the activations) are split; constants saved beside them (the
-RoPE tables) are kept whole. Parameters (and views of them) are left alone, as in offload.py. Shape legend: t the group's
-size, n a saved tensor's number of elements, padded to a multiple of t.
+RoPE tables) are kept whole, and so is a leaf (a pipeline stage's received input, which the
+executor holds anyway). Parameters (and views of them) are left alone, as in offload.py.
+Shape legend: t the group's size, n a saved tensor's number of elements, padded to a multiple of t.
 Lesson: lessons/05-activation-checkpointing.md. Tests: `pytest -k layout_activation_checkpointing`.
 """
 

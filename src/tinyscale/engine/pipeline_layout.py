@@ -6,9 +6,10 @@ cannot be split into zero-bubble's B and W passes); the combinations no test cov
 or sequence parallelism; tensor parallelism is served, `engine/pipeline_tp.py`; ZeRO stages 2 and
 3, clipping under ZeRO 1, fp16/bf16, communication_data_type, wall_clock_breakdown). Activation
 checkpointing (every policy, every schedule) and offload at ZeRO 1 are served (`pytest -k
-"layout_activation_checkpointing or layout_offload"`). With the model and world size (`check_layout`): a GPT without dropout,
-a world that is pp x tp x dp (dp 1 when tp > 1: not tested yet), at least one block per model
-stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
+"layout_activation_checkpointing or layout_offload"`). With the model and world size
+(`check_layout`): a GPT without dropout, a world that is pp x tp x dp (dp 1 when tp > 1: not
+tested yet), at least one block per model stage, and interleaving's micro-batches
+(``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`.
 """
 

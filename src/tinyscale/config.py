@@ -137,12 +137,22 @@ class ActivationCheckpointingConfig(Section):
     policy: Literal["none", "full", "every_k", "selective", "offload"] = "none"
     every_k: PositiveInt | None = None  # policy "every_k": checkpoint every k-th block
     use_reentrant: Bool = False
+    partition_activations: Bool = False  # DeepSpeed's: block inputs kept split over the TP group
+    cpu_checkpointing: Bool = False  # DeepSpeed's: the checkpoints (saved inputs) kept in host memory
 
     @model_validator(mode="after")
     def _every_k_with_its_policy(self):
         if (self.policy == "every_k") != (self.every_k is not None):
             raise ValueError("activation_checkpointing.every_k goes with policy 'every_k' (and it needs one): "
                              f"got policy {self.policy!r}, every_k {self.every_k!r}")
+        if self.partition_activations and self.policy not in ("full", "every_k"):
+            raise ValueError("activation_checkpointing.partition_activations splits a checkpointed block's input "
+                             f"over the tensor-parallel group, and policy {self.policy!r} saves none: use policy "
+                             "'full' or 'every_k' (selective's q, k, v are split by heads already)")
+        if self.cpu_checkpointing and self.policy not in ("full", "every_k", "selective"):
+            raise ValueError("activation_checkpointing.cpu_checkpointing moves the checkpoints to the host, and "
+                             f"policy {self.policy!r} keeps none: use 'full', 'every_k' or 'selective' (policy "
+                             "'offload' moves every saved tensor already)")
         return self
 
 

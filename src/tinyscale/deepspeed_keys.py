@@ -192,11 +192,11 @@ KEYS: tuple[Key, ...] = (
     _r(ZO + "offload_optimizer.ratio", "DeepSpeed can run a fraction of the optimizer step on the host; "
        "tinyscale offloads all of it", _is(1, 1.0), "1.0"),
     # --- activation checkpointing (DeepSpeed's keys configure its checkpoint(); ours pick a policy)
-    _r(AC + "partition_activations", "DeepSpeed splits checkpointed activations over tensor-parallel ranks; "
-       "tinyscale's parallel.tensor does not compose with activation checkpointing yet", _is(False), _FALSE),
-    _r(AC + "cpu_checkpointing", "DeepSpeed moves checkpointed (partitioned) inputs to the host; the nearest "
-       "here is activation_checkpointing.policy \"offload\" (every block's saved tensors on the host, no "
-       "recompute)", _is(False), _FALSE),
+    _h(AC + "partition_activations", "each checkpointed block's input kept split over the tensor-parallel "
+       "group and all-gathered for the rerun (policy full or every_k, parallel.tensor > 1 without "
+       "sequence_parallel; tinyscale.checkpointing.saved_inputs)"),
+    _h(AC + "cpu_checkpointing", "the checkpoints (each checkpoint's saved inputs, or their partitions) kept in "
+       "host memory (policy full, every_k or selective); policy \"offload\" moves every saved tensor instead"),
     _n(AC + "contiguous_memory_optimization", "DeepSpeed copies checkpoints into one buffer; tinyscale leaves "
        "them to the allocator", _is(False), _FALSE),
     _n(AC + "number_checkpoints", "sizes DeepSpeed's contiguous checkpoint buffer", _is(None), "null"),

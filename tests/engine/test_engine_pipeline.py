@@ -210,7 +210,8 @@ def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group()
     # served since issue 25 (tests/engine/test_layout_activation_checkpointing.py, test_layout_offload.py);
     # a re-entrant checkpoint cannot be split into zero-bubble's B and W passes
     check_supported(EngineConfig.load(base | {"activation_checkpointing": {"policy": "full"}}))
-    check_supported(EngineConfig.load(base | {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}))
+    offload = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    check_supported(EngineConfig.load(base | offload))
     with pytest.raises(ConfigError, match="activation_checkpointing.use_reentrant=true .*zb_h1"):
         check_supported(EngineConfig.load(run_config(2, 1, "zb_h1", 2, "sgd")
                                           | {"activation_checkpointing": {"policy": "full", "use_reentrant": True}}))

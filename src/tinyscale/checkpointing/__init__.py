@@ -8,7 +8,9 @@
 Files, in reading order: replay.py (the RNG and autocast state a recomputation replays),
 reentrant.py (an autograd Function that reruns fn in its backward), nonreentrant.py
 (saved-tensor hooks that save indices and recompute on first unpack), api.py
-(`checkpoint`), offload.py (saved tensors to host memory), policies.py (none, full,
+(`checkpoint`), offload.py (saved tensors to host memory), saved_inputs.py (a checkpoint's
+inputs split over a tensor-parallel group or on the host: DeepSpeed's partition_activations and
+cpu_checkpointing), policies.py (none, full,
 every_k, selective, offload for the GPT), segments.py (Chen et al.'s segments of k
 layers), measure.py (saved and peak bytes), formula.py
 (bytes per layer: Korthikanti et al.'s formula and ours).

@@ -31,6 +31,7 @@ changed, counted by their place in the whole model.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -40,6 +41,7 @@ from torch import nn
 
 from tinyscale.checkpointing.api import checkpoint
 from tinyscale.checkpointing.offload import offload_to_host
+from tinyscale.checkpointing.saved_inputs import keep_inputs
 from tinyscale.models.gpt import Attention, Block
 
 POLICIES = ("none", "full", "every_k", "selective", "offload")
@@ -85,14 +87,22 @@ class CheckpointPolicy:
     # --8<-- [end:block-indices]
 
 
+def _kept(where: tuple | None):
+    """keep_inputs(partition group, to host) around a checkpoint, or nothing (inputs kept whole)."""
+    return contextlib.nullcontext() if where is None else keep_inputs(*where)
+
+
 # --8<-- [start:modules]
 class CheckpointedBlock(Block):
-    """A GPT block whose whole forward runs under checkpoint(): it saves its input only."""
+    """A GPT block whose whole forward runs under checkpoint(): it saves its input only (whole,
+    or split over the TP group and/or on the host: `_keep_inputs`, saved_inputs.py)."""
 
     _checkpoint_options = _DEFAULT_OPTIONS
+    _keep_inputs: tuple | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return checkpoint(super().forward, x, cos, sin, **self._checkpoint_options)
+        with _kept(self._keep_inputs):
+            return checkpoint(super().forward, x, cos, sin, **self._checkpoint_options)
 
 
 class OffloadedBlock(Block):
@@ -110,9 +120,11 @@ class SelectiveAttention(Attention):
     tensors. The projections and RoPE around it keep their activations."""
 
     _checkpoint_options = _DEFAULT_OPTIONS
+    _keep_inputs: tuple | None = None  # never split: q, k, v are this rank's heads under TP
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return checkpoint(super().core, q, k, v, **self._checkpoint_options)  # (B, H, T, D)
+        with _kept(self._keep_inputs):
+            return checkpoint(super().core, q, k, v, **self._checkpoint_options)  # (B, H, T, D)
 # --8<-- [end:modules]
 
 _POLICY_CLASSES = (CheckpointedBlock, OffloadedBlock, SelectiveAttention)  # what a policy puts over a class
@@ -125,7 +137,7 @@ def _own_class(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__ if not issubclass(c, _POLICY_CLASSES))
 
 
-def _with_policy(cls: type[nn.Module], module: nn.Module, **options) -> nn.Module:
+def _with_policy(cls: type[nn.Module], module: nn.Module, keep: tuple | None = None, **options) -> nn.Module:
     """`module` itself, its class now `cls` over its own class (`cls` when that is cls's base, as
     for a plain Block; else a subclass of both, so `cls`'s forward wraps e.g. a tensor-parallel
     block's): the same object, state and hooks, another forward."""
@@ -138,6 +150,8 @@ def _with_policy(cls: type[nn.Module], module: nn.Module, **options) -> nn.Modul
     module.__class__ = cls
     if options:
         module._checkpoint_options = options
+    if keep is not None:
+        module._keep_inputs = keep
     return module
 
 
@@ -145,6 +159,7 @@ def _without_policy(module: nn.Module) -> nn.Module:
     """`module` back to its own class (the inverse of `_with_policy`), in place."""
     module.__class__ = _own_class(module)
     module.__dict__.pop("_checkpoint_options", None)
+    module.__dict__.pop("_keep_inputs", None)
     return module
 # --8<-- [end:with-policy]
 
@@ -163,24 +178,34 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
 # --8<-- [start:apply-policy]
 def apply_policy(model: nn.Module, policy: str | CheckpointPolicy = "none", *, every_k: int | None = None,
                  use_reentrant: bool = False, preserve_rng_state: bool = True,
-                 generators: Sequence[torch.Generator] = ()) -> nn.Module:
+                 generators: Sequence[torch.Generator] = (), partition_group=None,
+                 inputs_to_host: bool = False) -> nn.Module:
     """Give the GPT `model` exactly this policy (replacing any earlier one), in place.
     `generators`: the model's own torch.Generators (a tensor-parallel RNG tracker's stream),
-    replayed by every recomputation like torch's global ones."""
+    replayed by every recomputation like torch's global ones. `partition_group` ("full" and
+    "every_k": the block inputs, equal on every rank of it, are kept split over it) and
+    `inputs_to_host` (the checkpoints kept in host memory): see saved_inputs.py."""
     if not isinstance(policy, CheckpointPolicy):
         policy = CheckpointPolicy(policy, every_k, use_reentrant, preserve_rng_state)
+    if partition_group is not None and policy.name not in ("full", "every_k"):
+        raise ValueError(f"partition_group splits a checkpointed block's input, which policy {policy.name!r} "
+                         "does not save: use policy 'full' or 'every_k'")
+    if inputs_to_host and policy.name not in ("full", "every_k", "selective"):
+        raise ValueError(f"inputs_to_host moves the checkpoints to the host, and policy {policy.name!r} keeps "
+                         "none: use 'full', 'every_k' or 'selective' (or policy 'offload' alone)")
     blocks = _blocks(remove_policy(model))
     options = dict(use_reentrant=policy.use_reentrant, preserve_rng_state=policy.preserve_rng_state,
                    generators=tuple(generators))
+    keep = (partition_group, inputs_to_host) if partition_group is not None or inputs_to_host else None
     for i in policy.block_indices(len(blocks)):
         if not isinstance(blocks[i], Block):
             continue  # a stand-in: the block lives on another rank, which applies the policy there
         if policy.name == "selective":
-            _with_policy(SelectiveAttention, blocks[i].attn, **options)
+            _with_policy(SelectiveAttention, blocks[i].attn, keep, **options)
         elif policy.name == "offload":
             _with_policy(OffloadedBlock, blocks[i])
         else:  # full, every_k
-            _with_policy(CheckpointedBlock, blocks[i], **options)
+            _with_policy(CheckpointedBlock, blocks[i], keep, **options)
     return model
 # --8<-- [end:apply-policy]
 

@@ -66,6 +66,11 @@ def check_config(config: EngineConfig) -> list[str]:
     if "tensor_dropout" in par.model_fields_set and par.tensor == 1:
         problems.append(f"parallel.tensor_dropout={par.tensor_dropout!r} needs parallel.tensor > 1 (it chooses how "
                         "tensor-parallel ranks draw dropout masks): set parallel.tensor, or remove tensor_dropout")
+    if config.activation_checkpointing.partition_activations and (par.tensor == 1 or par.sequence_parallel):
+        problems.append("activation_checkpointing.partition_activations splits each checkpointed block's input, "
+                        "equal on every rank of the tensor-parallel group, over that group: it needs parallel.tensor "
+                        "> 1 without sequence_parallel (whose block inputs are each rank's own sequence shard "
+                        "already: the same saving, no gather); set it false")
     return problems
 
 
@@ -143,7 +148,9 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
     if ac.policy != "none":  # a recomputation replays the TP tracker's stream too (tensor_parallel/random.py)
         tracker = getattr(model, "rng_tracker", None)
         apply_policy(model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant,
-                     generators=[tracker.generator] if tracker is not None else [])
+                     generators=[tracker.generator] if tracker is not None else [],
+                     partition_group=mesh.group("tp") if ac.partition_activations else None,
+                     inputs_to_host=ac.cpu_checkpointing)
     # --8<-- [end:activation-checkpointing]
     return model
 

@@ -8,7 +8,8 @@ with a schedule that has no chunks; ZeRO stage 3 (its hooks gather a unit for on
 its backward, the embedding/head unit by the whole model's forward, which a pipeline never
 calls: the reason is in the message, and lesson 08); re-entrant activation checkpointing with
 zb_h1 (its backward cannot be split into zero-bubble's B and W passes); and what the other
-layouts' work refuses for now (fp16/bf16, communication_data_type, wall_clock_breakdown).
+layouts' work refuses for now (communication_data_type, wall_clock_breakdown); fp16/bf16 are served
+(`pytest -k layout_mixed_precision`).
 Activation checkpointing (every policy, every schedule) and offload (tested at ZeRO 1) are served
 (`pytest -k "layout_activation_checkpointing or layout_offload"`). With the model and world size
 (`check_layout`): a GPT without dropout, a world that is pp x cp x tp x dp, at least one block per

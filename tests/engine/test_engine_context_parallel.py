@@ -1,6 +1,7 @@
 """The engine with `parallel.context` trains the GPT exactly like one process.
 
-- cp = 2 with ring attention and with Ulysses, zigzag and contiguous sharding, and
+- cp = 2 with ring attention and with Ulysses, zigzag and contiguous sharding, tp 2 x cp 2
+  with and without sequence parallelism (a cp shard SP cannot split fails on every rank, by name), and
   dp x cp = 2 x 2 at ZeRO stages 0 to 3 (gradients reduced over the flattened dp x cp group):
   losses and `full_state_dict()` equal `tinyscale.reference.train` (float64, rtol 1e-10), with
   GQA (4 query heads, 2 K/V heads), tied embeddings, a frozen and an unused parameter, a
@@ -45,10 +46,11 @@ def model() -> GPT:
 
 
 def run_config(dp: int, cp: int, algorithm: str = "ring", sharding: str = "zigzag", stage: int = 0,
-               optimizer: str = "sgd", clip: float = 0.0, tp: int = 1) -> dict:
+               optimizer: str = "sgd", clip: float = 0.0, tp: int = 1, sp: bool = False) -> dict:
     return {"train_batch_size": ROWS, "gradient_accumulation_steps": 2, "optimizer": OPTIMIZERS[optimizer],
             "gradient_clipping": clip, "zero_optimization": {"stage": stage},
-            "parallel": {"context": cp, "context_algorithm": algorithm, "context_sharding": sharding, "tensor": tp}}
+            "parallel": {"context": cp, "context_algorithm": algorithm, "context_sharding": sharding, "tensor": tp}
+            | ({"sequence_parallel": True} if sp else {})}
 
 
 def batches(steps: int = STEPS):
@@ -130,7 +132,27 @@ def test_engine_context_parallel_zigzag_checkpoint_resumes_at_dp2(tmp_path):
 TP2_CP2_LAYOUTS = [  # on 4 ranks: cp = 2 x tp = 2 (2 query heads and 1 K/V head per TP shard)
     dict(dp=1, cp=2, tp=2, algorithm="ring", sharding="zigzag", clip=CLIP),
     dict(dp=1, cp=2, tp=2, algorithm="ulysses", sharding="contiguous", stage=3),
+    # sequence parallelism too: each rank's 4 positions of a cp shard split again over tp
+    dict(dp=1, cp=2, tp=2, sp=True, algorithm="ring", sharding="zigzag", clip=CLIP, optimizer="adamw"),
+    dict(dp=1, cp=2, tp=2, sp=True, algorithm="ulysses", sharding="contiguous", stage=1),
 ]
+
+
+def _sp_shard_too_short() -> str:
+    """T = 5 in 2 contiguous chunks: 3 positions per cp rank, which tp 2 cannot split."""
+    engine = ts.initialize(model(), run_config(1, 2, sharding="contiguous", tp=2, sp=True))
+    batch = synthetic_token_batches(num_batches=1, batch_size=ROWS, seq_len=5, vocab_size=GPT_CONFIG.vocab_size,
+                                    seed=3)[0]
+    try:
+        engine.train_batch(batch)
+    except ValueError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_engine_context_parallel_sequence_parallel_shard_tp_cannot_split_fails_every_rank_by_name():
+    for message in run_on_ranks(_sp_shard_too_short, 4):
+        assert "sequence parallelism cannot split" in message and "sequence_parallel false" in message, message
 
 
 def test_engine_context_parallel_tp2_cp2_ring_attention_ulysses_trains_like_one_process():
@@ -192,14 +214,12 @@ def _refusal(config: dict, gpt: GPTConfig = GPT_CONFIG, world: int = 2):
      ["parallel.context=3", "context_algorithm", "n_head=4"]),
     ({"parallel": {"context": 2, "context_algorithm": "striped"}}, GPT_CONFIG, 2, ["parallel.context_algorithm"]),
     ({"parallel": {"context": 2, "context_sharding": "striped"}}, GPT_CONFIG, 2, ["parallel.context_sharding"]),
-    ({"parallel": {"context": 2, "tensor": 2, "sequence_parallel": True}}, GPT_CONFIG, 4,
-     ["parallel.sequence_parallel", "parallel.context=2"]),
     ({"parallel": {"context": 2, "tensor": 2, "context_algorithm": "ulysses"}}, GPT_CONFIG.with_(n_head=2, n_kv_head=2),
      4, ["parallel.context=2", "ulysses", "parallel.tensor=2", "1 heads per rank"]),
     ({"parallel": {"context": 2}}, GPT_CONFIG.with_(dropout=0.1), 2, ["parallel.context=2", "dropout=0.1"]),
     ({"parallel": {"context": 2}}, None, 2, ["parallel.context=2", "TinyMLP"]),
 ], ids=["context_parallel_not_dividing_world", "context_parallel_one_process", "ulysses_heads_not_divisible",
-        "context_parallel_unknown_algorithm", "zigzag_unknown_sharding", "context_parallel_with_sequence_parallel",
+        "context_parallel_unknown_algorithm", "zigzag_unknown_sharding",
         "ulysses_heads_per_tp_shard_not_divisible",
         "context_parallel_with_dropout", "context_parallel_not_a_gpt"])
 def test_engine_context_parallel_bad_layouts_are_refused_by_name(config, gpt, world, names):

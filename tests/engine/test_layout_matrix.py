@@ -51,7 +51,7 @@ def matrix() -> tuple[tuple, ...]:
     out, pipelines = [], 0
     for i, (dp, pp, cp, tp) in enumerate(degrees):
         stage = i % 4
-        sp = tp > 1 and (i // 2) % 2 == 0  # tp is the fastest degree: every other tp > 1 layout
+        sp = tp > 1 and i % 8 != 1  # tp 2 alone and dp 2 x tp 2 without SP, every other tp > 1 layout with it
         policy = POLICIES[(i + i // 4) % len(POLICIES)]  # shifted every 4, so not tied to the stage
         schedule = "1f1b"
         if pp > 1:  # the schedules in turn over the pipelined layouts

@@ -22,7 +22,10 @@ cp group is a run of consecutive ranks). What the engine does with it:
 With tensor parallelism too (tp x cp, the mesh (dp, cp, tp)): TP splits the layers first, CP
 then swaps attention and the forward, whose per-token loss becomes the vocab-parallel one
 (the head holds a vocab slice); Ulysses then splits each TP shard's heads over cp. (The model's
-forward without targets returns this rank's vocab slice of the logits.)
+forward without targets returns this rank's vocab slice of the logits.) With sequence
+parallelism the cp shard of Tl positions is split again over tp outside the attention and the
+MLP (each TP rank holds Tl/tp of them, gathered before a sub-layer, reduce-scattered after), so
+Tl must be a multiple of tp: `shard_micro_batch` says so, by name, on every rank alike.
 
 With a pipeline too (pp x cp, dp x pp x cp): `apply_to_stages` swaps the attention of this
 rank's stages only and gives the last stage a loss that is the full rows' mean with a
@@ -31,19 +34,21 @@ reduction over dp x cp is the same as without a pipeline.
 
 Activation checkpointing (the attention core's ring or all-to-all runs again in a rerun, on
 every rank of the cp group alike) and ZeRO offload over dp x cp are served (`pytest -k
-"layout_activation_checkpointing or layout_offload"`). Refused by name before any process group
-exists (`check_config`, `check_layout`): sequence parallelism, fp16/bf16 with cp (untested),
-dropout > 0, models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that
-is not dp x cp x tp.
+"layout_activation_checkpointing or layout_offload"`), and so are fp16/bf16 (`pytest -k
+layout_mixed_precision`). Refused by name before any process group exists (`check_config`,
+`check_layout`): dropout > 0, models other than the GPT, Ulysses with (heads per TP shard) % cp
+!= 0, a world that is not dp x cp x tp.
 Lesson: lessons/09-context-parallel.md. Tests: `pytest -k engine_context_parallel`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.context_parallel import apply_context_parallel, kv_replication, shard_batch
+from tinyscale.context_parallel.sharding import Layout
 from tinyscale.context_parallel.apply import (
     ContextParallel, parallelize_attention, sharded_mean_loss, token_cross_entropy,
 )
@@ -58,9 +63,6 @@ def check_config(config: EngineConfig) -> list[str]:
     cp = par.context
     if cp == 1:
         return problems
-    if par.sequence_parallel:
-        problems.append(f"parallel.sequence_parallel=true with parallel.context={cp} (not tested yet): "
-                        "set sequence_parallel false, or context 1")
     return problems
 
 
@@ -181,4 +183,13 @@ def shard_micro_batch(chunk: tuple[torch.Tensor, ...], model: torch.nn.Module) -
         if bad.any():
             raise ValueError(f"train_batch: {name} has token ids outside 0..{vocab - 1} (first [row, position] "
                              f"pairs: {bad.nonzero().tolist()[:4]}): fix the data or GPTConfig.vocab_size")
+    tp_group = getattr(model, "tp_group", None)
+    if getattr(model, "sequence_parallel", False):  # SP splits each cp shard again, over tp
+        tp, layout = dist.get_world_size(tp_group), Layout(state.cp, state.sharding, chunk[0].shape[1])
+        if layout.local_len % tp:  # the same T on every rank: they all raise, before any collective
+            raise ValueError(f"train_batch: a sequence of T={chunk[0].shape[1]} tokens cut into "
+                             f"{layout.num_chunks} {state.sharding} chunks gives each of the cp={state.cp} ranks "
+                             f"{layout.local_len} positions, which sequence parallelism cannot split over "
+                             f"tp={tp}; use a T for which ceil(T / {layout.num_chunks}) x {layout.num_chunks // state.cp}"
+                             f" is a multiple of {tp} (e.g. T = {layout.num_chunks * tp}k), or sequence_parallel false")
     return shard_batch(chunk, state.group, state.sharding)

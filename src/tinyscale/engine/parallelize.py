@@ -21,8 +21,8 @@ without sequence parallelism).
 Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
 rank's stages) composes with every other axis, at the same places in the order: tensor and
 sequence parallelism split this rank's stages (`engine/pipeline_tp.py`), context parallelism
-swaps their attention (`context.apply_to_stages`), and DDP or ZeRO stages 1-2 run over dp
-(x cp), reducing once after the schedule; ZeRO stage 3 with a pipeline is refused, with the reason.
+swaps their attention (`context.apply_to_stages`), and DDP or ZeRO stages 1-3 run over dp
+(x cp), reducing once after the schedule (stage 3's units are this rank's stages).
 
 The mesh is `ParallelMesh(dp=world // (pp cp tp), cp=cp, tp=tp, pp=pp)`, dims (pp, dp, cp, tp):
 ranks 0..tp-1 form the first TP group, and the ranks holding the same TP shard form a dp group. Tests:

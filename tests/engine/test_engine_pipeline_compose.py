@@ -17,7 +17,8 @@ and its losses and `full_state_dict()` equal `tinyscale.reference.train` in floa
 - dp 2 x pp 2 at ZeRO 3 (1F1B, interleaved, zb_h1), each stage's parameters kept gathered
   while a micro-batch is in flight or gathered again for every pass: the ledger's all-gathers
   equal the formula per rank, one reduce-scatter per stage; a checkpoint written at ZeRO 3
-  resumes in the other policy;
+  resumes in the other policy; a step raising on one rank only is dropped everywhere (its dp
+  peer's all-gathers still matched) and the retry trains like one process;
 - at 8 ranks: dp 2 x pp 2 x tp 2 (DDP, ZeRO 1, ZeRO 2, ZeRO 3, SP) and dp 2 x pp 2 x cp 2 (ZeRO 1, 3).
 The layouts of one world size run in one pooled call (cached per module). More world-4
 pairings and the 8-rank call run under --thorough only (the 8-rank pool alone takes ~25 s to
@@ -318,3 +319,35 @@ def test_engine_pipeline_layout_pp_zero3_checkpoint_resumes(tmp_path):
     for losses, state in run_on_ranks(_zero3_resume, 4, str(tmp_path)):
         assert_losses_close(losses, expected_losses)
         assert_state_dicts_close(state, expected, what="after resuming dp 2 x pp 2 at ZeRO 3")
+
+
+def _zero3_one_rank_raises():
+    """dp 2 x pp 2 at ZeRO 3 (freed after every pass): step 0's second loss raises on one rank of
+    the last stage only; its dp peer goes on gathering over dp. The batch is then retried."""
+    spec = dict(layout("1f1b", dp=2, stage=3, reshard=True, optimizer="adamw"))
+    engine = ts.initialize(gpt(spec), engine_config(spec))
+    executor, calls = engine.pipeline.executor, {"loss": 0}
+    loss_fn = executor.loss_fn
+
+    def flaky_loss(logits, targets):
+        calls["loss"] += 1
+        if calls["loss"] == 2 and dist.get_rank() == 2:
+            raise MemoryError("simulated: loss")
+        return loss_fn(logits, targets)
+    executor.loss_fn = flaky_loss
+    data = batches(spec)
+    with pytest.raises(Exception) as info:
+        engine.train_batch(data[0])
+    losses = [engine.train_batch(b) for b in data]
+    return type(info.value).__name__, losses, engine.full_state_dict()
+
+
+def test_engine_pipeline_layout_pp_zero3_failed_step_on_one_rank_is_dropped_everywhere():
+    """The executor calls ZeRO 3's gather hooks on a rank whose compute raised, so its dp peer's
+    all-gathers are matched (no hang): every rank drops the step, the retry trains like one process."""
+    spec = dict(layout("1f1b", dp=2, stage=3, reshard=True, optimizer="adamw"))
+    expected_losses, expected = reference(spec)
+    for rank, (raised, losses, state) in enumerate(run_on_ranks(_zero3_one_rank_raises, 4, timeout_s=60)):
+        assert raised == ("MemoryError" if rank == 2 else "StepFailed")
+        assert_losses_close(losses, expected_losses)
+        assert_state_dicts_close(state, expected, what=f"rank {rank} after a dropped ZeRO 3 step")

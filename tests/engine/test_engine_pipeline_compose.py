@@ -103,8 +103,9 @@ def _train(layouts: list[tuple]):
                      for _, stage in sorted(engine.pipeline.stages.items())]
         local = sum(units)
         compute = [(a.kind, a.stage) for a in engine.pipeline.schedule[engine.pipeline.rank] if a.kind in (F, B, BW, W)]
+        memory = (engine.memory_report().bytes("parameters"), engine.memory_report("before_step").bytes("gradients"))
         out.append((losses, engine.full_state_dict(), rows, sends, local, dist.get_rank(engine.pipeline.group), units,
-                    compute))
+                    compute, memory))
     return out
 
 
@@ -237,13 +238,14 @@ def test_engine_pipeline_layout_pp_zero3_all_gathers_match_the_formula():
     (once per step on every stage but 1F1B's last, where each forward is followed by its own
     backward: once per micro-batch); freed after every pass, once per compute action (m x 2, or
     m x 3 with zb_h1's B and W). The gradients: one reduce-scatter per unit, after the schedule;
-    the step publishes shards, no all-gather."""
+    the step publishes shards, no all-gather. The memory report holds 1/dp of the padded
+    parameters between steps, and 1/dp of the padded gradients before the step."""
     for index, item in enumerate(WORLD4):
         spec = dict(item)
         if spec["stage"] != 3:
             continue
         for rank_results in results(4, tuple(WORLD4)):
-            _, _, rows, _, _, _, units, compute = rank_results[index]
+            _, _, rows, _, _, _, units, compute, memory = rank_results[index]
             stages = sorted({s for _, s in compute})
             padded = [-(-n // spec["dp"]) * spec["dp"] * 8 for n in units]
             passes = [sum(s == stage for _, s in compute) if spec["reshard"] else busy_periods(compute, stage)
@@ -252,6 +254,8 @@ def test_engine_pipeline_layout_pp_zero3_all_gathers_match_the_formula():
                 assert passes == [(3 if spec["schedule"] == "zb_h1" else 2) * spec["m"]] * len(stages)
             gathers = sorted(nbytes for op, nbytes in rows if op == "all_gather")
             assert gathers == sorted(b for b, n in zip(padded, passes) for _ in range(n)), spec
+            # the memory report between steps: parameter shards; before the step: gradient shards
+            assert memory == (sum(padded) // spec["dp"], sum(padded) // spec["dp"]), spec
             assert sorted(nbytes for op, nbytes in rows if op == "reduce_scatter") == sorted(padded), spec
 
 

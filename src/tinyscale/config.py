@@ -180,6 +180,9 @@ class ParallelConfig(Section):
     tensor_dropout: Literal["exact", "tracker"] = "exact"
     pipeline_schedule: Literal["afab", "1f1b", "interleaved_1f1b", "zb_h1"] = "1f1b"  # tinyscale.pipeline
     virtual_stages: PositiveInt = 1
+    # ZeRO stage 3 with a pipeline: free a stage's parameters after every pass and gather them
+    # again for the next (true), or keep them while any of its micro-batches is in flight (false)
+    pipeline_reshard_after_forward: Bool = False
     context_algorithm: Literal["ring", "ulysses"] = "ring"
     context_sharding: Literal["zigzag", "contiguous"] = "zigzag"  # tinyscale.context_parallel.sharding
 

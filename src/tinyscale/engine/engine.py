@@ -47,7 +47,8 @@ gets the same rows, and all reductions above run over the dp axis only. With
 shard of each micro-batch, and the reductions run over dp x cp with the loss scaled by c, so
 they sum over cp and average over dp (`engine/context.py`). With `parallel.pipeline` = p
 the model keeps this rank's stages only and a step runs the pipeline schedule over the
-micro-batches instead of the loop above, then DDP or ZeRO stage 1 or 2 over dp (x cp), once
+micro-batches instead of the loop above, then DDP or ZeRO over dp (x cp), once; stage 3's
+units are then this rank's stages, gathered around the schedule's actions
 (`engine/pipeline_step.py`).
 """
 
@@ -194,6 +195,10 @@ class Engine:
                 elif zero.stage == 2:
                     self.zero = ZeroStage2(groups, make, self.reduce_group, bucket_bytes=bucket_bytes,
                                            overlap=zero.overlap_comm, **off, nvme_path=zero.offload_optimizer.nvme_path)
+                elif self.pipeline is not None:  # stage 3 under a schedule: one unit per stage (pipeline_step.py)
+                    self.zero = self.pipeline.zero_stage3(
+                        groups, make, self.reduce_group, **off, nvme_path=zero.offload_optimizer.nvme_path,
+                        reshard_after_forward=config.parallel.pipeline_reshard_after_forward)
                 else:
                     # overlap_comm: prefetch, i.e. the next unit's all-gather overlaps this one's compute
                     self.zero = ZeroStage3(groups, make, self.reduce_group, module=self.model, wrap=zero3_wrap, **off,
@@ -409,10 +414,10 @@ class Engine:
 
         With stage 3 every unit is all-gathered for the copy, with pipeline parallelism every
         stage's tensors are broadcast over the pp group (call it on every rank)."""
-        if self.pipeline is not None:
-            return self.pipeline.full_state_dict(self.model)
         gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
-        with gathered:  # ZeRO-3's dp gather first, then tensor parallelism's over the TP group
+        with gathered:  # ZeRO-3's dp gather first, then tensor parallelism's over the TP group (then pp's)
+            if self.pipeline is not None:
+                return self.pipeline.full_state_dict(self.model)
             state = full_state_dict_from_tp(self.model) if self.tp_size > 1 else self.model.state_dict()
             return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 

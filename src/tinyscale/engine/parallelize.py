@@ -22,8 +22,8 @@ without sequence parallelism).
 Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
 rank's stages) composes with every other axis, at the same places in the order: tensor and
 sequence parallelism split this rank's stages (`engine/pipeline_tp.py`), context parallelism
-swaps their attention (`context.apply_to_stages`), and DDP or ZeRO stages 1-2 run over dp
-(x cp), reducing once after the schedule; ZeRO stage 3 with a pipeline is refused, with the reason.
+swaps their attention (`context.apply_to_stages`), and DDP or ZeRO stages 1-3 run over dp
+(x cp), reducing once after the schedule (stage 3's units are this rank's stages).
 Activation checkpointing (every policy of `tinyscale.checkpointing`) composes with all of them: it
 comes after the layers are split, changes each block's class in place over the tensor-parallel one
 (a pipeline stage's blocks are the same objects), and a recomputation replays the TP RNG tracker's

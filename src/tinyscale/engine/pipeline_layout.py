@@ -2,19 +2,20 @@
 
 The pipeline composes with every other axis: the world is pp x dp x cp x tp (mesh order
 (pp, dp, cp, tp), tp fastest), with sequence parallelism when tp > 1, any schedule and
-virtual stages, and DDP or ZeRO stages 1 and 2 over dp (x cp), clipping included.
+virtual stages, and DDP or ZeRO stages 1-3 over dp (x cp), clipping included.
 Config alone (`config_problems`): the schedule's settings without a pipeline; virtual stages
-with a schedule that has no chunks; ZeRO stage 3 (its hooks gather a unit for one forward then
-its backward, the embedding/head unit by the whole model's forward, which a pipeline never
-calls: the reason is in the message, and lesson 08); re-entrant activation checkpointing with
-zb_h1 (its backward cannot be split into zero-bubble's B and W passes); and what the other
-layouts' work refuses for now (communication_data_type, wall_clock_breakdown); fp16/bf16 are served
-(`pytest -k layout_mixed_precision`).
-Activation checkpointing (every policy, every schedule) and offload (tested at ZeRO 1) are served
-(`pytest -k "layout_activation_checkpointing or layout_offload"`). With the model and world size
-(`check_layout`): a GPT without dropout, a world that is pp x cp x tp x dp, at least one block per
-model stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
-Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`, `pytest tests/engine/test_engine_pipeline_compose.py`.
+with a schedule that has no chunks; `parallel.pipeline_reshard_after_forward` without ZeRO
+stage 3 (it would do nothing), or stage 3 with a persistence threshold (its units are whole
+stages); re-entrant activation checkpointing with zb_h1 (its backward cannot be split into
+zero-bubble's B and W passes); and what the other layouts' work refuses for now
+(communication_data_type, wall_clock_breakdown). fp16/bf16 (`pytest -k layout_mixed_precision`),
+activation checkpointing (every policy, every schedule) and offload (tested at ZeRO 1) are
+served (`pytest -k "layout_activation_checkpointing or layout_offload"`). With the model and
+world size (`check_layout`): a GPT without dropout, a world that is pp x cp x tp x dp, at least
+one block per model stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a
+multiple of the stages.
+Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`,
+`pytest tests/engine/test_engine_pipeline_compose.py -k refuses`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def config_problems(config: EngineConfig) -> list[str]:
     par, problems = config.parallel, []
     pp = par.pipeline
     if pp == 1:
-        for name in ("pipeline_schedule", "virtual_stages"):
+        for name in ("pipeline_schedule", "virtual_stages", "pipeline_reshard_after_forward"):
             if name in par.model_fields_set:  # would silently do nothing
                 problems.append(f"parallel.{name}={getattr(par, name)!r} needs parallel.pipeline > 1 (it configures "
                                 "the pipeline schedule): set parallel.pipeline, or remove it")
@@ -41,13 +42,14 @@ def config_problems(config: EngineConfig) -> list[str]:
                         f"{par.pipeline_schedule!r}: only 'interleaved_1f1b' runs several chunks per rank; set "
                         "pipeline_schedule 'interleaved_1f1b' or virtual_stages 1")
     stage = config.zero_optimization.stage
-    if stage == 3:
-        problems.append(f"zero_optimization.stage=3 with parallel.pipeline={pp}: stage 3's hooks gather a unit for "
-                        "one forward and then its backward, the embedding/norm/head unit by the whole model's "
-                        "forward, which a pipeline never calls (it runs its stages, up to p micro-batches' "
-                        "forwards before their backwards, zero-bubble's backward in two passes); a stage-3 whose "
-                        "units are the stages is not built: use stage 2 (gradients and optimizer states sharded, "
-                        "reduce-scattered once per step) or stage 1")
+    threshold = config.zero_optimization.stage3_param_persistence_threshold
+    if stage == 3 and threshold > 0:  # stage 3's units are the stages: nothing stays whole
+        problems.append(f"zero_optimization.stage3_param_persistence_threshold={threshold} with parallel.pipeline="
+                        f"{pp}: under a pipeline stage 3 gathers each stage whole (one unit per stage), so no "
+                        "parameter is kept out of it; set it 0")
+    if "pipeline_reshard_after_forward" in par.model_fields_set and stage != 3:  # would silently do nothing
+        problems.append(f"parallel.pipeline_reshard_after_forward with zero_optimization.stage={stage}: it chooses "
+                        "when stage 3 frees a pipeline stage's gathered parameters; set stage 3, or remove it")
     ac = config.activation_checkpointing
     if ac.use_reentrant and ac.policy in ("full", "every_k", "selective") and par.pipeline_schedule == "zb_h1":
         problems.append("activation_checkpointing.use_reentrant=true with parallel.pipeline_schedule='zb_h1': "

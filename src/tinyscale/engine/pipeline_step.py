@@ -14,9 +14,13 @@ composes with it, each in its place in the engine's order:
 - cp (`split_context_parallel`, `engine/context.py`): each micro-batch's sequence shard goes
   in, every stage's attention is ring or Ulysses over the cp group, the loss is the full rows'
   mean with a backward of cp times its gradient (the dp x cp mean then sums over cp);
-- dp: DDP, or ZeRO stage 1 or 2 over dp (x cp). Stage 2 runs the schedule under `no_sync`
+- dp: DDP, or ZeRO stage 1, 2 or 3 over dp (x cp). Stage 2 runs the schedule under `no_sync`
   and reduce-scatters every bucket once after it (torchtitan's FSDP with a pipeline): Psi
-  on the wire per step, not per micro-batch. Stage 3 is refused (`pipeline_layout`).
+  on the wire per step, not per micro-batch. Stage 3 (`zero_stage3`,
+  `tinyscale.zero.stage3_manual`) shards the parameters too, one unit per stage of this rank,
+  all-gathered before the stage's compute actions (`_Stage3Driver`, the executor's hooks) and
+  either kept while a micro-batch is in flight or freed after every pass
+  (`parallel.pipeline_reshard_after_forward`); its gradients too are reduce-scattered once.
 
 One step (`PipelineStep.train_step`), on every rank of every pipeline:
 
@@ -27,7 +31,7 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
    each backward scaled by 1/m, gradients accumulating in ``.grad``;
 3. a tied embedding/head: the first and last stage add their gradients (`exchange_tied_grads`);
 4. the data-parallel reduction over dp (x cp), once, after the schedule: DDP's buckets
-   all-reduced, or ZeRO 2's reduce-scattered; ZeRO stage 1 reduce-scatters in its step;
+   all-reduced, or ZeRO 2's and 3's reduce-scattered; ZeRO stage 1 reduce-scatters in its step;
 5. the loss: the last stage's mean over its m micro-batches, summed over the pp group (the
    others add zero: a broadcast from the last stage), then averaged over dp;
 6. clipping by the norm of the whole model's gradient, each parameter once: squares summed
@@ -70,7 +74,9 @@ from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
 from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
 from tinyscale.tensor_parallel import full_state_dict_from_tp
 from tinyscale.context_parallel import shard_batch
+from tinyscale.pipeline.schedules import BW, F, W
 from tinyscale.zero import ZeroStage2
+from tinyscale.zero.stage3_manual import ZeroStage3Manual
 
 SCHEDULES = {  # parallel.pipeline_schedule -> (p, m, v) -> compute actions per rank
     "afab": lambda p, m, v: afab(p, m),
@@ -97,7 +103,7 @@ class PipelineStep:
         self.schedule = add_communication(SCHEDULES[par.pipeline_schedule](p, m, v))
         self.executor = PipelineExecutor(self.schedule, self.rank, self.stages, loss_fn=gpt_loss,
                                          ranks=self.ranks, group=self.group)
-        self.tp_group = self.cp_group = None
+        self.tp_group = self.cp_group = self.stage3 = None
         self.sequence_parallel = False
         self._bind(model)
 
@@ -132,6 +138,16 @@ class PipelineStep:
         (`engine/context.py`); each micro-batch is sharded in `train_step`."""
         self.cp_group, self.cp_sharding = mesh.group("cp"), config.parallel.context_sharding
         self.executor.loss_fn = context.apply_to_stages(self.stages, model, config, mesh)
+
+    def zero_stage3(self, groups, make, group, *, reshard_after_forward: bool, **kwargs) -> ZeroStage3Manual:
+        """Last in the order, ZeRO stage 3 over dp (x cp): one unit per stage of this rank, gathered
+        and freed around the schedule's compute actions (`_Stage3Driver`), reduce-scattered once."""
+        order = sorted(self.stages)
+        zero = ZeroStage3Manual(groups, make, group, modules=[self.stages[s] for s in order], **kwargs)
+        driver = _Stage3Driver(zero, {s: u for u, s in enumerate(order)}, reshard_after_forward)
+        self.executor.hooks = (driver.before, driver.after)
+        self.stage3 = driver
+        return zero
 
     def counted_ids(self) -> set[int]:
         """ids of the parameters this rank counts in the gradient norm (ZeRO's clipper reads them)."""
@@ -170,6 +186,8 @@ class PipelineStep:
         engine.model.train()
         if engine.zero is not None:
             engine.zero.abandon_backward()  # nothing to forget unless a caller ran backward itself
+        if self.stage3 is not None:
+            self.stage3.begin()
         seq_len, tp = batch[0].shape[1], dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         if self.sequence_parallel and seq_len % tp:  # on every rank alike, before any message
             raise ValueError(f"train_batch: sequence parallel: sequence length T={seq_len} is not divisible by "
@@ -213,7 +231,7 @@ class PipelineStep:
                     device=engine.device)
                 if engine.ddp is not None:
                     engine.ddp.sync_gradients()
-                if isinstance(engine.zero, ZeroStage2):  # one reduce-scatter per bucket, after the last backward
+                if isinstance(engine.zero, ZeroStage2 | ZeroStage3Manual):  # one reduce-scatter per unit, now
                     engine.zero.reduce_gradients()
                 total = torch.zeros((), dtype=torch.float64, device=engine.device)
                 if loss is not None:
@@ -272,6 +290,35 @@ class PipelineStep:
         engine.optimizer.step()
         engine.optimizer.zero_grad(set_to_none=True)
         return False
+
+
+# --8<-- [start:stage3-driver]
+class _Stage3Driver:
+    """ZeRO 3 under the schedule: a stage's unit is gathered (all-gather over dp) before each of
+    its compute actions. `reshard_after_forward`: freed after every action, so gathered again for
+    each micro-batch's forward, backward and zero-bubble's W; else kept while any of its
+    micro-batches is between its forward and the end of its backward (BW, or W after B)."""
+
+    def __init__(self, zero: ZeroStage3Manual, unit: dict[int, int], reshard_after_forward: bool) -> None:
+        self.zero, self.unit, self.reshard = zero, unit, reshard_after_forward
+        self.begin()
+
+    def begin(self) -> None:
+        self.in_flight = dict.fromkeys(self.unit.values(), 0)
+
+    def before(self, a) -> None:
+        u = self.unit[a.stage]
+        self.zero.gather(u)
+        if a.kind == F:
+            self.in_flight[u] += 1
+
+    def after(self, a) -> None:
+        u = self.unit[a.stage]
+        if a.kind in (BW, W):  # this micro-batch's backward is complete
+            self.in_flight[u] -= 1
+        if self.reshard or self.in_flight[u] == 0:
+            self.zero.release(u)
+# --8<-- [end:stage3-driver]
 
 
 def _no_sync(engine):

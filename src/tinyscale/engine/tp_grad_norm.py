@@ -6,7 +6,8 @@ one (norm weights: identical gradients on every TP rank, f all-reduces them) is 
 rank 0 only, and a K/V head copied on t/K ranks (`ReplicatedKVLinear`: the copies' gradients
 are summed, so equal) by its first copy only. One all-reduce sums the counted squares: over
 the TP group at ZeRO stage 0 (the dp replicas hold the same gradients), over the whole world
-at stages 1-3 (each dp rank holds a shard of this TP rank's gradients). Then every rank
+at stages 1-3 (each dp rank holds a shard of this TP rank's gradients; under a pipeline each
+pp rank its stages', the engine passing the pipeline's counted set: a tied table once). Then every rank
 scales by the same factor, torch's `clip_grad_norm_` rule: min(1, max_norm / (norm + 1e-6)).
 Megatron's `clip_grad_norm_fp32` does the same sum.
 Run: `pytest tests/engine/test_engine_tensor_parallel.py -k clip`.

@@ -119,6 +119,9 @@ class PipelineExecutor:
         self.ranks = list(ranks) if ranks is not None else list(range(len(schedule)))
         self.me = self.ranks[rank]
         self.loss_scale = 1.0  # fp16's loss scale S, set by the caller before each run
+        # (before, after): called with every compute action, also on a rank whose compute raised
+        # (a caller's collectives, e.g. ZeRO 3's all-gathers over dp, stay matched across ranks)
+        self.hooks: tuple[Callable[[Action], None], Callable[[Action], None]] | None = None
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
         """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
@@ -139,11 +142,15 @@ class PipelineExecutor:
                 continue
             self._communicate(pending)
             pending = []
+            if self.hooks is not None:
+                self.hooks[0](a)
             if self.failed is None:
                 try:
                     {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the schedule's messages
                     self.failed = (self.me, exc)
+            if self.hooks is not None:
+                self.hooks[1](a)
         self._communicate(pending)
         for work in self.sends:
             work.wait()
@@ -265,5 +272,8 @@ def exchange_tied_grads(param: nn.Parameter, peer: int, group=None) -> None:
         work.wait()
     # Fixed order (lower rank's addend first) so both ranks compute bit-identical sums.
     first, second = (grad, theirs) if dist.get_rank() < peer else (theirs, grad)
-    param.grad = first + second
+    if param.grad is None:
+        param.grad = first + second
+    else:  # in place: under ZeRO 3 the parameter itself may be freed (no shape to check against)
+        param.grad.copy_(first + second)
 # --8<-- [end:tied]

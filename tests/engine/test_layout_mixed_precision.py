@@ -46,7 +46,7 @@ WORLD2 = [
     ("cp2_ulysses", {"context": 2, "context_algorithm": "ulysses"}),
     ("pp2_1f1b", {"pipeline": 2, "pipeline_schedule": "1f1b"}),
     ("pp2_interleaved", {"pipeline": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2}),
-    ("pp2_zero1", {"pipeline": 2, "stage": 1, "clip": 0.0}),  # ZeRO 1 over dp 1 (clipping: refused with pp yet)
+    ("pp2_zero1", {"pipeline": 2, "stage": 1}),  # ZeRO 1 over dp 1, clipping by the norm over the stages
 ]
 WORLD4 = [
     ("tp2_cp2", {"tensor": 2, "context": 2}),
@@ -55,9 +55,11 @@ WORLD4 = [
     ("dp2_tp2_zero2", {"tensor": 2, "stage": 2}),
     ("dp2_tp2_zero3", {"tensor": 2, "stage": 3}),
     ("pp2_tp2", {"pipeline": 2, "tensor": 2}),
-    ("dp2_pp2_zero1", {"pipeline": 2, "stage": 1, "clip": 0.0}),
+    ("dp2_pp2_zero1", {"pipeline": 2, "stage": 1}),
+    ("dp2_pp2_zero2", {"pipeline": 2, "stage": 2}),  # one reduce-scatter after the schedule
+    ("dp2_pp2_zero3", {"pipeline": 2, "stage": 3, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2}),
 ]
-DEFAULT = {"tp2_sp", "cp2_ring", "pp2_interleaved", "tp2_cp2", "dp2_tp2_zero1", "pp2_tp2"}
+DEFAULT = {"tp2_sp", "cp2_ring", "pp2_interleaved", "tp2_cp2", "dp2_tp2_zero1", "pp2_tp2", "dp2_pp2_zero3"}
 
 
 def model(tied: bool = True) -> GPT:
@@ -200,7 +202,8 @@ INJECT = {  # layout -> (the rank whose gradient gets the inf, the parameter)
     "tp2": ({"tensor": 2}, 1, "blocks.2.attn.wo.weight"),
     "cp2": ({"context": 2}, 0, "norm.weight"),
     # dp rank 1 of stage 0 (not the tied table: its gradient would carry the inf to the last stage)
-    "dp2_pp2_zero1": ({"pipeline": 2, "stage": 1, "clip": 0.0}, 1, "blocks.1.attn.wq.weight"),
+    "dp2_pp2_zero1": ({"pipeline": 2, "stage": 1}, 1, "blocks.1.attn.wq.weight"),
+    "dp2_pp2_zero3": ({"pipeline": 2, "stage": 3}, 2, "blocks.3.mlp.w_up.weight"),  # dp rank 0 of the last stage
 }
 
 

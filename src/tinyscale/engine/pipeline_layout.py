@@ -4,7 +4,8 @@ Config alone (`config_problems`): the schedule's settings without a pipeline; vi
 with a schedule that has no chunks; the combinations no test covers yet (context or sequence
 parallelism; tensor parallelism is served, `engine/pipeline_tp.py`; ZeRO stages 2 and 3,
 clipping under ZeRO 1, fp16/bf16, activation checkpointing, offload, communication_data_type,
-wall_clock_breakdown). With the model and world size (`check_layout`): a GPT without dropout,
+wall_clock_breakdown). With the model and world size (`check_layout`): a GPT without stream dropout masks (counter
+masks, GPTConfig.dropout_masks="counter", are served),
 a world that is pp x tp x dp (dp 1 when tp > 1: not tested yet), at least one block per model
 stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`.
@@ -76,10 +77,11 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
         raise ConfigError(f"parallel.pipeline={pp} x parallel.tensor={tp} on {world_size} ranks gives dp="
                           f"{world_size // (pp * tp)}: data parallelism with pp x tp is not tested yet; use "
                           f"{pp * tp} ranks (dp 1), or parallel.tensor 1 for dp x pp")
-    if model.config.dropout > 0:
-        raise ConfigError(f"parallel.pipeline={pp} with GPTConfig.dropout={model.config.dropout}: each stage draws "
-                          "its masks from its own generator, which no test compares with one process yet; set "
-                          "dropout=0 or parallel.pipeline 1")
+    if model.config.dropout > 0 and model.config.dropout_masks == "stream":
+        raise ConfigError(f"parallel.pipeline={pp} with GPTConfig.dropout={model.config.dropout} and dropout_masks="
+                          "'stream': each stage draws from its own process's generator, in the schedule's order, "
+                          "never one process's sequence of draws; set GPTConfig.dropout_masks='counter' (masks "
+                          "hashed from global coordinates), or dropout=0")
     n_layer = model.config.n_layer
     if pp * v > n_layer:
         raise ConfigError(f"parallel.pipeline={pp} x parallel.virtual_stages={v} = {pp * v} model stages but the "

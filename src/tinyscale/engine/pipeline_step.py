@@ -44,6 +44,7 @@ from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
 from tinyscale.engine import pipeline_checkpoint
+from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
 from tinyscale.pipeline import (
@@ -139,6 +140,9 @@ class PipelineStep:
         micro = local_micro_batches(batch, dp_rank=engine.dp_rank, dp_size=engine.dp_size,
                                     micro_batch_size=engine.batch.micro_batch_size)
         inputs = [chunk[0].to(engine.device) for chunk in micro]  # (B, T) ids per micro-batch
+        rows = len(micro[0][0])  # counter dropout: micro-batch i's first row in the global batch, before its passes
+        self.executor.before_compute = lambda i: set_dropout_clock(
+            engine.model, step=engine.step, row0=(engine.dp_rank * len(micro) + i) * rows)
         targets = [chunk[1].to(engine.device) for chunk in micro]
         # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})

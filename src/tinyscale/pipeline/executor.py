@@ -108,6 +108,9 @@ class PipelineExecutor:
         self.num_microbatches = len({a.microbatch for a in self.actions})
         self.ranks = list(ranks) if ranks is not None else list(range(len(schedule)))
         self.me = self.ranks[rank]
+        # Called with the micro-batch index before each of its compute actions (F, B, W): the
+        # engine tells the model which global rows come (counter dropout), recomputation included.
+        self.before_compute: Callable[[int], None] | None = None
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
         """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
@@ -130,6 +133,8 @@ class PipelineExecutor:
             pending = []
             if self.failed is None:
                 try:
+                    if self.before_compute is not None:
+                        self.before_compute(a.microbatch)
                     {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the schedule's messages
                     self.failed = (self.me, exc)

@@ -1,9 +1,10 @@
 """Counter dropout (`GPTConfig.dropout_masks="counter"`) trains alike in every layout.
 
 With dropout 0.1 on the attention probabilities and both residual branches, the engine in
-dp 2 x tp 2 with sequence parallelism, dp 2 x cp 2 (ring with zigzag and with contiguous
-shards; Ulysses), tp 2 x cp 2 (ring), dp 2 x pp 2 (1F1B) and pp 2 x tp 2 (interleaved, 2
-chunks per rank), and dp 4 with full activation checkpointing, equals
+dp 2 x tp 2 with sequence parallelism, dp 2 x cp 2 (ring with zigzag shards; Ulysses), tp 2 x
+cp 2 (ring, zigzag), dp 2 x pp 2 (1F1B) and pp 2 x tp 2 (interleaved, 2 chunks per rank), and
+dp 4 with full activation checkpointing (with --thorough also contiguous shards at dp 2 x cp 2
+and tp 2 x cp 2), equals
 `tinyscale.reference.train` in float64 at rtol 1e-10 over several steps with gradient
 accumulation: each rank hashes the masks of its own rows, heads, positions and (query, key)
 blocks from their global coordinates, which are one process's. The odd GPT: vocab 61, 6 query
@@ -53,8 +54,6 @@ WORLD4 = [
     ("dp2_tp2_sp", 2, 3, {"tensor": 2, "sequence_parallel": True}, 0.5, "none"),
     ("dp2_cp2_ring_zigzag", 2, 3, {"context": 2, "context_algorithm": "ring", "context_sharding": "zigzag"}, 0.5,
      "none"),
-    ("dp2_cp2_ring_contiguous", 2, 3, {"context": 2, "context_algorithm": "ring", "context_sharding": "contiguous"},
-     0.0, "none"),
     ("dp2_cp2_ulysses", 2, 3, {"context": 2, "context_algorithm": "ulysses"}, 0.5, "none"),
     ("tp2_cp2_ring", 1, 3, {"tensor": 2, "context": 2, "context_algorithm": "ring"}, 0.0, "none"),
     ("dp2_pp2_1f1b", 2, 3, {"pipeline": 2, "pipeline_schedule": "1f1b"}, 0.5, "none"),
@@ -62,8 +61,18 @@ WORLD4 = [
                                    "tensor": 2}, 0.5, "none"),
     ("dp4_full_checkpointing", 4, 3, {}, 0.5, "full"),
 ]
+# With --thorough (a second pooled call): contiguous shards, with and without tensor parallelism
+THOROUGH4 = [
+    ("dp2_cp2_ring_contiguous", 2, 3, {"context": 2, "context_algorithm": "ring", "context_sharding": "contiguous"},
+     0.0, "none"),
+    ("tp2_cp2_ring_contiguous", 1, 3, {"tensor": 2, "context": 2, "context_sharding": "contiguous"}, 0.5,
+     "none"),
+]
 
-HASHABLE4 = tuple(layout[:3] + (tuple(layout[3].items()),) + layout[4:] for layout in WORLD4)
+
+
+def _hashable(layouts: list[tuple]) -> tuple:
+    return tuple(layout[:3] + (tuple(layout[3].items()),) + layout[4:] for layout in layouts)
 
 
 def _train_layouts(layouts: list[tuple]) -> list:
@@ -93,22 +102,37 @@ def reference(dp: int, n_layer: int, clip: float, dropout: float = P):
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[layout[0] for layout in WORLD4])
-def test_layout_dropout_counter_masks_train_like_single_process(index):
-    name, dp, n_layer, _parallel, clip, _ac = WORLD4[index]
+def _check(layouts: list[tuple], index: int) -> None:
+    name, dp, n_layer, _parallel, clip, _ac = layouts[index]
     expected_losses, expected = reference(dp, n_layer, clip)
-    for rank_runs in results(4, HASHABLE4):
+    for rank_runs in results(4, _hashable(layouts)):
         losses, state = rank_runs[index][0]
         assert_losses_close(losses, expected_losses)
         assert_state_dicts_close(state, expected, what=f"{name} full_state_dict after {STEPS} steps")
-    plain_losses, plain = reference(dp, n_layer, clip, dropout=0.0)
-    # the masks drop something: the trained weights move away from dropout 0's by far more than rtol
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[layout[0] for layout in WORLD4])
+def test_layout_dropout_counter_masks_train_like_single_process(index):
+    _check(WORLD4, index)
+
+
+@pytest.mark.parametrize("index", range(len(THOROUGH4)), ids=[layout[0] for layout in THOROUGH4])
+def test_layout_dropout_counter_masks_more_layouts_thorough(index, request):
+    if not request.config.getoption("--thorough"):
+        pytest.skip("runs with --thorough")
+    _check(THOROUGH4, index)
+
+
+def test_layout_dropout_masks_drop_something():
+    _, expected = reference(2, 3, 0.5)
+    _, plain = reference(2, 3, 0.5, dropout=0.0)
+    # the trained weights move away from dropout 0's by far more than rtol 1e-10 could hide
     assert max_abs_diff(expected, plain) > 1e-4
 
 
 def test_layout_dropout_full_checkpointing_is_bit_identical():
     index = [layout[0] for layout in WORLD4].index("dp4_full_checkpointing")
-    for rank_runs in results(4, HASHABLE4):
+    for rank_runs in results(4, _hashable(WORLD4)):
         (ckpt_losses, ckpt_state), (plain_losses, plain_state) = rank_runs[index]
         assert ckpt_losses == plain_losses
         assert all(torch.equal(ckpt_state[k], plain_state[k]) for k in plain_state)

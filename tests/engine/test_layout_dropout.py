@@ -9,7 +9,8 @@ and tp 2 x cp 2), equals
 accumulation: each rank hashes the masks of its own rows, heads, positions and (query, key)
 blocks from their global coordinates, which are one process's. The odd GPT: vocab 61, 6 query
 and 2 K/V heads, tied embeddings, sequence 22 (zigzag pads it to 24), AdamW with weight decay,
-clipping where the layout serves it. Checkpointing is bit-identical to no checkpointing.
+clipping where the layout serves it. Checkpointing is bit-identical to no checkpointing, and a
+run saved at dp 2 x pp 2 resumes at dp 2 x tp 2 with SP exactly (no generator state to carry).
 Stream masks stay refused with pipeline and context parallelism, and `parallel.tensor_dropout`
 with counter masks, each by name. The layouts of one world size run in one pooled call.
 Run: `pytest tests/engine/test_layout_dropout.py` (key layout_dropout).
@@ -121,6 +122,29 @@ def test_layout_dropout_counter_masks_more_layouts_thorough(index, request):
     if not request.config.getoption("--thorough"):
         pytest.skip("runs with --thorough")
     _check(THOROUGH4, index)
+
+
+def _resume_in_another_layout(path: str):
+    """Two steps at dp 2 x pp 2 (1F1B), a checkpoint, then a new engine at dp 2 x tp 2 with SP
+    (other weights) loads it and takes the third step: its loss and state."""
+    data = batches(2)
+    first = ts.initialize(GPT(gpt_config(), seed=7, dtype=torch.float64),
+                          run_config(2, {"pipeline": 2, "pipeline_schedule": "1f1b"}, 0.5))
+    losses = [first.train_batch(b) for b in data[:2]]
+    first.save_checkpoint(path)
+    second = ts.initialize(GPT(gpt_config(), seed=8, dtype=torch.float64),
+                           run_config(2, {"tensor": 2, "sequence_parallel": True}, 0.5))
+    second.load_checkpoint(path)
+    losses.append(second.train_batch(data[2]))
+    return losses, second.full_state_dict()
+
+
+def test_layout_dropout_resumes_exactly_in_another_layout(tmp_path):
+    """No generator state travels: the masks of step 3 depend on (step, rows, ...) only."""
+    expected_losses, expected = reference(2, 3, 0.5)
+    for losses, state in run_on_ranks(_resume_in_another_layout, 4, str(tmp_path / "ckpt")):
+        assert_losses_close(losses, expected_losses)
+        assert_state_dicts_close(state, expected, what="dp 2 x tp 2 resumed from dp 2 x pp 2")
 
 
 def test_layout_dropout_masks_drop_something():

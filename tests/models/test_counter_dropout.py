@@ -6,6 +6,7 @@
   neighbouring elements are kept independently (pairs kept at rate (1 - p)^2);
 - the GPT with counter masks: a micro-batch of rows told its global first row, and a prefix of
   the sequence, compute exactly the full batch's outputs there (stream masks do not);
+- the masks' seed is `GPTConfig.dropout_seed`, not the weights' init seed;
 - full and selective activation checkpointing are bit-identical to none under
   `tinyscale.reference.train` with accumulation (the recomputation redraws the same masks).
 The engine in every layout: tests/engine/test_layout_dropout.py.
@@ -119,6 +120,15 @@ def test_counter_dropout_checkpointing_is_bit_identical(policy):
     (plain_losses, plain), (ckpt_losses, ckpt) = runs
     assert ckpt_losses == plain_losses
     assert all(torch.equal(ckpt[k], plain[k]) for k in plain)
+
+
+def test_counter_dropout_seed_is_the_configs_not_the_inits():
+    idx = synthetic_token_batches(num_batches=1, batch_size=2, seq_len=12, vocab_size=29, seed=0)[0][0]
+    model, other = _gpt("counter"), GPT(_gpt("counter").config, seed=9, dtype=torch.float64).train()
+    other.load_state_dict(model.state_dict())  # built from another seed, then given the same weights
+    assert torch.equal(other(idx), model(idx))  # (a checkpoint loaded into it draws the same masks)
+    reseeded = GPT(model.config.with_(dropout_seed=1), seed=1, dtype=torch.float64).train()
+    assert not torch.allclose(reseeded(idx), model(idx))
 
 
 def test_counter_dropout_config_names_the_field():

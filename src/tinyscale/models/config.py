@@ -33,6 +33,7 @@ class GPTConfig:
     # needs parallel.tensor_dropout, and pipeline and context parallelism refuse it), or "counter"
     # hashed from each element's global coordinates: the same in every layout (models/dropout.py).
     dropout_masks: str = "stream"
+    dropout_seed: int = 0  # counter masks' seed: part of the config, not of the weights' init seed
     attn_impl: str = "sdpa"  # "sdpa" (fused kernel) or "math" (explicit matmuls: FLOP counters see them)
     init_std: float = 0.02
 
@@ -57,6 +58,8 @@ class GPTConfig:
         require(0.0 <= self.dropout < 1.0, "dropout", "it must satisfy 0 <= dropout < 1")
         require(self.attn_impl in ("sdpa", "math"), "attn_impl", "use 'sdpa' or 'math'")
         require(self.dropout_masks in ("stream", "counter"), "dropout_masks", "use 'stream' or 'counter'")
+        require(isinstance(self.dropout_seed, int) and not isinstance(self.dropout_seed, bool), "dropout_seed",
+                "it must be an int")
 
     @property
     def head_dim(self) -> int:

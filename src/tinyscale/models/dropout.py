@@ -20,9 +20,9 @@ torch int64 arithmetic (multiplication wraps modulo 2^64 on every device; right 
 made logical by masking). The coordinates broadcast outer to inner (rows, then heads, then
 positions), so all but the last mix run on small tensors: one mix per element.
 
-Who sets what: `DropoutClock` (one per GPT, shared by its blocks) holds the seed, the step,
-the global row of the micro-batch's first row and, under context parallelism, the global
-positions of the local tokens. `tinyscale.reference.train` and the engine set the step and
+Who sets what: `DropoutClock` (one per GPT, shared by its blocks) holds the seed
+(`GPTConfig.dropout_seed`), the step, the global row of the micro-batch's first row and, under
+context parallelism, the global positions of the local tokens. `tinyscale.reference.train` and the engine set the step and
 row before every micro-batch's passes (a pipeline before each forward and backward), so a
 recomputation in backward reads the same clock. Sites: the attention probabilities
 (`SITE_PROBS`), the attention and MLP residual branches (`SITE_ATTN`, `SITE_MLP`).

@@ -199,8 +199,9 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model, **kw)
         self.blocks = nn.ModuleList(Block(config, **kw) for _ in range(config.n_layer))
         # Counter dropout masks (models/dropout.py): one clock shared by every block, which the
-        # trainer sets before each micro-batch (`set_dropout_clock`); the seed is the init seed.
-        self.dropout_clock = DropoutClock(seed=seed)
+        # trainer sets before each micro-batch (`set_dropout_clock`). Its seed is the config's, not
+        # the init seed: a model built otherwise and loaded from a checkpoint draws the same masks.
+        self.dropout_clock = DropoutClock(seed=config.dropout_seed)
         for i, block in enumerate(self.blocks):
             block.dropout_clock = block.attn.dropout_clock = self.dropout_clock
             block.layer_index = block.attn.layer_index = i  # global: pipeline stages keep it

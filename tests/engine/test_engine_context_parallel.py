@@ -201,7 +201,8 @@ def _refusal(config: dict, gpt: GPTConfig = GPT_CONFIG, world: int = 2):
      ["activation_checkpointing.policy", "parallel.context"]),
     ({"parallel": {"context": 2}, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
      GPT_CONFIG, 2, ["offload", "parallel.context"]),
-    ({"parallel": {"context": 2}}, GPT_CONFIG.with_(dropout=0.1), 2, ["parallel.context=2", "dropout=0.1"]),
+    ({"parallel": {"context": 2}}, GPT_CONFIG.with_(dropout=0.1), 2,  # stream masks; counter: -k layout_dropout
+     ["parallel.context=2", "dropout=0.1", "dropout_masks='counter'"]),
     ({"parallel": {"context": 2}}, None, 2, ["parallel.context=2", "TinyMLP"]),
 ], ids=["context_parallel_not_dividing_world", "context_parallel_one_process", "ulysses_heads_not_divisible",
         "context_parallel_unknown_algorithm", "zigzag_unknown_sharding", "context_parallel_with_sequence_parallel",

@@ -1,7 +1,8 @@
 """Counter dropout masks (`tinyscale.models.dropout`, `GPTConfig.dropout_masks="counter"`).
 
 - the mask is a pure function of the coordinates: any block of coordinates, in any order,
-  gives that block of the full mask, call after call; another step, layer or site another mask;
+  gives that block of the full mask, call after call (also a hypothesis property over sizes,
+  subsets, p and keys); another step, layer, site or seed another mask;
 - its keep-rate is 1 - p and the dropped tensor's mean is preserved, within a binomial bound;
   neighbouring elements are kept independently (pairs kept at rate (1 - p)^2);
 - the GPT with counter masks: a micro-batch of rows told its global first row, and a prefix of
@@ -19,6 +20,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import tinyscale as ts
 from tinyscale.checkpointing import apply_policy
@@ -52,6 +55,23 @@ def test_counter_dropout_mask_is_a_pure_function_of_coordinates():
     for other in (site_key(3, 6, 1, SITE_PROBS), site_key(3, 5, 2, SITE_PROBS), site_key(3, 5, 1, SITE_ATTN),
                   site_key(4, 5, 1, SITE_PROBS)):  # another step, layer, site, seed
         assert not torch.equal(full, keep_mask(0.3, other, *_grid(5, 4, 13, 13)))
+
+
+@st.composite
+def _blocks(draw):
+    """A grid of (rows, heads, queries, keys) sizes, and a subset of each axis in any order."""
+    sizes = [draw(st.integers(1, n)) for n in (5, 4, 9, 9)]
+    picks = [draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True)) for n in sizes]
+    return sizes, picks, draw(st.floats(0.0, 0.95)), draw(st.integers(-2**63, 2**63 - 1))
+
+
+@given(_blocks())
+def test_counter_dropout_property_any_block_is_that_block_of_the_full_mask(block):
+    sizes, picks, p, key = block
+    full = keep_mask(p, key, *_grid(*sizes))
+    coords = [torch.tensor(pick).view([-1 if i == axis else 1 for i in range(4)]) for axis, pick in enumerate(picks)]
+    expected = full[torch.tensor(picks[0])][:, picks[1]][:, :, picks[2]][:, :, :, picks[3]]
+    assert torch.equal(keep_mask(p, key, *coords), expected)
 
 
 def test_counter_dropout_sequence_shards_are_slices_of_the_full_mask():

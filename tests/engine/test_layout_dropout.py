@@ -71,7 +71,6 @@ THOROUGH4 = [
 ]
 
 
-
 def _hashable(layouts: list[tuple]) -> tuple:
     return tuple(layout[:3] + (tuple(layout[3].items()),) + layout[4:] for layout in layouts)
 

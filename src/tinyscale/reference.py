@@ -8,7 +8,9 @@ loss over the whole batch:
 
 1. cut the batch into micro-batches of ``train_micro_batch_size_per_gpu`` rows (only to
    bound memory: all of them are summed before the step, so the cut does not change the
-   math; float64 makes the different summation order invisible);
+   math; float64 makes the different summation order invisible); a GPT with counter dropout
+   masks is told the step and each micro-batch's first global row
+   (`tinyscale.models.dropout.set_dropout_clock`), so its masks are those of every layout;
 2. backward ``loss_i / num_micro_batches`` for each: the model's loss is a mean over its
    rows and every micro-batch has the same number of rows, so the accumulated gradient is
    the gradient of the mean over the global batch;
@@ -34,6 +36,7 @@ import torch
 
 from tinyscale.config import EngineConfig
 from tinyscale.data import micro_batches
+from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.optim import OptimizerFactory, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 
@@ -58,10 +61,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     """One optimizer step on one global batch; returns its mean loss."""
     device = next(model.parameters()).device
     batch = tuple(t.to(device) for t in batch)
-    chunks = micro_batches(batch, _micro_batch_size(config, batch[0].shape[0]))
+    micro = _micro_batch_size(config, batch[0].shape[0])
+    chunks = micro_batches(batch, micro)
     total = torch.zeros((), dtype=torch.float64, device=device)
     mixed = isinstance(optimizer, MixedPrecisionOptimizer)  # fp16/bf16 (see the module docstring)
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
+        set_dropout_clock(model, step=step, row0=i * micro)  # counter dropout: this step, these global rows
         loss = model(*chunk)
         if mixed:
             optimizer.backward(loss / len(chunks))  # (loss_i / n) x S under fp16

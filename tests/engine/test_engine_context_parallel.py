@@ -216,7 +216,8 @@ def _refusal(config: dict, gpt: GPTConfig = GPT_CONFIG, world: int = 2):
     ({"parallel": {"context": 2, "context_sharding": "striped"}}, GPT_CONFIG, 2, ["parallel.context_sharding"]),
     ({"parallel": {"context": 2, "tensor": 2, "context_algorithm": "ulysses"}}, GPT_CONFIG.with_(n_head=2, n_kv_head=2),
      4, ["parallel.context=2", "ulysses", "parallel.tensor=2", "1 heads per rank"]),
-    ({"parallel": {"context": 2}}, GPT_CONFIG.with_(dropout=0.1), 2, ["parallel.context=2", "dropout=0.1"]),
+    ({"parallel": {"context": 2}}, GPT_CONFIG.with_(dropout=0.1), 2,  # stream masks; counter: -k layout_dropout
+     ["parallel.context=2", "dropout=0.1", "dropout_masks='counter'"]),
     ({"parallel": {"context": 2}}, None, 2, ["parallel.context=2", "TinyMLP"]),
 ], ids=["context_parallel_not_dividing_world", "context_parallel_one_process", "ulysses_heads_not_divisible",
         "context_parallel_unknown_algorithm", "zigzag_unknown_sharding",

@@ -245,7 +245,8 @@ def test_engine_pipeline_refuses_bad_layouts_naming_the_field():
     check_layout(EngineConfig.load(tp_config("1f1b", 1, 0, 0.0) | {"train_batch_size": 4}), tp_gpt(True, 1),
                  8)  # and dp 2 x pp 2 x tp 2
     dropout = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=2, d_model=8, dropout=0.1))
-    refused(run_config(2, 1, "1f1b", 2, "sgd"), 2, dropout, "GPTConfig.dropout=0.1")
+    refused(run_config(2, 1, "1f1b", 2, "sgd"), 2, dropout, "GPTConfig.dropout=0.1",
+            "dropout_masks='counter'")  # stream masks refused; counter masks are served (-k layout_dropout)
 
 
 # pp 2 x tp 2 (world 4): (schedule, v, tied, n_kv_head, zero stage, clip). A vocab tp does not divide

@@ -11,7 +11,8 @@ micro-batches of accumulation. Each layout trains 2 steps; losses and `full_stat
 
 The features rotate over the layouts (`matrix()`), so that each one meets every axis in the
 default subset without a full cross product: ZeRO stages 0-3, SP wherever tp > 1 on every other
-layout, activation checkpointing policies, and the schedules. Layouts of one world size run in one
+layout, activation checkpointing policies, the schedules, and dropout (counter masks) on every
+other layout. Layouts of one world size run in one
 pooled multi-rank call. Default: the layouts on at most 4 ranks; `--thorough`: all of them.
 Run: `pytest tests/engine/test_layout_matrix.py` (key layout_matrix).
 """
@@ -32,19 +33,20 @@ from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run
 
 VOCAB, SEQ, STEPS, MICRO, ROWS, N_LAYER = 61, 10, 2, 2, 1, 5
 CLIP = 0.3  # the gradient norm of this model here is ~1-2: every step clips
+DROPOUT = 0.1  # counter masks (GPTConfig.dropout_masks="counter"): one process's masks in every layout
 POLICIES = ("none", "full", "selective", "every_k")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "afab")
 
 
-def gpt() -> GPT:
+def gpt(dropout: float = 0.0) -> GPT:
     cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=N_LAYER, n_head=6, n_kv_head=2, d_model=12,
-                    ffn_hidden=20, tie_embeddings=True)
+                    ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter")
     return GPT(cfg, seed=7, dtype=torch.float64)  # d_model 12, head_dim 2
 
 
 @functools.cache
 def matrix() -> tuple[tuple, ...]:
-    """(dp, pp, cp, tp, zero stage, sp, policy, schedule) per layout, the features rotated."""
+    """(dp, pp, cp, tp, zero stage, sp, policy, schedule, dropout) per layout, the features rotated."""
     degrees = list(itertools.product((1, 2), repeat=4))  # (2, 2, 2, 2): the 16-rank run, --thorough only
     # a degree of 3 (not tp: 2 K/V heads do not split over 3 ranks, nor copy evenly)
     degrees += [(3, 1, 1, 1), (1, 3, 1, 1), (1, 1, 3, 1), (3, 1, 1, 2), (1, 3, 1, 2)]
@@ -58,7 +60,8 @@ def matrix() -> tuple[tuple, ...]:
             schedule, pipelines = SCHEDULES[pipelines % len(SCHEDULES)], pipelines + 1
             if schedule == "interleaved_1f1b" and (MICRO % pp or 2 * pp > N_LAYER):
                 schedule = "1f1b"  # it walks micro-batches in rounds of pp, 2 chunks of a block each
-        out.append((dp, pp, cp, tp, stage, sp, policy, schedule))
+        dropout = DROPOUT if (i // 2 + i) % 2 == 0 else 0.0  # with and without tp, cp, pp alike
+        out.append((dp, pp, cp, tp, stage, sp, policy, schedule, dropout))
     return tuple(out)
 
 
@@ -68,7 +71,7 @@ def world(layout: tuple) -> int:
 
 
 def config(layout: tuple) -> dict:
-    dp, pp, cp, tp, stage, sp, policy, schedule = layout
+    dp, pp, cp, tp, stage, sp, policy, schedule, _ = layout
     parallel = {"tensor": tp, "pipeline": pp, "context": cp}
     if sp:
         parallel["sequence_parallel"] = True
@@ -93,7 +96,7 @@ def _train(layouts: list[tuple]) -> list:
     out = []
     for layout in layouts:
         try:  # a refusal is raised on every rank alike before any collective: the next layout can run
-            engine = ts.initialize(gpt(), config(layout))
+            engine = ts.initialize(gpt(layout[-1]), config(layout))
         except ConfigError as exc:
             out.append(exc)
             continue
@@ -113,8 +116,9 @@ def selected(thorough: bool) -> list[tuple]:
 
 
 def _id(layout: tuple) -> str:
-    dp, pp, cp, tp, stage, sp, policy, schedule = layout
-    name = f"dp{dp}-pp{pp}-cp{cp}-tp{tp}-zero{stage}" + ("-sp" if sp else "") + f"-ac_{policy}"
+    dp, pp, cp, tp, stage, sp, policy, schedule, dropout = layout
+    name = f"dp{dp}-pp{pp}-cp{cp}-tp{tp}-zero{stage}" + ("-sp" if sp else "") + f"-ac_{policy}" + \
+        ("-dropout" if dropout else "")
     return name + (f"-{schedule}" if pp > 1 else "")
 
 
@@ -122,7 +126,7 @@ def _id(layout: tuple) -> str:
                                     for lay in matrix()])  # more than 4 ranks: --thorough only
 def test_layout_matrix_trains_like_single_process(layout, request):
     thorough = request.config.getoption("--thorough")
-    model = gpt()
+    model = gpt(layout[-1])
     reference = config(layout) | {"parallel": {}, "zero_optimization": {"stage": 0},
                                   "activation_checkpointing": {"policy": "none"}}
     expected_losses = ts.reference.train(model, batches(layout), reference)

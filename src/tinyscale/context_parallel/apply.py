@@ -68,12 +68,13 @@ class ContextParallelAttention(Attention):
     cp_state: ContextParallel
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, H, Tl, D), k, v (B, K, Tl, D) -> (B, H, Tl, D)."""
+        """q (B, H, Tl, D), k, v (B, K, Tl, D) -> (B, H, Tl, D). Counter dropout of the
+        probabilities: the blocks' masks from their global positions."""
         state = self.cp_state
-        layout = state.layout(q.shape[2])
+        layout, dropout = state.layout(q.shape[2]), self.probs_dropout(q)
         if state.algorithm == "ring":
-            return ring_attention(q, k, v, state.group, layout=layout, causal=True)[0]
-        return ulysses_attention(q, k, v, state.group, layout=layout, causal=True)
+            return ring_attention(q, k, v, state.group, layout=layout, causal=True, dropout=dropout)[0]
+        return ulysses_attention(q, k, v, state.group, layout=layout, causal=True, dropout=dropout)
 
 
 @functools.cache
@@ -120,9 +121,11 @@ def _cp_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) ->
                          f"than max_seq_len={cfg.max_seq_len}: crop the input or raise GPTConfig.max_seq_len")
     # --8<-- [start:rope]
     # Padded positions may run past the RoPE table: their rows never reach a real token.
-    positions = layout.positions(dist.get_rank(state.group)).clamp(max=cfg.max_seq_len - 1).to(idx.device)
+    global_positions = layout.positions(dist.get_rank(state.group)).to(idx.device)  # (Tl,)
+    positions = global_positions.clamp(max=cfg.max_seq_len - 1)
     cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (Tl, D) at the global positions
     # --8<-- [end:rope]
+    self.dropout_clock.positions = global_positions  # counter dropout: the residual masks' token positions
     x = self.embed(idx)  # (B, Tl, C)
     for block in self.blocks:
         x = block(x, cos, sin)  # (B, Tl, C)
@@ -161,9 +164,10 @@ def apply_context_parallel(model: torch.nn.Module, group=None, *, algorithm: str
         raise TypeError(f"apply_context_parallel expects a tinyscale GPT, got {type(model).__name__}")
     if getattr(model, "context_parallel", None) is not None:
         raise ValueError("apply_context_parallel: the model is context-parallel already")
-    if model.config.dropout > 0:
-        raise ValueError(f"context parallelism does not support dropout={model.config.dropout} (each rank would "
-                         "need the dropout mask of the keys it does not hold): set GPTConfig.dropout=0")
+    if model.config.dropout > 0 and model.config.dropout_masks != "counter":
+        raise ValueError(f"context parallelism does not support dropout={model.config.dropout} with stream masks "
+                         "(each rank would need the stream's draws for the keys it does not hold): set "
+                         "GPTConfig.dropout_masks='counter', or dropout=0")
     state = ContextParallel(group, algorithm, sharding, token_losses)
     parallelize_attention(model.blocks, state)
     model.context_parallel = state

@@ -63,26 +63,34 @@ def _scores(q, k, scale, kind, key_valid):
 
 # --8<-- [start:block-attention]
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal_mask_kind: str,
-                    scale: float, key_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, key_valid: torch.Tensor | None = None,
+                    dropout_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale) v over this block's keys, and its lse. q (B, H, Tq, D); k, v
     (B, K, Tk, D); key_valid (Tk,) bool or None -> out (B, H, Tq, D), lse (B, H, Tq).
 
+    dropout_scale (B, H, Tq, Tk), 0 or 1/(1-p): dropout on the probabilities, as FlashAttention
+    drops them: the output uses the dropped ones, lse the undropped (the merge rule is linear
+    in each block's output, so merged blocks equal dropout after the full softmax).
     Rows that see no key get out 0 and lse -inf. Differentiable by autograd (Ulysses uses
     that); the ring uses `block_attention_backward` instead."""
     B, H, Tq, D = q.shape
     s = _scores(q, k, scale, causal_mask_kind, key_valid)  # (B, K, G, Tq, Tk)
     lse = torch.logsumexp(s, dim=-1)  # (B, K, G, Tq); -inf where a row sees nothing
     probs = torch.exp(s - _finite_or_zero(lse)[..., None])  # (B, K, G, Tq, Tk); all 0 on such rows
+    if dropout_scale is not None:
+        probs = probs * dropout_scale.to(probs.dtype).reshape(probs.shape)  # (B, H, ..) -> (B, K, G, ..)
     out = probs @ v.to(s.dtype).unsqueeze(2)  # (B,K,G,Tq,Tk) @ (B,K,1,Tk,D) -> (B,K,G,Tq,D)
     return out.reshape(B, H, Tq, D).to(q.dtype), lse.reshape(B, H, Tq)
 # --8<-- [end:block-attention]
 
 
 def block_attention_backward(dout, q, k, v, out, lse, *, causal_mask_kind: str, scale: float,
-                             key_valid: torch.Tensor | None = None):
+                             key_valid: torch.Tensor | None = None, dropout_scale: torch.Tensor | None = None):
     """Gradients of one block, given the *merged* out and lse of the rows (so the block's
     probabilities are its share of the full softmax). dout, out (B, H, Tq, D); lse (B, H, Tq)
-    -> dq (B, H, Tq, D), dk, dv (B, K, Tk, D), in at least float32."""
+    -> dq (B, H, Tq, D), dk, dv (B, K, Tk, D), in at least float32. With dropout_scale M (as in
+    `block_attention`): dV = (P o M)^T dO, dP = (dO V^T) o M, and rowsum(P o dP) is still
+    rowsum(dO o O), so the softmax backward below is unchanged."""
     B, H, Tq, D = q.shape
     K = k.shape[1]
     G = H // K
@@ -90,8 +98,10 @@ def block_attention_backward(dout, q, k, v, out, lse, *, causal_mask_kind: str, 
     ct = s.dtype
     p = torch.exp(s - _finite_or_zero(lse.to(ct)).reshape(B, K, G, Tq, 1))  # P_ij of the full softmax
     do = dout.to(ct).reshape(B, K, G, Tq, D)
-    dv = (p.transpose(-2, -1) @ do).sum(2)  # (B,K,G,Tk,Tq) @ (B,K,G,Tq,D) -> sum over G -> (B,K,Tk,D)
+    m = None if dropout_scale is None else dropout_scale.to(ct).reshape(p.shape)  # (B, K, G, Tq, Tk)
+    dv = ((p if m is None else p * m).transpose(-2, -1) @ do).sum(2)  # (B,K,G,Tk,Tq) @ (B,K,G,Tq,D) -> (B,K,Tk,D)
     dp = do @ v.to(ct).unsqueeze(2).transpose(-2, -1)  # (B,K,G,Tq,D) @ (B,K,1,D,Tk) -> (B,K,G,Tq,Tk)
+    dp = dp if m is None else dp * m
     delta = (do * out.to(ct).reshape(B, K, G, Tq, D)).sum(-1, keepdim=True)  # rowsum(dO o O) = sum_j P dP
     ds = p * (dp - delta) * scale  # (B, K, G, Tq, Tk): softmax backward
     dq = ds @ k.to(ct).unsqueeze(2)  # (B,K,G,Tq,Tk) @ (B,K,1,Tk,D) -> (B,K,G,Tq,D)

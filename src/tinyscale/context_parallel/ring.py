@@ -13,6 +13,11 @@ backward  a second ring pass. K/V travel again; with them travels, one step behi
           it on; after step cp - 1 it lands at its owner, which adds its own block's share.
           Each rank recomputes block probabilities from its saved q and merged lse.
 
+Dropout on the probabilities (counter masks only): each block's mask is a function of its
+queries' and keys' global positions (`_block_dropout`), dropped after the block's softmax,
+its lse undropped, as FlashAttention does; the merge then equals dropout after the full
+softmax, and the backward redraws the same masks. Such blocks use merge.py's path.
+
 Causal masks come from `sharding.block_plan`: blocks wholly in the future are skipped,
 blocks wholly in the past are "full", a chunk against itself is "causal". GQA: K/V travel
 with their K heads only; `block_attention` groups the H query heads onto them. Where the
@@ -36,15 +41,30 @@ from tinyscale.context_parallel.merge import block_attention, block_attention_ba
 from tinyscale.context_parallel.sharding import Layout, block_plan
 from tinyscale.dist import comm
 from tinyscale.kernels import flash_block, flash_block_backward, kernel_ok
+from tinyscale.models.dropout import ProbsDropout
 
 
-def _attend(q, k, v, **kw):
-    """One block's attention: the Triton kernel where it runs (tinyscale.kernels), else merge.py's."""
-    return (flash_block if kernel_ok(q) else block_attention)(q, k, v, **kw)
+def _attend(q, k, v, dropout_scale=None, **kw):
+    """One block's attention: the Triton kernel where it runs (tinyscale.kernels) and nothing is
+    dropped, else merge.py's."""
+    if dropout_scale is None and kernel_ok(q):
+        return flash_block(q, k, v, **kw)
+    return block_attention(q, k, v, dropout_scale=dropout_scale, **kw)
 
 
-def _attend_backward(dout, q, k, v, out, lse, **kw):
-    return (flash_block_backward if kernel_ok(q) else block_attention_backward)(dout, q, k, v, out, lse, **kw)
+def _attend_backward(dout, q, k, v, out, lse, dropout_scale=None, **kw):
+    if dropout_scale is None and kernel_ok(q):
+        return flash_block_backward(dout, q, k, v, out, lse, **kw)
+    return block_attention_backward(dout, q, k, v, out, lse, dropout_scale=dropout_scale, **kw)
+
+
+def _block_dropout(dropout: ProbsDropout | None, layout: Layout, rank: int, src: int, rows: slice, cols: slice,
+                   dtype: torch.dtype) -> torch.Tensor | None:
+    """The counter mask of one block, (B, H, rows, cols): from the global positions of this rank's
+    query rows and rank src's key columns, so no rank needs another's generator."""
+    if dropout is None:
+        return None
+    return dropout.scale(layout.positions(rank)[rows], layout.positions(src)[cols], dtype)
 
 
 def _ring_peers(group) -> tuple[int, int, int, int]:
@@ -74,7 +94,7 @@ class RingAttention(torch.autograd.Function):
     """Forward: K/V ring with online-softmax merge. Backward: K/V ring plus dK/dV ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float):
+    def forward(ctx, q, k, v, group, layout: Layout, causal: bool, scale: float, dropout: ProbsDropout | None):
         cp, rank, nxt, prv = _ring_peers(group)
         B, H, Tl, D = q.shape
         ct = torch.promote_types(q.dtype, torch.float32)
@@ -89,21 +109,22 @@ class RingAttention(torch.autograd.Function):
             valid = _key_valid(layout, src)
             for rows, cols, kind in block_plan(layout, rank, src, causal=causal):
                 o, l = _attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal_mask_kind=kind,
-                                       scale=scale, key_valid=None if valid is None else valid[cols])
+                               scale=scale, key_valid=None if valid is None else valid[cols],
+                               dropout_scale=_block_dropout(dropout, layout, rank, src, rows, cols, ct))
                 out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], o.to(ct), l)
             if step < cp - 1:
                 _wait(works)
                 kv = next_kv
         # --8<-- [end:ring-forward]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale = group, layout, causal, scale
+        ctx.group, ctx.layout, ctx.causal, ctx.scale, ctx.dropout = group, layout, causal, scale, dropout
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal, scale = ctx.group, ctx.layout, ctx.causal, ctx.scale
+        group, layout, causal, scale, dropout = ctx.group, ctx.layout, ctx.causal, ctx.scale, ctx.dropout
         cp, rank, nxt, prv = _ring_peers(group)
         dq = torch.zeros_like(out)  # (B, H, Tl, D) in the compute dtype
         kv = torch.stack([k, v]).contiguous()  # (2, B, K, Tl, D)
@@ -119,7 +140,8 @@ class RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = _attend_backward(
                     dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
                     lse[:, :, rows], causal_mask_kind=kind, scale=scale,
-                    key_valid=None if valid is None else valid[cols])
+                    key_valid=None if valid is None else valid[cols],
+                    dropout_scale=_block_dropout(dropout, layout, rank, src, rows, cols, out.dtype))
                 dq[:, :, rows] += dq_b
                 dkv[0][:, :, cols] += dk_b
                 dkv[1][:, :, cols] += dv_b
@@ -140,14 +162,17 @@ class RingAttention(torch.autograd.Function):
             own = own + acc  # everyone else's share of this rank's dK/dV
         # --8<-- [end:ring-backward]
         dk, dv = own[0].to(k.dtype), own[1].to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, layout: Layout,
-                   causal: bool = True, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   causal: bool = True, scale: float | None = None,
+                   dropout: ProbsDropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's queries over the whole sequence. q (B, H, Tl, D), k, v
     (B, K, Tl, D), each this rank's shard under `layout` -> out (B, H, Tl, D), lse (B, H, Tl)
-    (lse is not differentiable). Padded keys (positions >= layout.seq_len) are masked out."""
+    (lse is not differentiable). Padded keys (positions >= layout.seq_len) are masked out.
+    dropout: counter dropout of the probabilities (`tinyscale.models.dropout`), each block's mask
+    from its global (query, key) positions; lse stays that of the undropped softmax."""
     cp = dist.get_world_size(group)
     if layout.cp != cp:
         raise ValueError(f"ring_attention: layout is for cp={layout.cp} but the group has {cp} ranks")
@@ -157,4 +182,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"ring_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, group, layout, causal, scale)
+    return RingAttention.apply(q, k, v, group, layout, causal, scale, dropout)

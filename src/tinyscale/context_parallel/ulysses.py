@@ -29,6 +29,7 @@ import torch.distributed as dist
 from tinyscale.context_parallel.merge import block_attention
 from tinyscale.context_parallel.sharding import Layout
 from tinyscale.dist import comm
+from tinyscale.models.dropout import ProbsDropout
 
 
 # --8<-- [start:all-to-all]
@@ -94,10 +95,12 @@ def kv_replication(n_head: int, n_kv_head: int, cp: int) -> int:
 
 # --8<-- [start:ulysses]
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, layout: Layout,
-                      causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                      causal: bool = True, scale: float | None = None,
+                      dropout: ProbsDropout | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, by head-sharding.
     q (B, H, Tl, D), k, v (B, K, Tl, D), this rank's shard under `layout` -> out (B, H, Tl, D).
-    Padded keys (positions >= layout.seq_len) are masked out."""
+    Padded keys (positions >= layout.seq_len) are masked out. dropout: counter dropout of the
+    probabilities (`tinyscale.models.dropout`), for this rank's H/cp heads at positions 0..P-1."""
     cp = dist.get_world_size(group)
     if layout.cp != cp:
         raise ValueError(f"ulysses_attention: layout is for cp={layout.cp} but the group has {cp} ranks")
@@ -112,7 +115,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     if layout.padded_len != layout.seq_len:
         key_valid = torch.arange(layout.padded_len, device=q.device) < layout.seq_len
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dropout_scale = None
+    if dropout is not None:  # this rank holds head group `rank` of the H heads (`_seq_to_head`)
+        dropout = dropout.with_heads(dropout.heads.chunk(cp)[dist.get_rank(group)])
+        positions = torch.arange(layout.padded_len, device=q.device)
+        dropout_scale = dropout.scale(positions, positions, torch.promote_types(q.dtype, torch.float32))
     out, _ = block_attention(qh, kh, vh, causal_mask_kind="causal" if causal else "full", scale=scale,
-                             key_valid=key_valid)  # (B, H/cp, P, D)
+                             key_valid=key_valid, dropout_scale=dropout_scale)  # (B, H/cp, P, D)
     return HeadToSeq.apply(out.index_select(2, shard_order), group)  # back to shard order -> (B, H, Tl, D)
 # --8<-- [end:ulysses]

@@ -116,7 +116,8 @@ def restore_rng(saved: dict | None, rank: int, world_size: int, device: torch.de
     and r: deterministic, distinct per rank, but not what any uninterrupted run would draw.
     Whenever the world size differs, which rows a rank draws dropout masks for differs too,
     so exactness is promised only for the same world size; everything else (parameters,
-    optimizer state, schedule, loss scale) resumes exactly in any layout."""
+    optimizer state, schedule, loss scale, and counter dropout masks, which need no generator)
+    resumes exactly in any layout."""
     if saved is None:
         return "the checkpoint holds no random state (written by an older tinyscale): random draws restart"
     states = saved["ranks"]
@@ -133,7 +134,8 @@ def restore_rng(saved: dict | None, rank: int, world_size: int, device: torch.de
     if saved["world_size"] != world_size:
         return (f"the checkpoint was written by {saved['world_size']} ranks and is loaded on {world_size}: ranks "
                 f"below {min(world_size, saved['world_size'])} take their saved random state, the others one "
-                "derived from it, so dropout masks will not match an uninterrupted run (all else resumes exactly)")
+                "derived from it, so stream dropout masks will not match an uninterrupted run (counter masks, "
+                "GPTConfig.dropout_masks='counter', and all else resume exactly)")
     return None
 # --8<-- [end:rng]
 

@@ -36,8 +36,10 @@ Activation checkpointing (the attention core's ring or all-to-all runs again in 
 every rank of the cp group alike) and ZeRO offload over dp x cp are served (`pytest -k
 "layout_activation_checkpointing or layout_offload"`), and so are fp16/bf16 (`pytest -k
 layout_mixed_precision`). Refused by name before any process group exists (`check_config`,
-`check_layout`): dropout > 0, models other than the GPT, Ulysses with (heads per TP shard) % cp
-!= 0, a world that is not dp x cp x tp.
+`check_layout`): dropout with stream masks (counter masks, GPTConfig.dropout_masks="counter", are
+served: each rank hashes its tokens' and (query, key) blocks' masks from their global positions),
+models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that is not
+dp x cp x tp.
 Lesson: lessons/09-context-parallel.md. Tests: `pytest -k engine_context_parallel`.
 """
 
@@ -75,9 +77,11 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
                         action="context parallelism splits tinyscale's GPT's sequence"):
         return
     gpt = model.config
-    if gpt.dropout > 0:
-        raise ConfigError(f"parallel.context={cp} with GPTConfig.dropout={gpt.dropout}: a rank would need the "
-                          "dropout mask of keys it does not hold; set dropout=0")
+    if gpt.dropout > 0 and gpt.dropout_masks == "stream":
+        raise ConfigError(f"parallel.context={cp} with GPTConfig.dropout={gpt.dropout} and dropout_masks='stream': "
+                          "a rank would need the stream's draws for the (query, key) pairs and tokens other ranks "
+                          "hold; set GPTConfig.dropout_masks='counter' (masks hashed from global positions), or "
+                          "dropout=0")
     if par.context_algorithm == "ulysses":  # over the heads of one tensor-parallel shard
         try:
             kv_replication(gpt.n_head // par.tensor, max(gpt.kv_heads // par.tensor, 1), cp)

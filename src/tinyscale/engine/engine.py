@@ -78,6 +78,7 @@ from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.e
 from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, counted_parameters, sharded_clipper
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
+from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.tensor_parallel import full_state_dict_from_tp
@@ -297,6 +298,8 @@ class Engine:
                 # --8<-- [start:accumulate]
                 for i, chunk in enumerate(micro):
                     last = i == len(micro) - 1
+                    # counter dropout: this step and the micro-batch's first row in the global batch
+                    set_dropout_clock(self.model, step=self.step, row0=(self.dp_rank * len(micro) + i) * len(chunk[0]))
                     # Gradients are averaged once per step: by the last micro-batch's backward.
                     with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
                         with phase("forward"):

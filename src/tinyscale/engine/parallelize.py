@@ -95,6 +95,10 @@ def check_tensor_layout(config: EngineConfig, model: torch.nn.Module, world_size
         raise ConfigError(f"parallel.tensor={tp}: tensor parallelism splits tinyscale's GPT, not a "
                           f"{type(model).__name__}; use parallel.tensor 1 for this model")
     check_gpt_split(model.config, tp, world_size)
+    if "tensor_dropout" in config.parallel.model_fields_set and model.config.dropout_masks == "counter":
+        raise ConfigError(f"parallel.tensor_dropout={config.parallel.tensor_dropout!r} with GPTConfig.dropout_masks="
+                          "'counter': tensor_dropout chooses how TP ranks draw stream masks, and counter masks are "
+                          "hashed from global coordinates, the same on every rank; remove tensor_dropout")
 
 
 def check_gpt_split(gpt_config, tp: int, world_size: int) -> None:
@@ -130,11 +134,12 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
     activation checkpointing (it rebuilds blocks, which the DP/ZeRO hooks then attach to).
     After `partition_pipeline` (`pipeline`), tensor parallelism splits this rank's stages."""
     par = config.parallel
-    if par.tensor > 1 and pipeline is not None:  # pp x tp (engine/pipeline_tp.py); no dropout with pp
+    if par.tensor > 1 and pipeline is not None:  # pp x tp (engine/pipeline_tp.py); counter dropout only
         pipeline.split_tensor_parallel(model, mesh, sequence_parallel=par.sequence_parallel)
     elif par.tensor > 1:
         exact, seed = par.tensor_dropout == "exact", 0
-        if model.config.dropout > 0:  # the shared stream equal where the masks must agree (random.py)
+        # Stream masks: the shared stream equal where the masks must agree (random.py); counter masks need none.
+        if model.config.dropout > 0 and model.config.dropout_masks == "stream":
             group, src = (None, 0) if exact else (mesh.group("tp"), mesh.group_ranks("tp")[0])
             seed = share_stream(group, src, next(model.parameters()).device)
         apply_tensor_parallel(model, mesh, sequence_parallel=par.sequence_parallel, exact_dropout=exact,
@@ -181,7 +186,7 @@ def skip_dropout_masks(model: torch.nn.Module, config: EngineConfig, micro: list
     others, as one process draws the global batch's micro-batches in order (dp rank r's come after
     r * len(micro) others'). Nothing to do without tensor parallelism's exact mode."""
     if not (forwards and micro and config.parallel.tensor > 1 and config.parallel.tensor_dropout == "exact"
-            and model.config.dropout > 0):
+            and model.config.dropout > 0 and model.config.dropout_masks == "stream"):
         return
     rows, seq_len = micro[0][0].shape  # every dp rank's micro-batches have this shape
     skip_exact_masks(model, rows, seq_len, forwards * len(micro))

@@ -11,7 +11,8 @@ zero-bubble's B and W passes); and what the other layouts' work refuses for now
 (communication_data_type, wall_clock_breakdown). fp16/bf16 (`pytest -k layout_mixed_precision`),
 activation checkpointing (every policy, every schedule) and offload (tested at ZeRO 1) are
 served (`pytest -k "layout_activation_checkpointing or layout_offload"`). With the model and
-world size (`check_layout`): a GPT without dropout, a world that is pp x cp x tp x dp, at least
+world size (`check_layout`): a GPT without stream dropout masks (counter masks,
+GPTConfig.dropout_masks="counter", are served), a world that is pp x cp x tp x dp, at least
 one block per model stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a
 multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`,
@@ -78,10 +79,11 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
         raise ConfigError(f"parallel.pipeline={pp} x parallel.context={cp} x parallel.tensor={tp} does not divide "
                           f"the world size {world_size}: the ranks are pp x dp x cp x tp; choose parallel.pipeline "
                           f"among {[d for d in range(1, world_size + 1) if world_size % (d * cp * tp) == 0]}")
-    if model.config.dropout > 0:
-        raise ConfigError(f"parallel.pipeline={pp} with GPTConfig.dropout={model.config.dropout}: each stage draws "
-                          "its masks from its own generator, which no test compares with one process yet; set "
-                          "dropout=0 or parallel.pipeline 1")
+    if model.config.dropout > 0 and model.config.dropout_masks == "stream":
+        raise ConfigError(f"parallel.pipeline={pp} with GPTConfig.dropout={model.config.dropout} and dropout_masks="
+                          "'stream': each stage draws from its own process's generator, in the schedule's order, "
+                          "never one process's sequence of draws; set GPTConfig.dropout_masks='counter' (masks "
+                          "hashed from global coordinates), or dropout=0")
     n_layer = model.config.n_layer
     if pp * v > n_layer:
         raise ConfigError(f"parallel.pipeline={pp} x parallel.virtual_stages={v} = {pp * v} model stages but the "

@@ -62,6 +62,7 @@ from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
 from tinyscale.engine import context, pipeline_checkpoint
+from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
 from tinyscale.pipeline import (
@@ -197,6 +198,9 @@ class PipelineStep:
         if self.cp_group is not None:  # this cp rank's sequence shard of each (B, T) -> (B, Tl)
             micro = [shard_batch(tuple(chunk), self.cp_group, self.cp_sharding) for chunk in micro]
         inputs = [chunk[0].to(engine.device) for chunk in micro]  # (B, T) ids per micro-batch
+        rows = len(micro[0][0])  # counter dropout: micro-batch i's first row in the global batch, before its passes
+        self.executor.before_compute = lambda i: set_dropout_clock(
+            engine.model, step=engine.step, row0=(engine.dp_rank * len(micro) + i) * rows)
         targets = [chunk[1].to(engine.device) for chunk in micro]
         # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})

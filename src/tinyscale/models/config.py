@@ -29,6 +29,11 @@ class GPTConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False  # the LM head shares the token-embedding matrix
     dropout: float = 0.0  # on attention probabilities and on both residual branches
+    # How masks are drawn: "stream" from torch's generator (F.dropout; tensor parallelism then
+    # needs parallel.tensor_dropout, and pipeline and context parallelism refuse it), or "counter"
+    # hashed from each element's global coordinates: the same in every layout (models/dropout.py).
+    dropout_masks: str = "stream"
+    dropout_seed: int = 0  # counter masks' seed: part of the config, not of the weights' init seed
     attn_impl: str = "sdpa"  # "sdpa" (fused kernel) or "math" (explicit matmuls: FLOP counters see them)
     init_std: float = 0.02
 
@@ -52,6 +57,9 @@ class GPTConfig:
             require(getattr(self, field) > 0, field, "it must be > 0")
         require(0.0 <= self.dropout < 1.0, "dropout", "it must satisfy 0 <= dropout < 1")
         require(self.attn_impl in ("sdpa", "math"), "attn_impl", "use 'sdpa' or 'math'")
+        require(self.dropout_masks in ("stream", "counter"), "dropout_masks", "use 'stream' or 'counter'")
+        require(isinstance(self.dropout_seed, int) and not isinstance(self.dropout_seed, bool), "dropout_seed",
+                "it must be an int")
 
     @property
     def head_dim(self) -> int:

@@ -5,6 +5,10 @@ attention with optional grouped-query attention (GQA), a SwiGLU MLP and no biase
 at laptop size. Submodule names are a contract: tensor parallelism swaps wq/wk/wv/wo and
 w_gate/w_up/w_down, pipelining slices `blocks`, ZeRO and FSDP walk named_parameters().
 
+Dropout (GPTConfig.dropout, on the attention probabilities and both residual branches) draws
+its masks from torch's stream, or with GPTConfig.dropout_masks="counter" hashes them from each
+element's global coordinates (`models/dropout.py`), the same in every layout.
+
 Shape legend: B batch rows, T sequence length, V vocab size, C d_model, H query heads,
 K key/value heads (H % K == 0), D head_dim = C // H, F ffn hidden size.
 Check it with `pytest tests/models -q`.
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyscale.models.config import GPTConfig
+from tinyscale.models.dropout import SITE_ATTN, SITE_MLP, DropoutClock, ProbsDropout, residual_dropout
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,6 +94,10 @@ class Attention(nn.Module):
         super().__init__()
         kw = dict(bias=False, device=device, dtype=dtype)
         self.head_dim, self.impl, self.dropout = cfg.head_dim, cfg.attn_impl, cfg.dropout
+        # Counter masks (models/dropout.py): the GPT sets the shared clock and this block's index;
+        # tensor parallelism sets head_offset, the global index of this rank's first head.
+        self.dropout_masks, self.dropout_clock, self.layer_index, self.head_offset = \
+            cfg.dropout_masks, DropoutClock(), 0, 0
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, **kw)  # C -> H*D
         self.wk = nn.Linear(cfg.d_model, cfg.kv_dim, **kw)  # C -> K*D
         self.wv = nn.Linear(cfg.d_model, cfg.kv_dim, **kw)  # C -> K*D
@@ -109,7 +118,19 @@ class Attention(nn.Module):
         """The attention core, softmax(q k^T) v with dropout: no parameters, the (B, H, T, T)
         activations. Its own method so selective recomputation can checkpoint just this."""
         dropout_p = self.dropout if self.training else 0.0
+        probs_dropout = self.probs_dropout(q)
+        if probs_dropout is not None:  # (B, H, T, T) probabilities at global positions 0..T-1 (both axes)
+            positions = self.dropout_clock.token_positions(q.shape[2], q.device)
+            scale = probs_dropout.scale(positions, positions, q.dtype)
+            return causal_attention(q, k, v, impl=self.impl, dropout_fn=lambda probs: probs * scale)
         return causal_attention(q, k, v, impl=self.impl, dropout_p=dropout_p)
+
+    def probs_dropout(self, q: torch.Tensor) -> ProbsDropout | None:
+        """The counter mask's coordinates for this call's q (B, H, T, D), or None (no counter dropout)."""
+        if not self.training or self.dropout == 0 or self.dropout_masks != "counter":
+            return None
+        return ProbsDropout.at(self.dropout, self.dropout_clock, self.layer_index, q.shape[0], q.shape[1],
+                               self.head_offset, q.device)
 
 
 class SwiGLU(nn.Module):
@@ -132,15 +153,24 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, *, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.dropout = cfg.dropout
+        self.dropout, self.dropout_masks = cfg.dropout, cfg.dropout_masks
+        # Counter masks: set by the GPT (clock, index) and by sequence parallelism ((rank, ranks):
+        # this block's residual stream is that rank's slice of the sequence).
+        self.dropout_clock, self.layer_index, self.sequence_shard = DropoutClock(), 0, None
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
         self.attn = Attention(cfg, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
         self.mlp = SwiGLU(cfg, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + F.dropout(self.attn(self.attn_norm(x), cos, sin), self.dropout, self.training)  # (B, T, C)
-        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)  # (B, T, C)
+        x = x + self.residual_dropout(self.attn(self.attn_norm(x), cos, sin), SITE_ATTN)  # (B, T, C)
+        return x + self.residual_dropout(self.mlp(self.mlp_norm(x)), SITE_MLP)  # (B, T, C)
+
+    def residual_dropout(self, h: torch.Tensor, site: int) -> torch.Tensor:
+        """Dropout of a residual branch h (B, T, C): torch's stream, or the counter mask of `site`."""
+        if self.dropout_masks == "counter" and self.training and self.dropout > 0:
+            return residual_dropout(h, self.dropout, self.dropout_clock, self.layer_index, site, self.sequence_shard)
+        return F.dropout(h, self.dropout, self.training)
 
 
 def _check_ids(ids: torch.Tensor, cfg: GPTConfig, name: str) -> None:
@@ -168,6 +198,13 @@ class GPT(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.embed = nn.Embedding(config.vocab_size, config.d_model, **kw)
         self.blocks = nn.ModuleList(Block(config, **kw) for _ in range(config.n_layer))
+        # Counter dropout masks (models/dropout.py): one clock shared by every block, which the
+        # trainer sets before each micro-batch (`set_dropout_clock`). Its seed is the config's, not
+        # the init seed: a model built otherwise and loaded from a checkpoint draws the same masks.
+        self.dropout_clock = DropoutClock(seed=config.dropout_seed)
+        for i, block in enumerate(self.blocks):
+            block.dropout_clock = block.attn.dropout_clock = self.dropout_clock
+            block.layer_index = block.attn.layer_index = i  # global: pipeline stages keep it
         self.norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
         if config.tie_embeddings:

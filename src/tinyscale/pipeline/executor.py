@@ -87,6 +87,9 @@ class GPTStage(nn.Module):
         else:
             where = self.positions(T).to(self._rope[0].device)  # (Tl,)
             cos, sin = self._rope[0][where], self._rope[1][where]  # (Tl, D) at the global positions
+            clock = getattr(self.blocks[0], "dropout_clock", None) if len(self.blocks) else None
+            if clock is not None:  # counter dropout: the residual masks' token positions (one clock per GPT)
+                clock.positions = where
         for block in self.blocks:
             x = block(x, cos, sin)  # (B, T, C)
         if self.head is not None:
@@ -122,6 +125,9 @@ class PipelineExecutor:
         # (before, after): called with every compute action, also on a rank whose compute raised
         # (a caller's collectives, e.g. ZeRO 3's all-gathers over dp, stay matched across ranks)
         self.hooks: tuple[Callable[[Action], None], Callable[[Action], None]] | None = None
+        # Called with the micro-batch index before each of its compute actions (F, B, W): the
+        # engine tells the model which global rows come (counter dropout), recomputation included.
+        self.before_compute: Callable[[int], None] | None = None
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
         """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
@@ -146,6 +152,8 @@ class PipelineExecutor:
                 self.hooks[0](a)
             if self.failed is None:
                 try:
+                    if self.before_compute is not None:
+                        self.before_compute(a.microbatch)
                     {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the schedule's messages
                     self.failed = (self.me, exc)

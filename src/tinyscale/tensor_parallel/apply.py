@@ -16,7 +16,9 @@ each way, the same bytes on the wire.
 
 GQA: K/V heads are split like query heads when t divides n_kv_head, each rank keeping the K/V
 heads its query heads read; when n_kv_head divides t they are replicated (`kv_heads.py`).
-Dropout: an RNG tracker, or with exact_dropout=True the full masks of one process (`random.py`).
+Dropout with stream masks: an RNG tracker, or with exact_dropout=True the full masks of one
+process (`random.py`); with counter masks (GPTConfig.dropout_masks) each rank hashes its heads'
+and sequence slice's masks from their global coordinates (`models/dropout.py`).
 What it refuses (ValueError naming the numbers and the fix): n_head not divisible by t, n_kv_head
 neither dividing nor divided by t, ffn hidden size not divisible by t, and a sequence length not
 divisible by t under sequence parallelism. A vocab that t does not divide is
@@ -105,7 +107,11 @@ def parallelize_block(block: Block, group, *, sequence_parallel: bool = False, n
     if sp:
         block.attn_norm = SequenceParallelRMSNorm(block.attn_norm, group)
         block.mlp_norm = SequenceParallelRMSNorm(block.mlp_norm, group)
-    if block.dropout > 0:
+    if block.dropout > 0 and block.dropout_masks == "counter":  # global coordinates: no stream to manage
+        rank, heads = dist.get_rank(group), attn.wq.weight.shape[0] // attn.head_dim  # heads per rank
+        attn.head_offset = rank * heads  # this rank's first head, globally
+        block.sequence_shard = (rank, dist.get_world_size(group)) if sp else None
+    elif block.dropout > 0:
         add_tensor_parallel_dropout(block, group, sequence_parallel=sp, exact=exact_dropout, tracker=tracker)
     return block
 # --8<-- [end:block]

@@ -116,10 +116,9 @@ def test_layout_dropout_counter_masks_train_like_single_process(index):
     _check(WORLD4, index)
 
 
+@pytest.mark.thorough
 @pytest.mark.parametrize("index", range(len(THOROUGH4)), ids=[layout[0] for layout in THOROUGH4])
-def test_layout_dropout_counter_masks_more_layouts_thorough(index, request):
-    if not request.config.getoption("--thorough"):
-        pytest.skip("runs with --thorough")
+def test_layout_dropout_counter_masks_more_layouts_thorough(index):
     _check(THOROUGH4, index)
 
 

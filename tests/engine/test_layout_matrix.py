@@ -10,10 +10,9 @@ micro-batches of accumulation. Each layout trains 2 steps; losses and `full_stat
 `tinyscale.reference.train` in float64 at rtol 1e-10 (reduction order differs: ~1e-15 per op).
 
 The features rotate over the layouts (`matrix()`), so that each one meets every axis in the
-default subset without a full cross product: ZeRO stages 0-3, SP wherever tp > 1 on every other
-layout, activation checkpointing policies, the schedules, and dropout (counter masks) on every
-other layout. Layouts of one world size run in one
-pooled multi-rank call. Default: the layouts on at most 4 ranks; `--thorough`: all of them.
+default subset without a full cross product: ZeRO stages 0-3, SP on every tp > 1 layout but two,
+activation checkpointing policies, the schedules, and dropout (counter masks) on every other
+layout. Layouts of one world size run in one pooled multi-rank call. Default: the layouts on at most 4 ranks; `--thorough`: all of them.
 Run: `pytest tests/engine/test_layout_matrix.py` (key layout_matrix).
 """
 

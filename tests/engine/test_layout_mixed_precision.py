@@ -228,10 +228,9 @@ def _overflow(layout: dict, rank: int, name: str):
     return before, after_skip, engine.full_state_dict(), scales, skipped, engine.skipped_steps, out
 
 
-@pytest.mark.parametrize("name", list(INJECT))
-def test_layout_mixed_precision_an_inf_on_one_rank_of_one_axis_skips_the_step_on_every_rank(request, name):
-    if name in ("tp2", "cp2") and not request.config.getoption("--thorough"):
-        pytest.skip("covered by tp2_cp2_zero1 in the default run; --thorough runs it")
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.thorough) if n in ("tp2", "cp2") else n
+                                  for n in INJECT])  # tp2 and cp2 alone: covered by tp2_cp2_zero1 by default
+def test_layout_mixed_precision_an_inf_on_one_rank_of_one_axis_skips_the_step_on_every_rank(name):
     layout, rank, param = INJECT[name]
     results = run_on_ranks(_overflow, degrees(layout) * (2 if name.startswith("dp2") else 1), layout, rank, param)
     for r, (before, after_skip, after, scales, skipped, total_skipped, losses) in enumerate(results):

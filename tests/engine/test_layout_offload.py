@@ -2,8 +2,8 @@
 
 The optimizer states on the host (`offload_optimizer.device: cpu`) or on disk (`nvme`, a
 temporary directory), and at stage 3 the parameter shards too (`offload_param`), with pipeline
-parallelism (ZeRO 1 over dp: Megatron's distributed optimizer; DDP's stage 0 has no shards to
-offload) and with context parallelism (ZeRO 1-3 over the flattened dp x cp group): every loss and
+parallelism (ZeRO 1 over dp: Megatron's distributed optimizer; ZeRO 3 with a unit per stage,
+parameters offloaded too; DDP's stage 0 has no shards to offload) and with context parallelism (ZeRO 1-3 over the flattened dp x cp group): every loss and
 every tensor of `full_state_dict()` equal (`torch.equal`, float64) the same layout without
 offload: the host or disk tier steps the same shard with the same arithmetic. One case per
 layout also equals `tinyscale.reference.train` at rtol 1e-10.
@@ -43,6 +43,8 @@ LAYOUTS = {
     "cp2-ring-zero3": (2, {"context": 2}, 3, 0.05, ("param-nvme",)),
     "dp2-pp2-zb_h1-zero1": (4, {"pipeline": 2, "pipeline_schedule": "zb_h1"}, 1, 0.0, ("cpu",)),
     "dp2-cp2-zero3": (4, {"context": 2}, 3, 0.05, ("param-cpu", "nvme")),
+    # ZeRO 3 under a pipeline: one unit per stage, its shard on the host or disk between gathers
+    "dp2-pp2-1f1b-zero3": (4, {"pipeline": 2, "pipeline_schedule": "1f1b"}, 3, 0.05, ("param-nvme",)),
     "tp2-cp2-zero2": (4, {"context": 2, "tensor": 2}, 2, 0.05, ()),
 }
 
@@ -92,7 +94,9 @@ def _train(cases: list[tuple[str, str]], nvme_root: str) -> list:
         os.makedirs(nvme_path, exist_ok=True)
         engine = ts.initialize(gpt(layout), config(layout, variant, nvme_path))
         losses = [engine.train_batch(b) for b in batches(layout)]
-        out.append((losses, engine.full_state_dict()))
+        report = engine.memory_report()  # between steps: where the model states are now
+        on_disk = {c: report.bytes(c, "disk") for c in ("parameters", "optimizer_states")}
+        out.append((losses, engine.full_state_dict(), on_disk))
     return out
 
 
@@ -111,14 +115,19 @@ def test_layout_offload_is_bit_identical_to_no_offload(layout, pytestconfig, tmp
     got = results(LAYOUTS[layout][0], thorough, str(tmp_path_factory.getbasetemp() / "layout_offload"))
     plain = got[(layout, "none")]
     for variant in variants(layout, thorough):
-        for rank, ((losses, state), (ref_losses, ref_state)) in enumerate(zip(got[(layout, variant)], plain)):
+        for rank, ((losses, state, on_disk), (ref_losses, ref_state, _)) in enumerate(
+                zip(got[(layout, variant)], plain)):
             assert losses == ref_losses, (layout, variant, rank)
+            # the offload really happened (a no-op would pass the equalities): nvme leaves files
+            optimizer_device, param_device = VARIANTS[variant]
+            assert (on_disk["optimizer_states"] > 0) == (optimizer_device == "nvme"), (layout, variant, rank, on_disk)
+            assert (on_disk["parameters"] > 0) == (param_device == "nvme"), (layout, variant, rank, on_disk)
             assert list(state) == list(ref_state)
             different = [k for k in state if not torch.equal(state[k], ref_state[k])]
             assert not different, (layout, variant, rank, different)
     model = gpt(layout)
     expected_losses = ts.reference.train(model, batches(layout), config(layout, reference=True))
     first = variants(layout, thorough)[0]
-    for losses, state in got[(layout, first)]:
+    for losses, state, _ in got[(layout, first)]:
         assert_losses_close(losses, expected_losses)
         assert_state_dicts_close(state, model.state_dict(), what=f"{layout} offload {first} after {STEPS} steps")

@@ -199,7 +199,9 @@ class Engine:
                 elif self.pipeline is not None:  # stage 3 under a schedule: one unit per stage (pipeline_step.py)
                     self.zero = self.pipeline.zero_stage3(
                         groups, make, self.reduce_group, **off, nvme_path=zero.offload_optimizer.nvme_path,
-                        reshard_after_forward=config.parallel.pipeline_reshard_after_forward)
+                        reshard_after_forward=config.parallel.pipeline_reshard_after_forward,
+                        offload_param=zero.offload_param.device, param_nvme_path=zero.offload_param.nvme_path,
+                        pin_param_memory=zero.offload_param.pin_memory)
                 else:
                     # overlap_comm: prefetch, i.e. the next unit's all-gather overlaps this one's compute
                     self.zero = ZeroStage3(groups, make, self.reduce_group, module=self.model, wrap=zero3_wrap, **off,

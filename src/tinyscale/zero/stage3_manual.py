@@ -15,7 +15,8 @@ shards (same `ShardedOptimizer`, `ParamShards`, flat buffers whose storage is fr
 gradients accumulate whole in ``.grad`` until `reduce_gradients` reduce-scatters each unit once.
 Everything else (`step`, `gathered`, checkpoints, the memory report) is stage 3's. Not here:
 prefetch (a unit is gathered when the caller asks, so `overlap_comm` and the stage3 prefetch
-bounds do nothing), persistent parameters and parameter offload.
+bounds do nothing) and persistent parameters. Parameter offload (`offload_param`: the shards on
+the host or on disk between gathers) is stage 3's `ParamShards`, as there.
 
 Two policies for the caller (torchtitan's ``reshard_after_forward``): keep a unit gathered
 while any of its micro-batches is between forward and backward, or free it after every pass
@@ -43,7 +44,8 @@ class ZeroStage3Manual(ZeroStage3):
     def __init__(self, params_or_groups, make_optimizer: OptimizerFactory, process_group=None, *,
                  modules: Sequence[nn.Module], offload_optimizer: str = "none", nvme_path: str | None = None,
                  param_dtype: torch.dtype | None = None, loss_scaler=None, sub_group_size: int | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, offload_param: str = "none", param_nvme_path: str | None = None,
+                 pin_param_memory: bool = False):
         owner = {id(p): u for u, m in enumerate(modules) for p in m.parameters() if p.requires_grad}
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         unit_key=lambda p: owner[id(p)], offload=offload_optimizer,
@@ -55,7 +57,7 @@ class ZeroStage3Manual(ZeroStage3):
         self.prefetch, self.process_group, self.persistent = False, process_group, []
         device = self.sharded.units[0].device
         self.shards = ParamShards([fu.shard(fu.flatten([p.detach() for p in fu.params])) for fu in self.sharded.units],
-                                  device)
+                                  device, offload_param, param_nvme_path, pin_param_memory)
         self.full = [fu.empty_flat() for fu in self.sharded.units]
         self._empty = [torch.empty(0, dtype=fu.dtype, device=fu.device) for fu in self.sharded.units]
         self.units = [_Unit(m, [], []) for m in modules]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def matrix() -> tuple[tuple, ...]:
     degrees += [(3, 1, 1, 1), (1, 3, 1, 1), (1, 1, 3, 1), (3, 1, 1, 2), (1, 3, 1, 2)]
     out, pipelines = [], 0
     for i, (dp, pp, cp, tp) in enumerate(degrees):
-        stage = i % 4
+        stage = (i + 3 * (i // 8)) % 4  # shifted after 8, so the pipelined layouts of <= 4 ranks meet stage 3
         sp = tp > 1 and i % 8 != 1  # tp 2 alone and dp 2 x tp 2 without SP, every other tp > 1 layout with it
         policy = POLICIES[(i + i // 4) % len(POLICIES)]  # shifted every 4, so not tied to the stage
         schedule = "1f1b"
@@ -62,6 +63,27 @@ def matrix() -> tuple[tuple, ...]:
         dropout = DROPOUT if (i // 2 + i) % 2 == 0 else 0.0  # with and without tp, cp, pp alike
         out.append((dp, pp, cp, tp, stage, sp, policy, schedule, dropout))
     return tuple(out)
+
+
+def lesson_table() -> str:
+    """The matrix as lesson 12's table (`test_layout_matrix_lesson_table_is_the_matrix` keeps them equal)."""
+    rows = ["| ranks | dp | pp | cp | tp | ZeRO | SP | checkpointing | schedule | dropout | runs in |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for lay in matrix():
+        dp, pp, cp, tp, stage, sp, policy, schedule, dropout = lay
+        rows.append(f"| {world(lay)} | {dp} | {pp} | {cp} | {tp} | {stage} | {'yes' if sp else ''} | {policy} | "
+                    f"{schedule if pp > 1 else ''} | {dropout or ''} | "
+                    f"{'default' if world(lay) <= 4 else '--thorough'} |")
+    return "\n".join(rows)
+
+
+def test_layout_matrix_lesson_table_is_the_matrix():
+    """lessons/12-engine.md shows this matrix: the table between its markers is `lesson_table()`."""
+    lesson = (Path(__file__).parents[2] / "lessons" / "12-engine.md").read_text()
+    start, end = "<!-- layout-matrix:start -->\n", "\n<!-- layout-matrix:end -->"
+    assert start in lesson and end in lesson, "lesson 12 lost its layout-matrix markers"
+    shown = lesson[lesson.index(start) + len(start):lesson.index(end)].strip()
+    assert shown == lesson_table(), "lesson 12's table differs from matrix(): paste lesson_table() there"
 
 
 def world(layout: tuple) -> int:

@@ -51,7 +51,7 @@ PRESETS: dict[str, dict] = {
     "zero3": {"model": "small", "world_size": 4, "dtype": "float64",
               "config": {**_COMMON, "zero_optimization": {"stage": 3}}},
     # dp 2 x tp 2: each linear layer split over 2 ranks (sequence parallel between them), data
-    # parallel (stage 0) over the other axis; clipping by the full model's norm (engine/tp_grad_norm.py).
+    # parallel (stage 0) over the other axis; clipping by the full model's norm (engine/grad_norm.py).
     "tp": {"model": "small", "world_size": 4, "dtype": "float64",
            "config": {**_COMMON, "parallel": {"tensor": 2, "sequence_parallel": True}}},
     # ZeRO-Infinity's layout: master weights, optimizer states and parameter shards in files

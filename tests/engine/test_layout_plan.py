@@ -5,9 +5,10 @@ that count every element of the model exactly once, in every layout.
   axis's with the model and world), and describes what each axis does;
 - in each layout (tp, tp + SP, dp x tp at ZeRO 3, pp with a tied table, pp x tp at ZeRO 1, cp at
   ZeRO 2, dp x cp x ... on 2 and 4 ranks): the elements each rank counts, summed over the world,
-  are the model's size; every tp shard's range tiles its dimension; and the squares of the
-  counted gradients, summed over the world, are the single-process gradient's squared norm
-  (float64, first step, rtol 1e-10).
+  are the model's size (at ZeRO stage 0: over one dp replica); every tp shard's range tiles its
+  dimension; and the clipping norm's squares (`engine/grad_norm.py`: the counted gradients,
+  summed over its groups) are the single-process gradient's squared norm (float64, first step,
+  rtol 1e-10).
 Run: `pytest tests/engine/test_layout_plan.py` (key layout_plan).
 """
 
@@ -23,8 +24,8 @@ import torch.distributed as dist
 import tinyscale as ts
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import synthetic_token_batches
-from tinyscale.dist import comm
-from tinyscale.engine.plan import Placement, counted_grad_squares, placements, plan_layout
+from tinyscale.engine.grad_norm import GradNorm
+from tinyscale.engine.plan import Placement, placements, plan_layout
 from tinyscale.models import GPT, GPTConfig
 
 VOCAB, SEQ = 61, 8  # a vocab no tp degree divides: the head and embedding carry padding rows
@@ -53,6 +54,7 @@ LAYOUTS = [
     ("pp2-tp2-zero1", 4, 1, dict(pp=2, tp=2, stage=1), True),
     ("dp2-cp2-zero1", 4, 2, dict(cp=2, stage=1), True),
     ("tp4-kv-copies", 4, 1, dict(tp=4), False),  # 2 K/V heads on 4 TP ranks: each head copied twice
+    ("dp2-tp2-zero0", 4, 2, dict(tp=2), True),  # dp replicas of the gradients: summed over tp only
 ]
 
 
@@ -97,9 +99,10 @@ def _measure(layouts):
         step = opt.step
 
         def capture(*args, _step=step, _engine=engine, **kwargs):  # gradients reduced, not yet applied
-            squares = counted_grad_squares(_engine)
-            comm.all_reduce(squares)  # over the world: each element counted by exactly one rank
-            captured.append(squares.item())
+            norm = GradNorm(_engine)  # the clipping norm's own sum: the counted squares over its groups
+            squares = norm.shard_squares() if _engine.zero is not None else \
+                norm.squares((p, p.grad) for p in _engine.params)
+            captured.append(norm.norm(squares).item() ** 2)
             return _step(*args, **kwargs)
 
         opt.step = capture
@@ -133,7 +136,9 @@ def test_layout_plan_counts_every_parameter_once(index):
     model = gpt(tied)
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     counted = {n: sum(tables[n][0] for tables, _, _ in per_rank if n in tables) for n in sizes}
-    assert counted == sizes, f"{name}: elements counted over the world != the model's"
+    if kw.get("stage", 0) == 0 and dp > 1:  # each dp replica counts its copy: the norm sums over pp x tp only
+        counted = {n: c // dp for n, c in counted.items()}
+    assert counted == sizes, f"{name}: elements counted over one replica != the model's"
     for n, p in model.named_parameters():  # the shards' ranges tile their dimension (copies: each head once)
         ranges = sorted({tables[n][3] for tables, _, _ in per_rank if n in tables and tables[n][1] != "replicate"})
         if ranges:

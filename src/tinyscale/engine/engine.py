@@ -75,7 +75,7 @@ from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.plan import plan_layout
 from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.engine.engine.StepFailed
-from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, counted_parameters, sharded_clipper
+from tinyscale.engine.grad_norm import GradNorm
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.models.dropout import set_dropout_clock
@@ -168,9 +168,10 @@ class Engine:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, make, dtype=self.compute_dtype,
                         loss_scaler=self.loss_scaler, process_group=overflow_group)  # rounds frozen ones too
-                    clip = parallelize.mixed_precision_clipper(self.optimizer, self.model, config, self.pipeline)
-                    if clip is not None:  # tp / pp: the whole model's norm, each parameter counted once
-                        self.optimizer.clip_grad_norm_ = clip
+                    if self.tp_size > 1 or self.pipeline is not None:  # the whole model's norm, each
+                        mp = self.optimizer                              # parameter counted once, on the masters
+                        self.optimizer.clip_grad_norm_ = lambda max_norm: self.grad_norm().clip_(
+                            max_norm, [(p, m.grad) for p, m in zip(mp.params, mp.masters)])
                 elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
                     self.optimizer = compression.optimizer(groups, config, self.reduce_group)
                 else:
@@ -222,15 +223,14 @@ class Engine:
                 self.zero.sharded.comm_dtype = COMM_DTYPES[config.communication_data_type]
                 self.zero.sharded.prescale_gradients, self.zero.sharded.gradient_predivide_factor = \
                     gradient_scaling(config)
-                if self.tp_size > 1 or self.pipeline is not None:  # the clipping norm sums the TP shards
-                    counted = self.pipeline.counted_ids() if self.pipeline is not None else \
-                        counted_parameters(self.model, self.model.tp_group)  # and the stages (tp_grad_norm.py)
-                    self.zero.sharded.clip_grad_norm_ = sharded_clipper(self.zero.sharded, counted)
+                if self.tp_size > 1 or self.pipeline is not None:  # the norm over the TP shards and the
+                    self.zero.sharded.clip_grad_norm_ = lambda max_norm: self.grad_norm().clip_shards_(max_norm)
                 if self.compute_dtype is not None:  # frozen parameters compute in it too; buffers
                     with torch.no_grad():              # (the GPT's fp32 RoPE tables) stay as they are
                         for p in self.model.parameters():
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
+        self._grad_norm: GradNorm | None = None
         self.step = 0
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
@@ -369,8 +369,7 @@ class Engine:
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
                     if self.config.gradient_clipping > 0 and self.tp_size > 1:  # the full model's norm
-                        clip_grad_norm_tp(self.params, counted_parameters(self.model, self.model.tp_group),
-                                          self.config.gradient_clipping, self.model.tp_group)
+                        self.grad_norm().clip_(self.config.gradient_clipping, [(p, p.grad) for p in self.params])
                     elif self.config.gradient_clipping > 0:
                         torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
                     if lr is not None:
@@ -410,6 +409,12 @@ class Engine:
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1])
         parallelize.restore_rng(self.model, rng[2])
+
+    def grad_norm(self) -> GradNorm:
+        """The clipping norm's bookkeeping (engine/grad_norm.py), built from the placements at first use."""
+        if self._grad_norm is None:
+            self._grad_norm = GradNorm(self)
+        return self._grad_norm
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)

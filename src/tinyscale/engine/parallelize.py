@@ -42,7 +42,6 @@ ranks 0..tp-1 form the first TP group, and the ranks holding the same TP shard f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 
@@ -50,8 +49,7 @@ from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.engine import context, pipeline_layout
-from tinyscale.engine.pipeline_step import PipelineStep, clip_grad_norm_pp
-from tinyscale.engine.tp_grad_norm import clip_grad_norm_tp, counted_parameters
+from tinyscale.engine.pipeline_step import PipelineStep
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from tinyscale.tensor_parallel.random import share_stream, skip_exact_masks
@@ -158,26 +156,6 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
                      inputs_to_host=ac.cpu_checkpointing)
     # --8<-- [end:activation-checkpointing]
     return model
-
-
-def mixed_precision_clipper(mp, model: torch.nn.Module, config: EngineConfig,
-                            pipeline: PipelineStep | None) -> Callable[[float], float] | None:
-    """Mixed precision at ZeRO stage 0: a `clip_grad_norm_` for the `MixedPrecisionOptimizer`
-    `mp` when this rank holds a piece of the model. Its fp32 masters' unscaled gradients are
-    clipped by the whole model's norm, each master counted as its parameter is: over the pp
-    group and the TP group with a pipeline (`clip_grad_norm_pp`), over the TP group without
-    (`engine/tp_grad_norm.py`). None where torch's local norm is already the whole model's
-    (dp and cp: every rank holds the whole model's reduced gradients). ZeRO clips its shards
-    itself (`sharded_clipper`)."""
-    master = {id(p): m for p, m in zip(mp.params, mp.masters)}
-    if pipeline is not None:
-        counted = [master[id(q)] for q in pipeline.counted if id(q) in master]
-        return lambda max_norm: float(clip_grad_norm_pp(mp.masters, counted, max_norm, pipeline.group,
-                                                        tp_group=pipeline.tp_group))
-    if config.parallel.tensor > 1:
-        ids = {id(master[i]) for i in counted_parameters(model, model.tp_group) if i in master}
-        return lambda max_norm: float(clip_grad_norm_tp(mp.masters, ids, max_norm, model.tp_group))
-    return None
 
 
 # --8<-- [start:dropout]

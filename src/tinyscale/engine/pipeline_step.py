@@ -34,11 +34,10 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
    all-reduced, or ZeRO 2's and 3's reduce-scattered; ZeRO stage 1 reduce-scatters in its step;
 5. the loss: the last stage's mean over its m micro-batches, summed over the pp group (the
    others add zero: a broadcast from the last stage), then averaged over dp;
-6. clipping by the norm of the whole model's gradient, each parameter once: squares summed
-   over the pp group, the tied table counted on the first stage only; with TP also over the
-   TP group, each shard by its rank and a replicated parameter by TP rank 0 (`counted`). ZeRO
-   sums the same parameters' fragments of its gradient shards over the world
-   (`engine/tp_grad_norm.sharded_clipper`). Then the learning rate and the step.
+6. clipping by the norm of the whole model's gradient, each element once, as the placements say
+   (`engine/grad_norm.py`): squares summed over the pp group and then the TP group, the tied
+   table counted on the first stage only; ZeRO sums its gradient shards' counted fragments over
+   the world. Then the learning rate and the step.
 
 A forward, backward or loss that raises on some stages: the executor runs the schedule's
 messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
@@ -70,7 +69,6 @@ from tinyscale.pipeline import (
 )
 from tinyscale.engine import pipeline_tp
 from tinyscale.engine.step_failure import StepFailed, failed_ranks
-from tinyscale.engine.tp_grad_norm import counted_parameters
 from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
 from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
 from tinyscale.tensor_parallel import full_state_dict_from_tp
@@ -109,7 +107,7 @@ class PipelineStep:
         self._bind(model)
 
     def _bind(self, model: GPT) -> None:
-        """The tied table's copy here, and the parameters this rank counts in the gradient norm."""
+        """The tied table's copy here, and the name its last-stage copy is saved under."""
         # A tied table lives on the first and last stage's ranks: their gradients are summed.
         first, last = self.plan[0], self.plan[-1]
         self.tied = None
@@ -117,14 +115,10 @@ class PipelineStep:
             mine, peer = (first, last) if self.rank == first.rank else (last, first)
             stage = self.stages[mine.stage]
             self.tied = (stage.embed.weight if mine is first else stage.head.weight, self.ranks[peer.rank])
-        # Each parameter counted once in the gradient norm: the tied table on the first stage.
-        skip = {id(self.tied[0])} if self.tied is not None and self.rank == last.rank else set()
-        # ...and once in checkpoints, under the original model's name for it.
-        self.aliases = {"head.weight": "embed.weight"} if skip else {}
-        # With TP: each shard by its TP rank, a replicated parameter (norm weights) by TP rank 0 only.
-        tp_counted = counted_parameters(model, self.tp_group) if self.tp_group is not None else None
-        self.counted = [q for q in model.parameters() if q.requires_grad and id(q) not in skip
-                        and (tp_counted is None or id(q) in tp_counted)]
+        # The last stage's copy of a tied table is saved (and counted in the gradient norm,
+        # engine/grad_norm.py) once, under the original model's name: the first stage's.
+        copy = self.tied is not None and self.rank == last.rank
+        self.aliases = {"head.weight": "embed.weight"} if copy else {}
 
     def split_tensor_parallel(self, model: GPT, mesh: ParallelMesh, *, sequence_parallel: bool = False) -> None:
         """Second in the engine's order: this rank's stages split over the tp axis
@@ -149,10 +143,6 @@ class PipelineStep:
         self.executor.hooks = (driver.before, driver.after)
         self.stage3 = driver
         return zero
-
-    def counted_ids(self) -> set[int]:
-        """ids of the parameters this rank counts in the gradient norm (ZeRO's clipper reads them)."""
-        return {id(q) for q in self.counted}
 
     def full_state_dict(self, model: GPT) -> dict:
         """Every stage's parameters, original keys and order, on every rank (a collective over tp, then pp)."""
@@ -275,7 +265,7 @@ class PipelineStep:
                 comm.all_reduce(used, group=engine.reduce_group)  # got a gradient on some dp (x cp) rank
             if lr is not None:
                 engine.zero.set_lr(lr)
-            # clipping: ZeRO's clipper sums each counted fragment's squares over the world (pp x dp x cp x tp)
+            # clipping: ZeRO's clipper sums each counted fragment's squares over the world (engine/grad_norm.py)
             skipped = engine.zero.step(max_norm=engine.config.gradient_clipping, used=used.cpu() > 0)
             if engine.step == engine.skipped_steps:  # the first step taken: the states now exist
                 check_elementwise_state(engine.optimizer)
@@ -286,9 +276,8 @@ class PipelineStep:
             skipped = engine.optimizer.step(max_norm=engine.config.gradient_clipping)  # the layout's norm
             engine.optimizer.zero_grad(set_to_none=True)
             return skipped
-        if engine.config.gradient_clipping > 0:
-            clip_grad_norm_pp(engine.params, self.counted, engine.config.gradient_clipping, self.group,
-                              tp_group=self.tp_group)
+        if engine.config.gradient_clipping > 0:  # the whole model's norm (engine/grad_norm.py)
+            engine.grad_norm().clip_(engine.config.gradient_clipping, [(q, q.grad) for q in engine.params])
         if lr is not None:
             set_lr(engine.optimizer, lr)
         engine.optimizer.step()
@@ -332,23 +321,3 @@ def _no_sync(engine):
     return engine.zero.no_sync() if isinstance(engine.zero, ZeroStage2) else contextlib.nullcontext()
 
 
-@torch.no_grad()
-def clip_grad_norm_pp(params: list[torch.Tensor], counted: list[torch.Tensor], max_norm: float,
-                      group, *, tp_group=None) -> torch.Tensor:
-    """Scale this stage's gradients so the whole model's gradient norm is at most `max_norm`:
-    the squares of `counted` (each parameter once over the pipeline, and over the TP group
-    if `tp_group`) summed over the pp group and the TP group, then torch's `clip_grad_norm_`
-    rule, min(1, max_norm / (norm + 1e-6)), on every stage."""
-    grads = [q.grad for q in params if q.grad is not None]
-    square = torch.zeros((), dtype=torch.float64, device=params[0].device)
-    for q in counted:
-        if q.grad is not None:
-            square += q.grad.double().pow(2).sum()
-    comm.all_reduce(square, group=group)
-    if tp_group is not None:
-        comm.all_reduce(square, group=tp_group)
-    norm = square.sqrt()
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
-    return norm

@@ -3,6 +3,7 @@
     plan = plan_layout(config, model, world_size)   # every refusal at once, before any process group
     plan.layout, plan.axis_jobs()                   # the (pp, dp, cp, tp) grid, what each axis does
     table = placements(engine)                      # after the transforms: where each parameter lives here
+    GradNorm(engine)                                # engine/grad_norm.py: the clipping norm read from them
 
 `plan_layout` runs every check the engine has (the config's own, the compression section's,
 then tensor, context and pipeline parallelism's with the model and the world) and raises ONE
@@ -15,8 +16,9 @@ axis: its tp split (replicated; a shard along a dim, maybe padded; a copy of a K
 pipeline stages that hold it (a tied table lives on the first and the last), and the part of
 it this rank's ZeRO shard owns over dp x cp. From those alone follows which elements this rank
 *counts* when something must see every parameter exactly once: the global gradient norm, the
-memory report, checkpoints. `counted_elements` summed over the world is the model's size
-(`pytest -k layout_plan` checks that in every layout).
+memory report, checkpoints. `counted_elements` summed over one model replica (the world under
+ZeRO, which shards over dp x cp too) is the model's size (`pytest -k layout_plan` checks that in
+every layout); `engine/grad_norm.py` clips by the norm those elements give.
 
 Shape legend: a placement's `global_shape` is the original model's tensor; `local_shape` is the
 tensor this rank's module holds before ZeRO flattens it (a TP shard, with its padding rows).
@@ -27,7 +29,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from tinyscale.config import ConfigError, EngineConfig
@@ -234,38 +235,6 @@ def _stages_of(pipeline) -> dict[str, tuple[int, ...]]:
         for n in names:
             out[n] = out.get(n, ()) + (st.stage,)
     return out
-
-
-def counted_grad_squares(engine) -> torch.Tensor:
-    """This rank's share of the squared global gradient norm: each counted element's gradient
-    squared, in float64 (sum it over the world for the norm's square). Between backward and step."""
-    table = {id_: pl for id_, pl in _by_param(engine)}
-    total = torch.zeros((), dtype=torch.float64, device=engine.device)
-    if engine.zero is not None:
-        sharded = engine.zero.sharded
-        for g, fragments in zip(sharded.grad, sharded.fragments):
-            for f in fragments if g is not None else ():
-                pl = table[id(f.param)]
-                if pl.tp_counted and pl.pp_counted:
-                    real = pl.real_local_elements
-                    lo, hi = f.param_start, min(f.param_start + f.end - f.start, real)
-                    if hi > lo:
-                        total += g[f.start:f.start + hi - lo].double().pow(2).sum()
-        return total
-    for param in engine.params:
-        pl = table[id(param)]
-        if param.grad is not None and pl.tp_counted and pl.pp_counted:
-            total += param.grad.double().reshape(-1)[:pl.real_local_elements].pow(2).sum()
-    return total
-
-
-def _by_param(engine):
-    names = {id(p): n for n, p in engine.model.named_parameters()}
-    table = placements(engine)
-    aliases = engine.pipeline.aliases if engine.pipeline is not None else {}
-    for p in engine.params:
-        name = names[id(p)]
-        yield id(p), table[aliases.get(name, name)]
 
 
 # ---------------------------------------------------------------------------------------------

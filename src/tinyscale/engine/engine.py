@@ -163,7 +163,8 @@ class Engine:
                         groups, make, dtype=self.compute_dtype,
                         loss_scaler=self.loss_scaler, process_group=self.reduce_group)  # rounds frozen ones too
                 elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
-                    self.optimizer = compression.optimizer(groups, config, self.reduce_group)
+                    self.optimizer = compression.optimizer(groups, config, self.reduce_group, self.model,
+                                                           self.pipeline)
                 else:
                     self.optimizer = make(groups)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
@@ -332,6 +333,9 @@ class Engine:
                                      "(the step was dropped on every rank)")
         if hooked is not None:  # error feedback keeps the residual of a parameter no rank used
             compression.keep_unsent(self.ddp, hooked)
+            if self.tp_size > 1:  # TP copies of a replicated parameter: their owner's compressed mean
+                with comm.record(self.comm_ledger):
+                    compression.after_sync(self, self.model.tp_group)
         self._before_step_report = self.memory_report()  # the step's peak of model states
         # a skipped step does not advance the schedule
         lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None

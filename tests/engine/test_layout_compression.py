@@ -2,8 +2,8 @@
 
 - lossless settings (top-k at ratio 1 with error feedback, PowerSGD at full rank, 1-bit Adam in
   its warm-up) equal `tinyscale.reference.train` (float64, rtol 1e-10) in tp 2, pp 2, cp 2,
-  dp 2 x tp 2, dp 2 x pp 2 and dp 2 x cp 2 (at cp 2 the dp x cp group has 2 ranks even at dp 1:
-  the hooks really run there);
+  dp 2 x tp 2, dp 2 x pp 2, dp 2 x cp 2 and (--thorough) dp 2 x pp 2 x tp 2 (at cp 2 the dp x cp
+  group has 2 ranks even at dp 1: the hooks really run there);
 - lossy top-k (ratio 0.3, error feedback) under dp 2 x tp 2 equals an explicit simulation: each
   bucket's hook output is the mean over this TP rank's dp group of the top-k of (its bucket +
   its residual), computed here from the buckets the hook received; each parameter steps on its
@@ -41,6 +41,7 @@ LAYOUTS = {  # name -> (world, parallel section)
     "tp2": (2, {"tensor": 2}), "pp2": (2, {"pipeline": 2, "pipeline_schedule": "1f1b"}), "cp2": (2, {"context": 2}),
     "dp2-tp2": (4, {"tensor": 2}), "dp2-pp2": (4, {"pipeline": 2, "pipeline_schedule": "1f1b"}),
     "dp2-cp2": (4, {"context": 2}),
+    "dp2-pp2-tp2": (8, {"pipeline": 2, "pipeline_schedule": "1f1b", "tensor": 2}),  # --thorough only
 }
 # Lossless: top-k keeps every element (its residual stays 0); PowerSGD from step 2 at rank 12 >=
 # min(n, m) of every matrix here (min_compression_rate 0: every matrix compressed) rebuilds the
@@ -135,6 +136,8 @@ def cases(world: int) -> list[tuple[str, str, str]]:
         todo += [("dp2-pp2", "lossy", name) for name in ("topk", "powersgd", "onebit_adam")]
         todo += [("dp2-cp2", "lossy", "topk")]
         todo += [(layout, "none", "none") for layout in ("dp2-tp2", "dp2-pp2", "dp2-cp2")]
+    if world == 8:  # TP replicas and the tied table on every stage pair at once
+        todo += [("dp2-pp2-tp2", "lossy", name) for name in ("topk", "onebit_adam")]
     return todo
 
 
@@ -163,7 +166,7 @@ def reference(layout: str, name: str):
 
 def _params(kind: str) -> list:
     return [pytest.param(case, marks=() if case in DEFAULT else pytest.mark.thorough, id=f"{case[0]}-{case[2]}")
-            for world in (2, 4) for case in cases(world) if case[1] == kind]
+            for world in (2, 4, 8) for case in cases(world) if case[1] == kind]
 
 
 @pytest.mark.parametrize("case", _params("lossless"))
@@ -181,7 +184,7 @@ def test_layout_compression_lossless_equals_the_reference(case, pytestconfig):
 def test_layout_compression_lossy_keeps_every_copy_of_a_parameter_identical(case, pytestconfig):
     """Without `agree_replicas` the replicated norm weights (and under 1-bit Adam the tied table)
     drift apart: top-k's selection, QSGD's scale and 1-bit Adam's chunks see the whole bucket."""
-    got = results(4, pytestconfig.getoption("--thorough"))[case]
+    got = results(LAYOUTS[case[0]][0], pytestconfig.getoption("--thorough"))[case]
     for rank, (losses, _, agree, *_) in enumerate(got):
         assert losses == got[0][0] and all(torch.isfinite(torch.tensor(losses))), (case, rank)
         assert agree, (case, rank)

@@ -30,13 +30,15 @@ What is refused, and why (before any process group exists):
 - ZeRO stages 1-3: they reduce-scatter gradients into shards (or all-gather parameters); a
   compressed payload is not a sum that can be scattered (top-k's indices differ per rank,
   PowerSGD's P and Q are not gradients). Compression here is for data parallelism (stage 0).
-- fp16/bf16: fp16's overflow check reads the averaged gradient after the reduction, but a hook
+- fp16: its overflow check reads the averaged gradient after the reduction, but a hook
   compresses each rank's scaled gradient during backward: an inf on one rank enters every
   rank's sum and the compressor's state (error-feedback residuals, PowerSGD's memories, 1-bit
-  Adam's errors) before any rank can know to skip the step; serving it needs the overflow flag
-  agreed before the first bucket is sent (no overlap) and every state put back on a skip.
-  bf16 has no scaler but its 16-bit gradients would be compressed again in 16-bit arithmetic
-  (top-k residuals accumulating rounding); both are left to the mixed-precision engine.
+  Adam's errors) before any rank can know to skip the step (random-k may not even send it, and
+  keep it in the residual for ever). Serving it needs the overflow flag agreed over the world
+  before the first bucket is sent (no overlap) and every state put back on a skip.
+- bf16: error feedback would keep its residuals in bf16, whose 8-bit mantissa rounds away a
+  residual below 1/256 of the gradient it is added to: what was not sent is lost, not delayed
+  (the residuals would have to live in fp32, as the masters do).
 - onebit_adam with gradient clipping (after the warm-up no rank holds the averaged gradient
   to take a norm of) or with an optimizer other than Adam/AdamW. Gradient accumulation is
   fine: gradients accumulate locally, as under DDP's no_sync, and the optimizer step
@@ -77,12 +79,15 @@ def check_config(config: EngineConfig) -> list[str]:
         problems.append(f"compression.type={c.type!r} with zero_optimization.stage={stage}: ZeRO reduce-scatters "
                         "gradients into shards and a compressed payload is not a sum that can be scattered; use "
                         "stage 0 (data parallelism) with compression, or compression.type \"none\"")
+    why = {"fp16": "the hook compresses each rank's scaled fp16 gradient during backward, so an overflow on one "
+                   "rank reaches every rank's sum and the compressor's state (residuals, PowerSGD's memories) "
+                   "before the loss scaler can skip the step",
+           "bf16": "error feedback would keep its residuals in bf16, whose 8-bit mantissa rounds away a residual "
+                   "below 1/256 of the gradient it is added to: what was not sent is lost, not delayed"}
     for section in ("fp16", "bf16"):
         if getattr(config, section).enabled:
-            problems.append(f"compression.type={c.type!r} with {section}.enabled: the hook compresses each rank's "
-                            "16-bit (fp16: scaled) gradient during backward, so an overflow on one rank reaches "
-                            "every rank's sum and the compressor's state before the step can be skipped; use "
-                            f"float32 parameters with compression, or compression.type \"none\" with {section}")
+            problems.append(f"compression.type={c.type!r} with {section}.enabled: {why[section]}; use float32 "
+                            f"parameters with compression, or compression.type \"none\" with {section}")
     if c.type == "powersgd" and c.start_iter < 2:
         problems.append(f"compression.start_iter={c.start_iter} with type \"powersgd\": error feedback and warm "
                         "start need at least one plain all-reduce step first; set start_iter >= 2")

@@ -13,6 +13,8 @@
 - the dp-axis bytes of a top-k step are the uncompressed step's minus, per bucket of n elements,
   (n x 8 - TopK.ledger_bytes(n)) exactly, per layout, from the comm ledger
   (`tinyscale.engine.plan.traffic_by_axis`); lessons/10-compression.md prints them;
+- a checkpoint saved after a step of top-k under dp 2 x tp 2 (and PowerSGD under dp 2 x pp 2,
+  --thorough) resumes bit for bit: every rank's residuals travel, per TP shard and per stage;
 - (--thorough) each lossy compressor trains 20 steps under dp 2 x tp 2, dp 2 x pp 2 and
   dp 2 x cp 2 to within a stated factor of uncompressed training in the same layout.
 
@@ -303,3 +305,28 @@ def test_layout_compression_lossy_trains_within_its_margin_of_uncompressed(layou
     for name, margin in CONVERGE.items():
         assert final[name] < 0.8 * curves[name][0], (layout, name, final[name])  # compressed learns too
         assert final[name] <= margin * final["none"], (layout, name, final[name] / final["none"])
+
+
+def _resumed(layout: str, section: dict, path: str):
+    """STEPS steps uninterrupted, and the same with a save after step 1 loaded by a new engine."""
+    data = batches(layout)
+    engine = ts.initialize(gpt(), config(layout, section))
+    straight = [engine.train_batch(b) for b in data]
+    straight_state = engine.full_state_dict()
+    engine = ts.initialize(gpt(), config(layout, section))
+    resumed = [engine.train_batch(data[0])]
+    engine.save_checkpoint(path)
+    engine = ts.initialize(gpt(), config(layout, section))
+    engine.load_checkpoint(path)
+    resumed += [engine.train_batch(b) for b in data[1:]]
+    return (straight, straight_state), (resumed, engine.full_state_dict())
+
+
+@pytest.mark.parametrize("layout, name", [("dp2-tp2", "topk"), pytest.param("dp2-pp2", "powersgd",
+                                                                            marks=pytest.mark.thorough)])
+def test_layout_compression_resume_equals_an_uninterrupted_run(layout, name, tmp_path):
+    """Every rank's residuals (per TP shard, per stage) travel in the checkpoint: bit for bit."""
+    for (losses, state), (resumed, resumed_state) in run_on_ranks(_resumed, 4, layout, LOSSY[name],
+                                                                  str(tmp_path / "ckpt")):
+        assert resumed == losses
+        assert all(torch.equal(resumed_state[k], state[k]) for k in state)

@@ -186,9 +186,8 @@ def after_sync(engine, tp_group) -> None:
     compressed mean (`agree_replicas`). Nothing without a hook or tensor parallelism."""
     if tp_group is None or _hook_state(engine.ddp) is None:
         return
-    if not hasattr(engine, "_replica_owners"):
-        engine._replica_owners = replica_owners(engine.model, tp_group)
-    agree_replicas(engine.params, [q.grad for q in engine.params], engine._replica_owners, tp_group)
+    owners = replica_owners(engine.model, tp_group)  # a walk over the modules, no communication
+    agree_replicas(engine.params, [q.grad for q in engine.params], owners, tp_group)
 
 
 # --8<-- [start:attach]

@@ -107,6 +107,9 @@ class OneBitAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.freeze_step, self.group, self.steps = freeze_step, group, 0
         self.worker_error = self.server_error = None
+        # agree(params, momenta): makes copies of one parameter on other ranks (tensor-parallel
+        # replicas, a pipeline's tied table) hold the same averaged momentum; set by the engine.
+        self.agree = None
 
     def comm_state(self) -> dict:
         """What `state_dict` lacks for a resume: the step count and this rank's two errors (not
@@ -154,7 +157,10 @@ class OneBitAdam(torch.optim.Optimizer):
                 self.worker_error = torch.zeros_like(m_local)
                 self.server_error = m_local.new_zeros(m_local.numel() // world)
             m = compressed_allreduce(m_local, self.worker_error, self.server_error, self.group)
-        for p, part in zip(params, split_like(m[: m.numel() - pad], params)):
+        parts = split_like(m[: m.numel() - pad], params)
+        if self.agree is not None and world > 1:  # compressed per rank's flat vector: copies differ
+            self.agree(params, parts)
+        for p, part in zip(params, parts):
             self.state[p]["exp_avg"].copy_(part)
 
     def _update(self, params, grads, warmup: bool, stepped: set) -> None:

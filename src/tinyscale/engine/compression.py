@@ -7,11 +7,38 @@ a communication hook (`tinyscale.compression`); onebit_adam replaces the optimiz
 then does the data-parallel communication itself (no DDP wrapper: in its warm-up it
 all-reduces the gradients, after it the 1-bit momentum).
 
+Compression acts on the dp axis only, in every layout (issue 25). The reduce group is the
+engine's: dp, or dp x cp flattened with context parallelism. What each layout adds:
+- tensor parallelism: each TP rank compresses its own shards' gradients over its dp group
+  (the DDP of its TP shard). A replicated parameter (norm weights, a row-parallel bias, a K/V
+  head copied on t/K ranks) has the same gradient on its copies before the hook, but its
+  compressed mean depends on the rest of the bucket (top-k's selection, QSGD's scale, 1-bit
+  Adam's chunks), so copies would drift apart: `agree_replicas` gives every copy its owner's
+  (the copy the clipping norm counts), one all-reduce over tp of the replicated parameters;
+- pipeline parallelism: the hooks run when the step syncs DDP once after the schedule; a tied
+  embedding's two stages exchange their gradients after that sync, so each stage compresses its
+  own part and both copies step on the same sum (1-bit Adam: the first stage's momentum wins);
+- context parallelism: cp ranks hold different partial gradients (each its tokens' share,
+  scaled by cp so that the dp x cp mean sums over cp): each rank compresses its own scaled
+  share, and the result is the mean over dp x cp of the compressed shares, an estimate of the
+  same gradient with dp x cp payloads summed instead of dp (error feedback keeps each
+  share's residual).
+Lossless settings (ratio 1, PowerSGD at full rank) equal the uncompressed engine in every
+layout, float64 (tests/engine/test_layout_compression.py, `pytest -k layout_compression`).
+
 What is refused, and why (before any process group exists):
 - ZeRO stages 1-3: they reduce-scatter gradients into shards (or all-gather parameters); a
   compressed payload is not a sum that can be scattered (top-k's indices differ per rank,
   PowerSGD's P and Q are not gradients). Compression here is for data parallelism (stage 0).
-- tensor, pipeline, context parallelism, fp16/bf16: not tested together yet.
+- fp16: its overflow check reads the averaged gradient after the reduction, but a hook
+  compresses each rank's scaled gradient during backward: an inf on one rank enters every
+  rank's sum and the compressor's state (error-feedback residuals, PowerSGD's memories, 1-bit
+  Adam's errors) before any rank can know to skip the step (random-k may not even send it, and
+  keep it in the residual for ever). Serving it needs the overflow flag agreed over the world
+  before the first bucket is sent (no overlap) and every state put back on a skip.
+- bf16: error feedback would keep its residuals in bf16, whose 8-bit mantissa rounds away a
+  residual below 1/256 of the gradient it is added to: what was not sent is lost, not delayed
+  (the residuals would have to live in fp32, as the masters do).
 - onebit_adam with gradient clipping (after the warm-up no rank holds the averaged gradient
   to take a norm of) or with an optimizer other than Adam/AdamW. Gradient accumulation is
   fine: gradients accumulate locally, as under DDP's no_sync, and the optimizer step
@@ -22,18 +49,22 @@ What is refused, and why (before any process group exists):
 A step dropped after its hooks ran gets the hook's state put back (`snapshot`, `restore`); a
 checkpoint holds every rank's compression state (`local_state`) and resumes it on as many ranks.
 
-Lesson: lessons/10-compression.md. Tests: `pytest -k compression_engine`, `pytest -k compression_user`.
+Lesson: lessons/10-compression.md. Tests: `pytest -k compression_engine`, `pytest -k compression_user`,
+`pytest -k layout_compression`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tinyscale.compression import (
     QSGD, CompressionState, OneBitAdam, PowerSGDState, RandomK, TopK, compression_hook, powersgd_hook,
 )
 from tinyscale.config import EngineConfig
+from tinyscale.dist import comm
 from tinyscale.engine.checkpoint import CheckpointError
+from tinyscale.engine.plan import tp_placement
 
 
 def check_config(config: EngineConfig) -> list[str]:
@@ -46,14 +77,15 @@ def check_config(config: EngineConfig) -> list[str]:
         problems.append(f"compression.type={c.type!r} with zero_optimization.stage={stage}: ZeRO reduce-scatters "
                         "gradients into shards and a compressed payload is not a sum that can be scattered; use "
                         "stage 0 (data parallelism) with compression, or compression.type \"none\"")
-    par = config.parallel
-    for name in ("tensor", "pipeline", "context"):
-        if getattr(par, name) > 1:
-            problems.append(f"compression.type={c.type!r} with parallel.{name}={getattr(par, name)} (not tested "
-                            "together yet): use one of them")
+    why = {"fp16": "the hook compresses each rank's scaled fp16 gradient during backward, so an overflow on one "
+                   "rank reaches every rank's sum and the compressor's state (residuals, PowerSGD's memories) "
+                   "before the loss scaler can skip the step",
+           "bf16": "error feedback would keep its residuals in bf16, whose 8-bit mantissa rounds away a residual "
+                   "below 1/256 of the gradient it is added to: what was not sent is lost, not delayed"}
     for section in ("fp16", "bf16"):
         if getattr(config, section).enabled:
-            problems.append(f"compression.type={c.type!r} with {section}.enabled (not tested together yet)")
+            problems.append(f"compression.type={c.type!r} with {section}.enabled: {why[section]}; use float32 "
+                            f"parameters with compression, or compression.type \"none\" with {section}")
     if c.type == "powersgd" and c.start_iter < 2:
         problems.append(f"compression.start_iter={c.start_iter} with type \"powersgd\": error feedback and warm "
                         "start need at least one plain all-reduce step first; set start_iter >= 2")
@@ -72,11 +104,90 @@ def owns_communication(config: EngineConfig) -> bool:
     return config.compression.type == "onebit_adam"
 
 
-def optimizer(groups, config: EngineConfig, group) -> torch.optim.Optimizer:
-    """1-bit Adam over `groups` with the config's optimizer params (AdamW's decoupled decay)."""
+def optimizer(groups, config: EngineConfig, group, model=None, pipeline=None) -> torch.optim.Optimizer:
+    """1-bit Adam over `groups` with the config's optimizer params (AdamW's decoupled decay); its
+    averaged momentum made to agree on TP copies and a pipeline's tied table (`agreement`)."""
     p = config.optimizer.params
-    return OneBitAdam(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
-                      freeze_step=config.compression.freeze_step, group=group)
+    opt = OneBitAdam(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
+                     freeze_step=config.compression.freeze_step, group=group)
+    opt.agree = None if model is None else agreement(model, pipeline)
+    return opt
+
+
+# --8<-- [start:agree]
+def replica_owners(model, tp_group) -> dict[int, tuple[int, int, bool]]:
+    """id of each TP-replicated parameter -> (row, rows, owner): its copies hold one of `rows`
+    different tensors (a K/V head of K; else 1), this one is number `row`, and `owner` says this
+    rank's copy is the one counted (its placement's `tp_counted`: TP rank 0, or a head's first copy)."""
+    owners = {}
+    for module in model.modules():
+        for q in module.parameters(recurse=False):
+            if not q.requires_grad:
+                continue
+            shape = tuple(q.shape)
+            place = tp_placement(module, q, shape, shape, tp_group)  # engine/plan.py: split, replicated or a copy
+            if place["tp"] == "shard":
+                continue  # split: each rank's shard is its own
+            row, rows = (module.head, module.n_kv_head) if place["tp"] == "kv_copy" else (0, 1)
+            owners[id(q)] = (row, rows, place["tp_counted"])
+    return owners
+
+
+@torch.no_grad()
+def agree_replicas(params, tensors, owners: dict, tp_group) -> None:
+    """Each TP-replicated parameter's tensor in `tensors` (its compressed mean gradient, or 1-bit
+    Adam's averaged momentum) set to its owner's copy on every rank holding one: one all-reduce
+    over tp of (rows, numel) per parameter, zero but for the owner's row."""
+    slots = [(t, *owners[id(q)]) for q, t in zip(params, tensors) if t is not None and id(q) in owners]
+    if not slots:
+        return
+    flat = torch.cat([t.new_zeros(rows * t.numel()) for t, _, rows, _ in slots])  # (sum rows numel,)
+    start, views = 0, []
+    for t, row, rows, owner in slots:
+        view = flat[start:start + rows * t.numel()].view(rows, -1)  # (rows, numel)
+        if owner:
+            view[row].copy_(t.reshape(-1))
+        views.append(view[row])
+        start += rows * t.numel()
+    comm.all_reduce(flat, group=tp_group)
+    for (t, *_), view in zip(slots, views):
+        t.copy_(view.view_as(t))
+
+
+def agreement(model, pipeline=None):
+    """`agree(params, tensors)` for what the compressed averages leave different on copies of one
+    parameter: TP-replicated ones (`agree_replicas`) and, under 1-bit Adam with a pipeline, the
+    tied table's two stages (the first stage's copy); None when the layout has no copies."""
+    tp_group = pipeline.tp_group if pipeline is not None else getattr(model, "tp_group", None)
+    tied = pipeline.tied if pipeline is not None else None
+    if tp_group is None and tied is None:
+        return None
+    owners = replica_owners(model, tp_group) if tp_group is not None else {}
+
+    @torch.no_grad()
+    def agree(params, tensors) -> None:
+        if tp_group is not None:
+            agree_replicas(params, tensors, owners, tp_group)
+        if tied is not None:
+            table, peer = tied
+            mine = next(t for q, t in zip(params, tensors) if q is table)
+            theirs = torch.empty_like(mine)
+            for work in comm.batch_isend_irecv([comm.P2POp("isend", mine.contiguous(), peer, pipeline.group),
+                                                comm.P2POp("irecv", theirs, peer, pipeline.group)]):
+                work.wait()
+            if dist.get_rank() > peer:  # the first stage's ranks are the lower: its copy wins
+                mine.copy_(theirs)
+    return agree
+# --8<-- [end:agree]
+
+
+def after_sync(engine, tp_group) -> None:
+    """After a compressing hook's DDP sync: TP copies of a replicated parameter get their owner's
+    compressed mean (`agree_replicas`). Nothing without a hook or tensor parallelism."""
+    if tp_group is None or _hook_state(engine.ddp) is None:
+        return
+    owners = replica_owners(engine.model, tp_group)  # a walk over the modules, no communication
+    agree_replicas(engine.params, [q.grad for q in engine.params], owners, tp_group)
 
 
 # --8<-- [start:attach]

@@ -173,7 +173,8 @@ class Engine:
                         self.optimizer.clip_grad_norm_ = lambda max_norm: self.grad_norm().clip_(
                             max_norm, [(p, m.grad) for p, m in zip(mp.params, mp.masters)])
                 elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
-                    self.optimizer = compression.optimizer(groups, config, self.reduce_group)
+                    self.optimizer = compression.optimizer(groups, config, self.reduce_group, self.model,
+                                                           self.pipeline)
                 else:
                     self.optimizer = make(groups)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
@@ -350,6 +351,9 @@ class Engine:
                                      "(the step was dropped on every rank)")
         if hooked is not None:  # error feedback keeps the residual of a parameter no rank used
             compression.keep_unsent(self.ddp, hooked)
+            if self.tp_size > 1:  # TP copies of a replicated parameter: their owner's compressed mean
+                with comm.record(self.comm_ledger):
+                    compression.after_sync(self, self.model.tp_group)
         self._before_step_report = self.memory_report()  # the step's peak of model states
         # a skipped step does not advance the schedule
         lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None

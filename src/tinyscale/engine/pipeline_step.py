@@ -29,7 +29,8 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
    the first stage, targets into the last;
 2. the schedule's forwards, backwards and sends over the pp group (`PipelineExecutor`),
    each backward scaled by 1/m, gradients accumulating in ``.grad``;
-3. a tied embedding/head: the first and last stage add their gradients (`exchange_tied_grads`);
+3. a tied embedding/head: the first and last stage add their gradients (`exchange_tied_grads`;
+   with a compression hook after step 4, each stage's compressed mean: `engine/compression.py`);
 4. the data-parallel reduction over dp (x cp), once, after the schedule: DDP's buckets
    all-reduced, or ZeRO 2's and 3's reduce-scattered; ZeRO stage 1 reduce-scatters in its step;
 5. the loss: the last stage's mean over its m micro-batches, summed over the pp group (the
@@ -60,7 +61,7 @@ import torch.distributed as dist
 from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
-from tinyscale.engine import context, pipeline_checkpoint
+from tinyscale.engine import compression, context, pipeline_checkpoint
 from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
@@ -217,7 +218,10 @@ class PipelineStep:
                         f"train_batch: step {engine.step} raised on pipeline rank(s) {failed} (see the error "
                         "there); every rank dropped the step, so the engine is as it was before it: retry "
                         "the batch or skip it")
-                if self.tied is not None:
+                # A compressing hook: each stage compresses its own part of a tied table, and
+                # the two stages add their compressed means after the sync (engine/compression.py).
+                hooked = compression.snapshot(engine.ddp)
+                if self.tied is not None and hooked is None:
                     exchange_tied_grads(*self.tied, group=self.group)
                 # which parameters got a gradient here (W passes too), before ZeRO 2 frees them
                 used = None if engine.zero is None else torch.tensor(
@@ -225,6 +229,11 @@ class PipelineStep:
                     device=engine.device)
                 if engine.ddp is not None:
                     engine.ddp.sync_gradients()
+                if hooked is not None:
+                    compression.keep_unsent(engine.ddp, hooked)
+                    compression.after_sync(engine, self.tp_group)
+                    if self.tied is not None:
+                        exchange_tied_grads(*self.tied, group=self.group)
                 if isinstance(engine.zero, ZeroStage2 | ZeroStage3Manual):  # one reduce-scatter per unit, now
                     engine.zero.reduce_gradients()
                 total = torch.zeros((), dtype=torch.float64, device=engine.device)
@@ -244,6 +253,7 @@ class PipelineStep:
         # scaler's business (every rank skips the step in the optimizer step), not divergence.
         if not math.isfinite(mean_loss) and engine.loss_scaler is None:
             engine._roll_back(rng)
+            compression.restore(engine.ddp, hooked)  # the hooks ran in the sync
             raise FloatingPointError(f"train_batch: the loss at step {engine.step} is {mean_loss}; training "
                                      "diverged (the step was dropped on every rank)")
         engine._before_step_report = engine.memory_report()  # the step's peak of model states

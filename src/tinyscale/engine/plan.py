@@ -146,7 +146,7 @@ class Placement:
 # --8<-- [end:placement]
 
 
-def _tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int, ...],
+def tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int, ...],
                   global_shape: tuple[int, ...], group) -> dict:
     """The tp fields of `param`, a parameter of `module` (a TP layer, or a replicated module),
     on the tensor-parallel process group `group`."""
@@ -202,7 +202,7 @@ def placements(engine) -> dict[str, Placement]:
         else:
             key, global_shape = name, None
         global_shape = global_shape or _global_shape(engine, key, local_shape)
-        fields = _tp_placement(module, param, local_shape, global_shape, engine.mesh.group("tp")) if tp > 1 else {}
+        fields = tp_placement(module, param, local_shape, global_shape, engine.mesh.group("tp")) if tp > 1 else {}
         if tied_copy is not None and id(param) == tied_copy and pipeline.plan[0].rank != pipeline.rank:
             fields["pp_counted"] = False
         table[key] = Placement(name=key, global_shape=global_shape, local_shape=local_shape,

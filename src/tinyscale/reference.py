@@ -109,8 +109,8 @@ def train(model: torch.nn.Module, batches: Iterable[Batch], config,
     groups = param_groups(model) if param_groups is not None else params
     if config.fp16.enabled or config.bf16.enabled:  # the masters are taken before the model is rounded
         scaler = make_loss_scaler(**config.fp16.model_dump(exclude={"enabled"})) if config.fp16.enabled else None
-        optimizer = MixedPrecisionOptimizer(groups, make, dtype=torch.float16 if config.fp16.enabled else torch.bfloat16,
-                                            loss_scaler=scaler)
+        dtype = torch.float16 if config.fp16.enabled else torch.bfloat16
+        optimizer = MixedPrecisionOptimizer(groups, make, dtype=dtype, loss_scaler=scaler)
     else:
         optimizer = make(groups)
     model.train()

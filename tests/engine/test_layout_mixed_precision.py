@@ -194,6 +194,7 @@ def test_layout_mixed_precision_a_pipeline_changes_no_arithmetic_bit_for_bit(req
 
 # --- an inf on one rank of one axis
 
+# --8<-- [start:inject]
 INJECT = {  # layout -> (the rank whose gradient gets the inf, the parameter)
     "pp2_tp2": ({"pipeline": 2, "tensor": 2}, 3, "blocks.4.attn.wq.weight"),  # tp rank 1 of the last stage
     "tp2_cp2_zero1": ({"tensor": 2, "context": 2, "stage": 1}, 1, "blocks.0.mlp.w_down.weight"),  # a tp peer
@@ -202,6 +203,7 @@ INJECT = {  # layout -> (the rank whose gradient gets the inf, the parameter)
     # dp rank 1 of stage 0 (not the tied table: its gradient would carry the inf to the last stage)
     "dp2_pp2_zero1": ({"pipeline": 2, "stage": 1, "clip": 0.0}, 1, "blocks.1.attn.wq.weight"),
 }
+# --8<-- [end:inject]
 
 
 def _overflow(layout: dict, rank: int, name: str):

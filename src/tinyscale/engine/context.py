@@ -24,8 +24,11 @@ then swaps attention and the forward, whose per-token loss becomes the vocab-par
 (the head holds a vocab slice); Ulysses then splits each TP shard's heads over cp. (The model's
 forward without targets returns this rank's vocab slice of the logits.)
 
+fp16 and bf16 are served (with tp too): the masters, the loss scale and the overflow flag are
+the engine's, the flag agreed over the whole world (`pytest -k layout_mixed_precision`).
+
 Refused by name before any process group exists (`check_config`, `check_layout`): sequence
-parallelism, fp16/bf16, activation checkpointing and offload with cp (untested), dropout > 0,
+parallelism, activation checkpointing and offload with cp (untested), dropout > 0,
 models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that is not
 dp x cp x tp.
 Lesson: lessons/09-context-parallel.md. Tests: `pytest -k engine_context_parallel`.

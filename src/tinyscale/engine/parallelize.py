@@ -21,7 +21,11 @@ without sequence parallelism).
 Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
 rank's stages) with DDP or ZeRO stage 1 over dp, and with tensor parallelism (pp x tp at dp 1,
 without sequence parallelism: this rank's stages split over tp, `engine/pipeline_tp.py`); not
-yet with context parallelism.
+yet with context parallelism. fp16 (loss scaling) and bf16 in each of these layouts: fp32
+masters of this rank's pieces (TP shards, stages), the overflow flag agreed over the whole
+world, and at ZeRO stage 0 the masters clipped by the whole model's norm
+(`mixed_precision_clipper`; ZeRO's shards: `engine/tp_grad_norm.py`). Tests:
+`pytest -k layout_mixed_precision`.
 
 The mesh is `ParallelMesh(dp=world // (cp tp), cp=cp, tp=tp)`: ranks 0..tp-1 form the first
 TP group, and the ranks holding the same TP shard form a dp group. Tests:
@@ -131,6 +135,7 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
     return model
 
 
+# --8<-- [start:mixed-precision-clip]
 def mixed_precision_clipper(mp, model: torch.nn.Module, config: EngineConfig,
                             pipeline: PipelineStep | None) -> Callable[[float], float] | None:
     """Mixed precision at ZeRO stage 0: a `clip_grad_norm_` for the `MixedPrecisionOptimizer`
@@ -149,6 +154,7 @@ def mixed_precision_clipper(mp, model: torch.nn.Module, config: EngineConfig,
         ids = {id(master[i]) for i in counted_parameters(model, model.tp_group) if i in master}
         return lambda max_norm: float(clip_grad_norm_tp(mp.masters, ids, max_norm, model.tp_group))
     return None
+# --8<-- [end:mixed-precision-clip]
 
 
 # --8<-- [start:dropout]

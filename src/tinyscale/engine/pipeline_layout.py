@@ -2,11 +2,12 @@
 
 Config alone (`config_problems`): the schedule's settings without a pipeline; virtual stages
 with a schedule that has no chunks; the combinations no test covers yet (context or sequence
-parallelism; tensor parallelism is served, `engine/pipeline_tp.py`; ZeRO stages 2 and 3,
-clipping under ZeRO 1, fp16/bf16, activation checkpointing, offload, communication_data_type,
-wall_clock_breakdown). With the model and world size (`check_layout`): a GPT without dropout,
-a world that is pp x tp x dp (dp 1 when tp > 1: not tested yet), at least one block per model
-stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a multiple of the stages.
+parallelism; tensor parallelism is served, `engine/pipeline_tp.py`, and fp16/bf16 are,
+`-k layout_mixed_precision`; ZeRO stages 2 and 3, clipping under ZeRO 1, activation
+checkpointing, offload, communication_data_type, wall_clock_breakdown). With the model and
+world size (`check_layout`): a GPT without dropout, a world that is pp x tp x dp (dp 1 when
+tp > 1: not tested yet), at least one block per model stage, and interleaving's micro-batches
+(``gradient_accumulation_steps``) a multiple of the stages.
 Tests: `pytest tests/engine/test_engine_pipeline.py -k refuse`.
 """
 

@@ -14,15 +14,19 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
 1. this dp rank's rows of the global batch, cut into m micro-batches (the engine's rule,
    `tinyscale.data.local_micro_batches`), ids into the first stage, targets into the last;
 2. the schedule's forwards, backwards and sends over the pp group (`PipelineExecutor`),
-   each backward scaled by 1/m, gradients accumulating in ``.grad``;
+   each backward scaled by 1/m (and by the loss scale under fp16), gradients accumulating
+   in ``.grad`` (in fp16/bf16 under mixed precision, activations sent in it too);
 3. a tied embedding/head: the first and last stage add their gradients (`exchange_tied_grads`);
 4. the data-parallel reduction over dp: stage 0 all-reduces DDP's buckets once, after the
    schedule (its backwards ran under `no_sync`); ZeRO stage 1 reduce-scatters in its step;
 5. the loss: the last stage's mean over its m micro-batches, summed over the pp group (the
    others add zero: a broadcast from the last stage), then averaged over dp;
-6. clipping by the norm of the whole model's gradient (squares summed over the pp group,
+6. fp16: an inf/nan on any rank of the world skips the step on every rank (the flag is
+   agreed over the world, not the dp group: the other stages hold the rest of the model);
+7. clipping by the norm of the whole model's gradient (squares summed over the pp group,
    the tied table counted once, on the first stage; with TP also over the TP group, each
-   shard by its rank and a replicated parameter by TP rank 0), the learning rate, the step.
+   shard by its rank and a replicated parameter by TP rank 0; under mixed precision on the
+   fp32 masters' unscaled gradients), the learning rate, the step.
 
 A forward, backward or loss that raises on some stages: the executor runs the schedule's
 messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
@@ -30,7 +34,7 @@ failed (one all-reduce of a flag per rank, `parallelize.failed_ranks`) and drops
 the data-parallel engine does: that rank re-raises its error, the others raise `StepFailed`
 naming it. A failure in the messages themselves still stops the engine. Tests:
 `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
-pp_interleaved, pp_zero_bubble).
+pp_interleaved, pp_zero_bubble); fp16/bf16: `pytest -k layout_mixed_precision`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ are summed, so equal) by its first copy only. One all-reduce sums the counted sq
 the TP group at ZeRO stage 0 (the dp replicas hold the same gradients), over the whole world
 at stages 1-3 (each dp rank holds a shard of this TP rank's gradients). Then every rank
 scales by the same factor, torch's `clip_grad_norm_` rule: min(1, max_norm / (norm + 1e-6)).
-Megatron's `clip_grad_norm_fp32` does the same sum.
+Megatron's `clip_grad_norm_fp32` does the same sum. Under mixed precision the same sum runs
+on the fp32 masters' unscaled gradients (stage 0: `parallelize.mixed_precision_clipper`).
 Run: `pytest tests/engine/test_engine_tensor_parallel.py -k clip`.
 """
 

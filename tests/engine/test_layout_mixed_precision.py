@@ -1,8 +1,8 @@
 """fp16 and bf16 in every layout (`pytest -k layout_mixed_precision`).
 
 - `tinyscale.reference.train` with fp16/bf16 is the engine in one process, bit for bit;
-- tp (with and without sequence parallelism), cp (ring and Ulysses), pp (1F1B, interleaved,
-  ZeRO 1 over dp), tp x cp, dp x tp at ZeRO 0-3 and pp x tp, in bf16 and in fp16 (dynamic loss
+- tp (with and without sequence parallelism), cp (ring and Ulysses), pp (AFAB, 1F1B,
+  interleaved, zero-bubble; ZeRO 1 over dp), tp x cp, dp x tp at ZeRO 0-3 and pp x tp, in bf16 and in fp16 (dynamic loss
   scale): losses and parameters stay within the format's tolerance of one process in the same
   format (derived below, beside `TOLERANCE`), with tied embeddings, GQA, a vocab and a layer
   count the degrees do not divide, momentum, weight decay, accumulation and clipping on;
@@ -40,6 +40,8 @@ UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # 8 and 11 significant bits
 
 # (name, parallel section and engine keys): the world is dp x the degrees (dp 2 where it says so)
 WORLD2 = [
+    ("pp2_afab", {"pipeline": 2, "pipeline_schedule": "afab"}),
+    ("pp2_zero_bubble", {"pipeline": 2, "pipeline_schedule": "zb_h1"}),
     ("tp2", {"tensor": 2}),
     ("tp2_sp", {"tensor": 2, "sequence_parallel": True}),
     ("cp2_ring", {"context": 2}),
@@ -98,6 +100,9 @@ def _train(layouts: list[tuple[str, dict]], precision: str, tied: bool = True):
     for _, layout in layouts:
         dp = dist.get_world_size() // degrees(layout)
         engine = ts.initialize(model(tied), config(precision, dp, layout))
+        if engine.zero is None:  # fp32 masters of exactly this rank's pieces (TP shards, stages): 4 bytes to 2
+            report = engine.memory_report()
+            assert report.bytes("master_weights") == 2 * report.bytes("parameters") > 0
         losses = [engine.train_batch(b) for b in batches(dp)]
         state = engine.full_state_dict()
         out.append((losses, state if dist.get_rank() == 0 else None, engine.skipped_steps))

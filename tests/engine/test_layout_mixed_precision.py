@@ -17,6 +17,9 @@ Run: `pytest tests/engine/test_layout_mixed_precision.py` (key layout_mixed_prec
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -86,11 +89,24 @@ def batches(dp: int, steps: int = STEPS):
                                    seed=4)
 
 
-def reference(precision: str | None, dp: int, layout: dict, tied: bool = True):
-    """One process, the layout's batch and clipping, parallel keys dropped."""
+@contextlib.contextmanager
+def one_thread():
+    """This process's runs are tiny: one thread (on a busy 2-core machine a second one mostly spin-waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def reference(precision: str | None, dp: int, clip: float = CLIP, tied: bool = True):
+    """One process, a layout's batch (dp) and clipping, no parallel keys (cached: the layouts share it)."""
     net = model(tied)
-    cfg = config(precision, dp, layout)
-    losses = ts.reference.train(net, batches(dp), cfg | {"parallel": {}, "zero_optimization": {"stage": 0}})
+    cfg = config(precision, dp, {"clip": clip})
+    with one_thread():
+        losses = ts.reference.train(net, batches(dp), cfg | {"parallel": {}, "zero_optimization": {"stage": 0}})
     return losses, {k: v.float() for k, v in net.state_dict().items()}
 
 
@@ -117,9 +133,10 @@ def test_layout_mixed_precision_reference_is_the_engine_in_one_process_bit_for_b
     """The truth the layouts are compared with: `reference.train` honours fp16/bf16 (fp32 masters,
     fp16's scaled backward, clipping the unscaled gradient) exactly as the engine does."""
     for precision in ("bf16", "fp16"):
-        losses, state = reference(precision, 1, {})
+        losses, state = reference(precision, 1)
         engine = ts.initialize(model(), config(precision))
-        assert [engine.train_batch(b) for b in batches(1)] == losses, precision
+        with one_thread():
+            assert [engine.train_batch(b) for b in batches(1)] == losses, precision
         full = engine.full_state_dict()
         assert all(torch.equal(full[k].float(), v) for k, v in state.items()), precision
         assert {v.dtype for v in full.values() if v.is_floating_point()} >= {torch.float16 if precision == "fp16"
@@ -149,8 +166,9 @@ def _check_layouts(layouts: list[tuple[str, dict]], world: int, precision: str) 
     initial = {k: v.float() for k, v in model().state_dict().items()}
     for (name, layout), (losses, state, skipped) in zip(layouts, results):
         dp = world // degrees(layout)
-        expected_losses, expected = reference(precision, dp, layout)
-        _, fp32 = reference(None, dp, layout)
+        clip = layout.get("clip", CLIP)
+        expected_losses, expected = reference(precision, dp, clip)
+        _, fp32 = reference(None, dp, clip)
         d_format = distance(expected, fp32)
         assert d_format > 1e-4 * distance(fp32, initial), (name, "the format must round something")
         assert skipped == 0, name  # no step overflowed: every step is compared
@@ -186,7 +204,7 @@ def test_layout_mixed_precision_a_pipeline_changes_no_arithmetic_bit_for_bit(req
            ("pp2_interleaved", {"pipeline": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2,
                                 "clip": 0.0})]
     for precision in precisions:
-        expected_losses, expected = reference(precision, 1, {"clip": 0.0}, tied=False)
+        expected_losses, expected = reference(precision, 1, 0.0, tied=False)
         for (name, _), (losses, state, _) in zip(pp2, run_on_ranks(_untied, 2, pp2, precision)[0]):
             assert all(abs(a - b) <= 2.0**-24 * abs(b) for a, b in zip(losses, expected_losses)), (precision, name)
             assert all(torch.equal(state[k].float(), v) for k, v in expected.items()), (precision, name)

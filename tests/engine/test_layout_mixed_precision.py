@@ -3,11 +3,12 @@
 - `tinyscale.reference.train` with fp16/bf16 is the engine in one process, bit for bit;
 - tp (with and without sequence parallelism), cp (ring and Ulysses), pp (AFAB, 1F1B,
   interleaved, zero-bubble; ZeRO 1 over dp), tp x cp, dp x tp at ZeRO 0-3 and pp x tp, in
-  bf16 and in fp16 (dynamic loss scale): losses, parameters and the norm clipping uses (the whole model's, each parameter
-  once, the same on every rank) stay within the format's tolerance of one process in the same
-  format (derived below, beside `TOLERANCE`), with tied embeddings, GQA (a K/V head copied
-  over tp), a vocab and a layer count the degrees do not divide, momentum, weight decay,
-  accumulation and clipping on; stage-0 masters are exactly this rank's pieces;
+  bf16 and in fp16 (dynamic loss scale): losses, parameters and the norm clipping uses (the
+  whole model's, each parameter once, the same on every rank) stay within the format's
+  tolerance of one process in the same format (derived below, beside `TOLERANCE`), with tied
+  embeddings, GQA (a K/V head copied over tp), a vocab and a layer count the degrees do not
+  divide, momentum, weight decay, accumulation and clipping on; stage-0 masters are exactly
+  this rank's pieces;
 - a pipeline changes no arithmetic: pp 2 in bf16 equals one process, and pp 2 x tp 2 equals
   tp 2, bit for bit (untied, no clipping: the only sums a pipeline reorders);
 - a checkpoint holds every master whole under the original names and resumes bit for bit;

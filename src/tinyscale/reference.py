@@ -60,7 +60,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     batch = tuple(t.to(device) for t in batch)
     chunks = micro_batches(batch, _micro_batch_size(config, batch[0].shape[0]))
     total = torch.zeros((), dtype=torch.float64, device=device)
-    mixed = isinstance(optimizer, MixedPrecisionOptimizer)  # fp16/bf16 (see the module docstring)
+    mixed = isinstance(optimizer, MixedPrecisionOptimizer)  # fp16/bf16: see `mixed_precision_step`
     for chunk in chunks:
         loss = model(*chunk)
         if mixed:
@@ -69,12 +69,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
             (loss / len(chunks)).backward()
         total += loss.detach().double()
     mean_loss = (total / len(chunks)).item()
-    if mixed:  # overflow check, unscale, clip, step on the fp32 masters; a skipped step takes no lr
-        if schedule_lr:
-            skipped = optimizer.loss_scaler.overflows if optimizer.loss_scaler is not None else 0
-            set_lr(optimizer, lr_at(step - skipped, config))
-        optimizer.step(max_norm=config.gradient_clipping)
-        optimizer.zero_grad(set_to_none=True)
+    if mixed:
+        mixed_precision_step(optimizer, config, step, schedule_lr)
         return mean_loss
     if not math.isfinite(mean_loss):
         raise FloatingPointError(f"reference: the loss at step {step} is {mean_loss}; training diverged")
@@ -87,6 +83,18 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     optimizer.zero_grad(set_to_none=True)
     return mean_loss
 # --8<-- [end:train-step]
+
+
+def mixed_precision_step(optimizer: MixedPrecisionOptimizer, config: EngineConfig, step: int,
+                         schedule_lr: bool) -> bool:
+    """fp16/bf16's step, as the engine takes it: overflow check, unscale, clip and step on the
+    fp32 masters; a skipped step (True) does not advance the learning-rate schedule."""
+    if schedule_lr:
+        skipped = optimizer.loss_scaler.overflows if optimizer.loss_scaler is not None else 0
+        set_lr(optimizer, lr_at(step - skipped, config))
+    skipped_now = optimizer.step(max_norm=config.gradient_clipping)
+    optimizer.zero_grad(set_to_none=True)
+    return skipped_now
 
 
 def train(model: torch.nn.Module, batches: Iterable[Batch], config,

@@ -161,6 +161,33 @@ def test_layout_mixed_precision_reference_is_the_engine_in_one_process_bit_for_b
                                                                             else torch.bfloat16}
 
 
+def test_layout_mixed_precision_reference_skips_an_overflow_as_the_engine_does():
+    """fp16 in one process with an inf in step 1's gradient and a warm-up schedule: the reference
+    and the engine skip the same step, back off alike, and do not advance the schedule."""
+    cfg = config("fp16", fp16={"hysteresis": 1}) | {
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.2}}}
+    data = batches(1)
+    data.insert(1, data[1])  # the overflowing step is retried on the same batch
+
+    def inject(net):  # an inf in one gradient, in the first backward of step 1 only
+        calls = []
+        return net.blocks[2].attn.wo.weight.register_hook(
+            lambda g: calls.append(1) or (torch.full_like(g, float("inf")) if len(calls) == M + 1 else g))
+
+    net = model()
+    with one_thread():
+        handle = inject(net)
+        losses = ts.reference.train(net, data, cfg)
+        handle.remove()
+        engine = ts.initialize(model(), cfg)
+        handle = inject(engine.model)
+        engine_losses = [engine.train_batch(b) for b in data]
+    assert engine.skipped_steps == 1 and engine.loss_scaler.scale == 2.0**15
+    assert engine_losses == losses
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in net.state_dict().items())
+
+
 # The tolerance, derived. A layout does not add a kind of error to training in a format: it
 # reorders roundings the format makes anyway (TP's partial sums rounded before their all-reduce,
 # CP's attention merged from blocks, the dp mean of the gradients, the tied table's two halves

@@ -64,7 +64,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     micro = _micro_batch_size(config, batch[0].shape[0])
     chunks = micro_batches(batch, micro)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    mixed = isinstance(optimizer, MixedPrecisionOptimizer)  # fp16/bf16 (see the module docstring)
+    mixed = isinstance(optimizer, MixedPrecisionOptimizer)  # fp16/bf16: see `mixed_precision_step`
     for i, chunk in enumerate(chunks):
         set_dropout_clock(model, step=step, row0=i * micro)  # counter dropout: this step, these global rows
         loss = model(*chunk)
@@ -74,12 +74,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
             (loss / len(chunks)).backward()
         total += loss.detach().double()
     mean_loss = (total / len(chunks)).item()
-    if mixed:  # overflow check, unscale, clip, step on the fp32 masters; a skipped step takes no lr
-        if schedule_lr:
-            skipped = optimizer.loss_scaler.overflows if optimizer.loss_scaler is not None else 0
-            set_lr(optimizer, lr_at(step - skipped, config))
-        optimizer.step(max_norm=config.gradient_clipping)
-        optimizer.zero_grad(set_to_none=True)
+    if mixed:
+        mixed_precision_step(optimizer, config, step, schedule_lr)
         return mean_loss
     if not math.isfinite(mean_loss):
         raise FloatingPointError(f"reference: the loss at step {step} is {mean_loss}; training diverged")
@@ -92,6 +88,18 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     optimizer.zero_grad(set_to_none=True)
     return mean_loss
 # --8<-- [end:train-step]
+
+
+def mixed_precision_step(optimizer: MixedPrecisionOptimizer, config: EngineConfig, step: int,
+                         schedule_lr: bool) -> bool:
+    """fp16/bf16's step, as the engine takes it: overflow check, unscale, clip and step on the
+    fp32 masters; a skipped step (True) does not advance the learning-rate schedule."""
+    if schedule_lr:
+        skipped = optimizer.loss_scaler.overflows if optimizer.loss_scaler is not None else 0
+        set_lr(optimizer, lr_at(step - skipped, config))
+    skipped_now = optimizer.step(max_norm=config.gradient_clipping)
+    optimizer.zero_grad(set_to_none=True)
+    return skipped_now
 
 
 def train(model: torch.nn.Module, batches: Iterable[Batch], config,
@@ -114,8 +122,8 @@ def train(model: torch.nn.Module, batches: Iterable[Batch], config,
     groups = param_groups(model) if param_groups is not None else params
     if config.fp16.enabled or config.bf16.enabled:  # the masters are taken before the model is rounded
         scaler = make_loss_scaler(**config.fp16.model_dump(exclude={"enabled"})) if config.fp16.enabled else None
-        optimizer = MixedPrecisionOptimizer(groups, make, dtype=torch.float16 if config.fp16.enabled else torch.bfloat16,
-                                            loss_scaler=scaler)
+        dtype = torch.float16 if config.fp16.enabled else torch.bfloat16
+        optimizer = MixedPrecisionOptimizer(groups, make, dtype=dtype, loss_scaler=scaler)
     else:
         optimizer = make(groups)
     model.train()

@@ -65,7 +65,6 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, saved: dict,
     })
 
 
-# --8<-- [start:rng]
 MASTER = "_mixed_precision_master"  # a master's key while it travels inside its parameter's state
 
 
@@ -84,6 +83,7 @@ def unfold_masters(state: dict[str, dict]) -> tuple[dict[str, dict], dict[str, t
     return {n: entry for n, entry in rest.items() if entry or n not in masters}, masters
 
 
+# --8<-- [start:rng]
 def rng_state(device: torch.device) -> dict:
     """This process's random generators: what dropout (and a user's own draws) will draw next."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}

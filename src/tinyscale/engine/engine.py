@@ -25,8 +25,10 @@ What a step does over `dp` data-parallel ranks:
    model all-gather each unit (a block) for its forward and again for its backward, and
    reduce-scatter the unit's gradients as soon as backward is done with it. The mean over
    ranks is the mean over the global batch because every rank holds the same number of rows;
-4. fp16: if any rank saw an inf/nan gradient, every rank skips the step and the loss scale
-   backs off (the schedule does not advance); otherwise unscale. Clip by global norm, set
+4. fp16: if any rank of the world saw an inf/nan gradient (any rank of any axis: a tp or
+   pp peer holds the rest of the model), every rank skips the step and the loss scale
+   backs off (the schedule does not advance); otherwise unscale. Clip by global norm (under
+   mixed precision on the fp32 masters, by the whole model's norm in every layout), set
    this step's learning rate, step (ZeRO: on this rank's shard, then stages 1 and 2
    all-gather the parameters; stage 3 keeps them sharded), zero gradients.
 
@@ -49,7 +51,8 @@ they sum over cp and average over dp (`engine/context.py`). With `parallel.pipel
 the model keeps this rank's stages only and a step runs the pipeline schedule over the
 micro-batches instead of the loop above, then DDP or ZeRO over dp (x cp), once; stage 3's
 units are then this rank's stages, gathered around the schedule's actions
-(`engine/pipeline_step.py`).
+(`engine/pipeline_step.py`). fp16 and bf16 work in every one of these layouts
+(`pytest -k layout_mixed_precision`).
 """
 
 from __future__ import annotations
@@ -158,20 +161,24 @@ class Engine:
         # DeepSpeed counts reduce_bucket_size in elements, not bytes.
         element_size = self.params[0].element_size() if self.compute_dtype is None else 2
         bucket_bytes = zero.reduce_bucket_size * element_size
+        # --8<-- [start:overflow-group]
         # fp16's overflow flag is agreed over the whole world, not the reduce group: under tensor,
         # pipeline or context parallelism the other ranks hold the rest of the model (or the rest
         # of the sequence), and a rank that stepped while its peers skipped would tear it apart.
         overflow_group = dist.group.WORLD if dist.is_initialized() else None
+        # --8<-- [end:overflow-group]
         with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
             if zero.stage == 0:
                 if self.compute_dtype is not None:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, make, dtype=self.compute_dtype,
                         loss_scaler=self.loss_scaler, process_group=overflow_group)  # rounds frozen ones too
+                    # --8<-- [start:mixed-precision-clip]
                     if self.tp_size > 1 or self.pipeline is not None:  # the whole model's norm, each
                         mp = self.optimizer                              # parameter counted once, on the masters
                         self.optimizer.clip_grad_norm_ = lambda max_norm: self.grad_norm().clip_(
                             max_norm, [(p, m.grad) for p, m in zip(mp.params, mp.masters)])
+                    # --8<-- [end:mixed-precision-clip]
                 elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
                     self.optimizer = compression.optimizer(groups, config, self.reduce_group, self.model,
                                                            self.pipeline)

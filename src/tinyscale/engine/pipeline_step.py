@@ -28,17 +28,21 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
    `tinyscale.data.local_micro_batches`), with cp this rank's sequence shard of each, ids into
    the first stage, targets into the last;
 2. the schedule's forwards, backwards and sends over the pp group (`PipelineExecutor`),
-   each backward scaled by 1/m, gradients accumulating in ``.grad``;
+   each backward scaled by 1/m (and by the loss scale under fp16), gradients accumulating
+   in ``.grad`` (in fp16/bf16 under mixed precision, activations sent in it too);
 3. a tied embedding/head: the first and last stage add their gradients (`exchange_tied_grads`;
    with a compression hook after step 4, each stage's compressed mean: `engine/compression.py`);
 4. the data-parallel reduction over dp (x cp), once, after the schedule: DDP's buckets
    all-reduced, or ZeRO 2's and 3's reduce-scattered; ZeRO stage 1 reduce-scatters in its step;
 5. the loss: the last stage's mean over its m micro-batches, summed over the pp group (the
    others add zero: a broadcast from the last stage), then averaged over dp;
-6. clipping by the norm of the whole model's gradient, each element once, as the placements say
-   (`engine/grad_norm.py`): squares summed over the pp group and then the TP group, the tied
-   table counted on the first stage only; ZeRO sums its gradient shards' counted fragments over
-   the world. Then the learning rate and the step.
+6. fp16: an inf/nan on any rank of the world skips the step on every rank (the flag is
+   agreed over the world, not the dp group: the other stages hold the rest of the model);
+7. clipping by the norm of the whole model's gradient, each element once, as the placements say
+   (`engine/grad_norm.py`; under mixed precision on the fp32 masters' unscaled gradients):
+   squares summed over the pp group and then the TP group, the tied table counted on the first
+   stage only; ZeRO sums its gradient shards' counted fragments over the world. Then the
+   learning rate and the step.
 
 A forward, backward or loss that raises on some stages: the executor runs the schedule's
 messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
@@ -47,7 +51,7 @@ the data-parallel engine does: that rank re-raises its error, the others raise `
 naming it. A failure in the messages themselves still stops the engine. Tests:
 `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
 pp_interleaved, pp_zero_bubble), `pytest tests/engine/test_engine_pipeline_compose.py` (with
-the other axes and ZeRO: keys engine_pipeline, layout_pp).
+the other axes and ZeRO: keys engine_pipeline, layout_pp); fp16/bf16: `pytest -k layout_mixed_precision`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ a float attribute ``scale`` and ``update(overflow: bool) -> skipped: bool``,
 ``state_dict()`` and ``load_state_dict(state)``.
 
 ZeRO uses the same scaler on its shards: a rank's gradient shard is all it has, so the
-overflow flag must be agreed over the data-parallel group before anyone steps:
+overflow flag must be agreed over the data-parallel group before anyone steps (and over the
+whole world when tensor or pipeline parallel ranks hold the rest of the model: the engine
+passes that group; lessons/04-mixed-precision.md, "Mixed precision in every layout"):
 
     if scaler.found_overflow(shard_grads, dp_group):   # the same answer on every rank
         scaler.update(True); drop the gradient shards; return   # every rank skips together

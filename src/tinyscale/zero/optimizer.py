@@ -67,9 +67,10 @@ class ShardedOptimizer:
         "nvme"; `offload.py`): where master shards and optimizer states live and the step runs.
         `param_dtype` (mixed precision: fp16/bf16): the masters keep the parameters' current
         (fp32) values, then the parameters are rounded to it and gradients flow in it;
-        `loss_scaler` (fp16; `tinyscale.precision`): overflow is agreed over the group in
-        `full_step`, which then skips on every rank together. `sub_group_size` (DeepSpeed's;
-        `sub_groups.py`): the step runs on at most that many elements at a time; None: all.
+        `loss_scaler` (fp16; `tinyscale.precision`): overflow is agreed over the group (or
+        `overflow_group`, if the caller widens it) in `full_step`, which then skips on every
+        rank together. `sub_group_size` (DeepSpeed's; `sub_groups.py`): the step runs on at
+        most that many elements at a time; None: all.
         `pin_memory` (offload "cpu", with a GPU): master shards in pinned host memory."""
         if offload not in OFFLOAD_DEVICES:
             raise ValueError(f"offload_optimizer.device={offload!r}: choose one of {OFFLOAD_DEVICES}")

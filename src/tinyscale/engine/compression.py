@@ -152,6 +152,7 @@ def agree_replicas(params, tensors, owners: dict, tp_group) -> None:
     comm.all_reduce(flat, group=tp_group)
     for (t, *_), view in zip(slots, views):
         t.copy_(view.view_as(t))
+# --8<-- [end:agree]
 
 
 def agreement(model, pipeline=None):
@@ -168,9 +169,9 @@ def agreement(model, pipeline=None):
     def agree(params, tensors) -> None:
         if tp_group is not None:
             agree_replicas(params, tensors, owners, tp_group)
-        if tied is not None:
-            table, peer = tied
-            mine = next(t for q, t in zip(params, tensors) if q is table)
+        mine = None if tied is None else next((t for q, t in zip(params, tensors) if q is tied[0]), None)
+        if mine is not None:  # None on both stages alike: a frozen table is not stepped
+            peer = tied[1]
             theirs = torch.empty_like(mine)
             for work in comm.batch_isend_irecv([comm.P2POp("isend", mine.contiguous(), peer, pipeline.group),
                                                 comm.P2POp("irecv", theirs, peer, pipeline.group)]):
@@ -178,7 +179,6 @@ def agreement(model, pipeline=None):
             if dist.get_rank() > peer:  # the first stage's ranks are the lower: its copy wins
                 mine.copy_(theirs)
     return agree
-# --8<-- [end:agree]
 
 
 def after_sync(engine, tp_group) -> None:

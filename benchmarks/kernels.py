@@ -10,7 +10,8 @@ byte and FLOP counts are `notebooks/kernels_traffic.py`'s, from the shapes.
     .venv/bin/python benchmarks/kernels.py --smoke         # tiny shapes on the CPU under Triton's
                                                            # interpreter: checks the script runs, times nothing real
 
-No numbers from a GPU have been recorded yet (the lesson says so).
+Measured once, on one H100 SXM (torch 2.11.0+cu130, Triton 3.6.0, 2026-11-26): the table is in
+lessons/11-kernels.md ("Measured on an H100"). No other GPU has run it.
 """
 
 from __future__ import annotations

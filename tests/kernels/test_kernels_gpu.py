@@ -148,8 +148,9 @@ def test_kernels_gpu_quantize_equals_the_reference_exactly(dtype):
     x[:block] = 0  # a block of zeros: scale 0, codes 0
     codes, scales = quantize_int8(x, block)
     ref_codes, ref_scales = quantize_reference(x, block)
-    # exact: the kernel divides with IEEE rounding (div_rn), as PyTorch does
-    assert torch.equal(scales, ref_scales) and torch.equal(codes, ref_codes)
+    # exact: the kernel divides with IEEE rounding (div_rn), as PyTorch does tensor by tensor
+    assert torch.equal(scales, ref_scales), f"{(scales != ref_scales).sum().item()} of {scales.numel()} scales differ"
+    assert torch.equal(codes, ref_codes), f"{(codes != ref_codes).sum().item()} of {n} codes differ"
     back = dequantize_int8(codes, scales, block)
     step = scales.repeat_interleave(block)[:n]
     assert ((back - x.float()).abs() <= step / 2 + _ROUNDING * step).all()

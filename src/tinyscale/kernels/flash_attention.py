@@ -176,7 +176,8 @@ def _tiles(D: int, block: int) -> dict:
 def _block(q: torch.Tensor, block: int | None) -> int:
     """Query/key tile: 16 under the CPU interpreter (tiny tiles run fastest there); on a GPU 64,
     or 32 where float32 or a head dim over 64 would make three 64-row tiles too big for
-    shared memory (untuned: no GPU has run these kernels yet, see lesson 11)."""
+    shared memory. Untuned: on an H100 the bf16 forward at head dim 128 runs at 115 TFLOP/s,
+    a fifth of SDPA's (lesson 11, "Measured on an H100")."""
     if block is not None:
         if block < 16 or block & (block - 1):
             raise ValueError(f"flash attention: block={block} must be a power of two >= 16 (tl.dot's minimum)")

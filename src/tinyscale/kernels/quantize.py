@@ -25,7 +25,12 @@ def quantize_reference(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     """x (n,) -> (int8 codes (n,), float32 scales (b,)), the kernel's math written for reading."""
     n = x.numel()
     padded = torch.cat([x.float(), x.new_zeros(-n % block, dtype=torch.float32)]).view(-1, block)  # (b, block)
-    scales = padded.abs().amax(dim=1) / 127  # (b,)
+    amax = padded.abs().amax(dim=1)  # (b,)
+    # Divided by a tensor, not by the number 127: on CUDA, PyTorch divides by a Python number
+    # as a multiplication by its float32 reciprocal, 1 ulp off the quotient in a few % of blocks
+    # (the first GPU run caught it); tensor by tensor it divides with IEEE rounding on every
+    # device, as the kernel's div_rn does.
+    scales = amax / amax.new_tensor(127.0)
     y = padded / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
     codes = (torch.sign(y) * torch.floor(y.abs() + 0.5)).clamp(-127, 127).to(torch.int8)
     return codes.view(-1)[:n], scales

@@ -1,16 +1,17 @@
 """wall_clock_breakdown and communication_data_type under a pipeline.
 
-- wall_clock_breakdown (pp 2, 1F1B and zb_h1): the engine's profile splits a pipelined step
+- wall_clock_breakdown (pp 2, 1F1B and zb_h1; zb_h1 at dp 2 x ZeRO 3 too): the engine's profile splits a pipelined step
   as it does a data-parallel one: forward = this rank's F actions, backward = its B, BW and
   W actions, optimizer = the step after the schedule, and the rest, waiting for a peer's
   activation or gradient (the bubble), posting messages, the dp / pp reductions, as
   comm_exposed (the host blocked in a receive's wait) and other. The categories add up to
   the step; `pipeline_bubble` is this rank's share of the schedule's time outside its
   compute actions, reported beside `tinyscale.pipeline.simulate`'s bubble for the schedule.
-- communication_data_type (dp 2 x pp 2, ZeRO 0, 1, 2): the data-parallel reduction after the
+- communication_data_type (dp 2 x pp 2, ZeRO 0, 1, 2, 3): the data-parallel reduction after the
   schedule is sent in that dtype (the ledger's rows), and a float64 model trained with fp32
   communication equals one process within the bound its rounding derives, and equals dp 2
-  without a pipeline at the same setting.
+  without a pipeline at the same setting bit for bit (DDP, ZeRO 1; ZeRO 2 rounds once per
+  micro-batch without a pipeline, once per step with one).
 Run: `pytest tests/engine/test_engine_pipeline_profile.py` (keys engine_pipeline, mfu).
 """
 
@@ -33,13 +34,13 @@ PARTS = ("forward", "backward", "optimizer", "comm_exposed", "other")  # they pa
 
 # --- wall_clock_breakdown ------------------------------------------------------------------
 
-def _profiled(schedule: str) -> dict:
+def _profiled(schedule: str, dp: int = 1, stage: int = 0) -> dict:
     cfg = GPTConfig(vocab_size=64, max_seq_len=16, n_layer=4, n_head=4, d_model=32, ffn_hidden=64)
-    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+    config = {"train_batch_size": 4 * dp, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
               "wall_clock_breakdown": True, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "parallel": {"pipeline": 2, "pipeline_schedule": schedule}}
+              "zero_optimization": {"stage": stage}, "parallel": {"pipeline": 2, "pipeline_schedule": schedule}}
     engine = ts.initialize(GPT(cfg, seed=0), config)
-    for b in synthetic_token_batches(num_batches=2, batch_size=4, seq_len=16, vocab_size=64, seed=0):
+    for b in synthetic_token_batches(num_batches=2, batch_size=4 * dp, seq_len=16, vocab_size=64, seed=0):
         engine.train_batch(b)
     mine = engine.pipeline.schedule[engine.pipeline.rank]
     return {"profile": engine.last_step["profile"], "seconds": engine.last_step["seconds"],
@@ -121,15 +122,19 @@ def _one_process_with_rank_terms(dp: int = 2):
 # --- the pooled calls (one process pool per world size) -------------------------------------
 
 STAGES = (0, 1, 2)
+PROFILED = {"1f1b": (2, 1, 0), "zb_h1": (2, 1, 0), "zb_h1-dp2-zero3": (4, 2, 3)}  # name: world, dp, ZeRO stage
 
 
 def _world2() -> dict:
-    return {"profile": {s: _profiled(s) for s in ("1f1b", "zb_h1")},
+    return {"profile": {name: _profiled(name.split("-")[0], dp, stage)
+                        for name, (world, dp, stage) in PROFILED.items() if world == 2},
             "dp2": {stage: _comm_run(stage, pp=1) for stage in STAGES}}
 
 
 def _world4() -> dict:
-    return {stage: _comm_run(stage, pp=2) for stage in STAGES}
+    return {"profile": {name: _profiled(name.split("-")[0], dp, stage)
+                        for name, (world, dp, stage) in PROFILED.items() if world == 4},
+            **{stage: _comm_run(stage, pp=2) for stage in (*STAGES, 3)}}
 
 
 @functools.cache
@@ -137,10 +142,11 @@ def results(world: int) -> list:
     return run_on_ranks(_world2 if world == 2 else _world4, world, timeout_s=300)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", list(PROFILED))
 def test_engine_pipeline_mfu_profile_phases_add_up_to_the_step(schedule):
-    bubbles = []
-    for rank, out in enumerate(results(2)):
+    """zb_h1 at dp 2 x ZeRO 3 too: its all-gathers run in the executor's hooks, outside the phases."""
+    bubbles, world = [], PROFILED[schedule][0]
+    for rank, out in enumerate(results(world)):
         run = out["profile"][schedule]
         profile = run["profile"]
         # the categories partition the profiled step (interval arithmetic: equal up to rounding)
@@ -153,14 +159,14 @@ def test_engine_pipeline_mfu_profile_phases_add_up_to_the_step(schedule):
         assert 0 < profile["pipeline_bubble"] < 1
         assert profile["step"] == pytest.approx(run["seconds"], rel=0.05)  # the profiled block is the step
         bubbles.append(profile["pipeline_bubble"])
-    simulated = results(2)[0]["profile"][schedule]["simulated"]
+    simulated = results(world)[0]["profile"][schedule]["simulated"]
     # Loosely (2 shared cores: no timing is tight): the measured bubble is the simulated one plus the
     # host's overhead around each action, so not below half of it (F = B = W in the simulator only).
     print(f"{schedule}: measured bubble per rank {[round(b, 3) for b in bubbles]}, simulated {simulated:.3f}")
     assert sum(bubbles) / len(bubbles) > simulated / 2
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", (*STAGES, 3))
 def test_engine_pipeline_communication_data_type_rounds_the_dp_reduction(stage):
     expected_losses, expected, terms_abs, loss_moves = _one_process_with_rank_terms()
     if stage == 0:  # the loop above is one process: tinyscale.reference at rtol 1e-10

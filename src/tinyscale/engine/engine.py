@@ -269,6 +269,8 @@ class Engine:
                           **self.throughput.record(batch, self._clock() - start)}
         if self.profiler.enabled:
             self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
+            if self.pipeline is not None:  # the schedule's seconds and this rank's bubble in them
+                self.last_step["profile"] |= self.pipeline.profile(self.last_step["profile"])
         if self.step % self.config.steps_per_print == 0:  # DeepSpeed's progress line
             self._print_progress(mean_loss, skipped)
         return mean_loss

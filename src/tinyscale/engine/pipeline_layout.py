@@ -6,11 +6,13 @@ virtual stages, and DDP or ZeRO stages 1-3 over dp (x cp), clipping included.
 Config alone (`config_problems`): the schedule's settings without a pipeline; virtual stages
 with a schedule that has no chunks; `parallel.pipeline_reshard_after_forward` without ZeRO
 stage 3 (it would do nothing), or stage 3 with a persistence threshold (its units are whole
-stages); re-entrant activation checkpointing with zb_h1 (its backward cannot be split into
-zero-bubble's B and W passes); and what the other layouts' work refuses for now
-(communication_data_type, wall_clock_breakdown). fp16/bf16 (`pytest -k layout_mixed_precision`),
+stages); and re-entrant activation checkpointing with zb_h1 (its backward cannot be split
+into zero-bubble's B and W passes). fp16/bf16 (`pytest -k layout_mixed_precision`),
 activation checkpointing (every policy, every schedule) and offload (tested at ZeRO 1) are
-served (`pytest -k "layout_activation_checkpointing or layout_offload"`). With the model and
+served (`pytest -k "layout_activation_checkpointing or layout_offload"`), and so are
+communication_data_type (the dp reduction after the schedule in that dtype) and
+wall_clock_breakdown (F actions as forward, B/BW/W as backward, the bubble as waiting:
+`pytest tests/engine/test_engine_pipeline_profile.py`). With the model and
 world size (`check_layout`): a GPT without stream dropout masks (counter masks,
 GPTConfig.dropout_masks="counter", are served), a world that is pp x cp x tp x dp, at least
 one block per model stage, and interleaving's micro-batches (``gradient_accumulation_steps``) a
@@ -57,12 +59,6 @@ def config_problems(config: EngineConfig) -> list[str]:
                         "zero-bubble's B pass asks autograd for the input gradient alone, and a re-entrant "
                         "checkpoint's backward runs the whole inner backward (parameter gradients too) inside "
                         "it, so it cannot be split into B and W; set use_reentrant false, or another schedule")
-    if config.communication_data_type is not None:
-        problems.append(f"communication_data_type={config.communication_data_type!r} with parallel.pipeline={pp} "
-                        "(not tested yet); remove it")
-    if config.wall_clock_breakdown:
-        problems.append(f"wall_clock_breakdown with parallel.pipeline={pp}: a schedule interleaves forwards and "
-                        "backwards, which the per-phase profile does not split yet; set it false")
     return problems
 
 

@@ -44,6 +44,13 @@ One step (`PipelineStep.train_step`), on every rank of every pipeline:
    stage only; ZeRO sums its gradient shards' counted fragments over the world. Then the
    learning rate and the step.
 
+communication_data_type applies to step 4's reduction (DDP's buckets, ZeRO's reduce-scatters
+sent in that dtype), as without a pipeline. wall_clock_breakdown (`engine.last_step["profile"]`)
+times each F action as forward and each B, BW and W as backward (the executor's
+`around_compute`), step 6 as the optimizer; the waits for a peer's activation or gradient (the
+bubble) are comm_exposed, the host's work between actions other, and `pipeline_bubble` is
+this rank's share of the schedule's time outside its compute actions (`PipelineStep.profile`).
+
 A forward, backward or loss that raises on some stages: the executor runs the schedule's
 messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
 failed (one all-reduce of a flag per rank, `step_failure.failed_ranks`) and drops the step, as
@@ -51,13 +58,15 @@ the data-parallel engine does: that rank re-raises its error, the others raise `
 naming it. A failure in the messages themselves still stops the engine. Tests:
 `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
 pp_interleaved, pp_zero_bubble), `pytest tests/engine/test_engine_pipeline_compose.py` (with
-the other axes and ZeRO: keys engine_pipeline, layout_pp); fp16/bf16: `pytest -k layout_mixed_precision`.
+the other axes and ZeRO: keys engine_pipeline, layout_pp); fp16/bf16: `pytest -k layout_mixed_precision`;
+`pytest tests/engine/test_engine_pipeline_profile.py` (the profile, communication_data_type).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -108,6 +117,7 @@ class PipelineStep:
         self.executor = PipelineExecutor(self.schedule, self.rank, self.stages, loss_fn=gpt_loss,
                                          ranks=self.ranks, group=self.group)
         self.tp_group = self.cp_group = self.stage3 = None
+        self.schedule_seconds: float | None = None  # wall_clock_breakdown: executor.run's, last step
         self.sequence_parallel = False
         self._bind(model)
 
@@ -197,6 +207,9 @@ class PipelineStep:
         self.executor.before_compute = lambda i: set_dropout_clock(
             engine.model, step=engine.step, row0=(engine.dp_rank * len(micro) + i) * rows)
         targets = [chunk[1].to(engine.device) for chunk in micro]
+        profiler = engine.profiler  # wall_clock_breakdown: F actions timed as forward, B, BW and W as backward
+        self.executor.around_compute = (lambda a: profiler.phase("forward" if a.kind == F else "backward")) \
+            if profiler.enabled else None
         # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})
         failed: list[int] = []
@@ -210,7 +223,9 @@ class PipelineStep:
                 error = None
                 with _no_sync(engine):
                     try:
+                        start = _now(engine) if profiler.enabled else 0.0
                         loss = self.executor.run(inputs, targets)
+                        self.schedule_seconds = _now(engine) - start if profiler.enabled else None
                     except Exception as exc:  # noqa: BLE001 - the schedule ran to its end: drop the step
                         if self.executor.failed is None:
                             raise  # the messages themselves failed
@@ -263,7 +278,7 @@ class PipelineStep:
         engine._before_step_report = engine.memory_report()  # the step's peak of model states
         lr = lr_at(engine.step - engine.skipped_steps, engine.config) if engine._schedules_lr else None
         try:
-            with comm.record(engine.comm_ledger):
+            with comm.record(engine.comm_ledger), profiler.phase("optimizer"):
                 skipped = self._optimizer_step(engine, lr, used)
         except Exception as exc:
             engine._broken = f"step {engine.step} raised in the optimizer step ({type(exc).__name__}: {exc})"
@@ -271,6 +286,15 @@ class PipelineStep:
         engine.skipped_steps += int(skipped)
         engine.step += 1
         return mean_loss, skipped
+
+    def profile(self, breakdown: dict[str, float]) -> dict[str, float]:
+        """wall_clock_breakdown's pipeline keys beside `breakdown` (the step's, as_dict): the
+        schedule's seconds on this rank and its bubble, the share of them this rank spent
+        outside its F, B, BW and W actions (waiting for a peer's message, posting its own, the
+        warm-up and cool-down), comparable with `simulate(schedule).bubble_fraction`."""
+        compute = breakdown["forward"] + breakdown["backward"]  # every F/B/W phase lies inside the schedule
+        return {"pipeline_schedule": self.schedule_seconds,
+                "pipeline_bubble": 1.0 - compute / self.schedule_seconds}
 
     def _optimizer_step(self, engine, lr: float | None, used: torch.Tensor | None) -> bool:
         """Clip, step; True if fp16 overflow skipped the step (on every rank of the world)."""
@@ -326,6 +350,13 @@ class _Stage3Driver:
         if self.reshard or self.in_flight[u] == 0:
             self.zero.release(u)
 # --8<-- [end:stage3-driver]
+
+
+def _now(engine) -> float:
+    """The profiler's clock: CUDA kernels are asynchronous, so wait for them first."""
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter()
 
 
 def _no_sync(engine):

@@ -31,6 +31,7 @@ Test: `pytest tests/pipeline -k pp_executor` (2 ranks, float64, against tinyscal
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -128,6 +129,10 @@ class PipelineExecutor:
         # Called with the micro-batch index before each of its compute actions (F, B, W): the
         # engine tells the model which global rows come (counter dropout), recomputation included.
         self.before_compute: Callable[[int], None] | None = None
+        # A context manager around each compute action itself (inside `hooks`, so ZeRO 3's
+        # gathers stay outside it): the engine's wall_clock_breakdown times F as forward and
+        # B, BW and W as backward there (`StepProfiler.phase`).
+        self.around_compute: Callable[[Action], contextlib.AbstractContextManager] | None = None
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
         """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
@@ -152,9 +157,10 @@ class PipelineExecutor:
                 self.hooks[0](a)
             if self.failed is None:
                 try:
-                    if self.before_compute is not None:
-                        self.before_compute(a.microbatch)
-                    {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
+                    with self.around_compute(a) if self.around_compute is not None else contextlib.nullcontext():
+                        if self.before_compute is not None:
+                            self.before_compute(a.microbatch)
+                        {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the schedule's messages
                     self.failed = (self.me, exc)
             if self.hooks is not None:

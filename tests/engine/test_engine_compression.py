@@ -7,7 +7,6 @@ Run: `pytest -k compression_engine`. The compressors themselves: tests/compressi
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import tinyscale as ts

@@ -35,7 +35,9 @@ from tinyscale.data import synthetic_token_batches
 from tinyscale.engine.engine import check_supported
 from tinyscale.models import GPT, GPTConfig, TinyMLP
 from tinyscale.pipeline.schedules import SEND_B, SEND_F
-from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
+from tinyscale.testing import (
+    assert_every_rank_trained_like, assert_losses_close, assert_state_dicts_close, run_on_ranks,
+)
 
 VOCAB, SEQ, STEPS = 32, 4, 2
 OPTIMIZERS = {  # SGD too: Adam hides a uniform gradient-scale bug (a missing or doubled reduction)
@@ -105,11 +107,8 @@ def reference(name, n_layer, tied, m, v, optimizer, dp, stage, clip):
 def _check(world: int, layouts: list[tuple], index: int) -> None:
     layout = layouts[index]
     expected_losses, expected = reference(*layout)
-    for rank_results in results(world, tuple(layouts)):
-        losses, state, *_ = rank_results[index]
-        assert_losses_close(losses, expected_losses)
-        assert list(state) == list(expected)  # the original keys, in order, on every rank
-        assert_state_dicts_close(state, expected, what=f"{layout} full_state_dict after {STEPS} steps")
+    assert_every_rank_trained_like([r[index] for r in results(world, tuple(layouts))], expected_losses, expected,
+                                   what=f"{layout} full_state_dict after {STEPS} steps")
 
 
 def _ids(layouts):
@@ -191,9 +190,6 @@ def test_engine_pipeline_checkpoint_resumes_across_layouts(tmp_path):
 
 
 def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group():
-    from tinyscale.config import EngineConfig
-    from tinyscale.engine.engine import check_supported
-
     assert not dist.is_initialized()
     base = run_config(2, 1, "1f1b", 2, "sgd")
 
@@ -226,7 +222,6 @@ def test_engine_pipeline_refuses_what_it_cannot_serve_before_any_process_group()
 def test_engine_pipeline_refuses_bad_layouts_naming_the_field():
     """Checked with the world size before any collective (`check_layout` is pure)."""
     from tinyscale.engine.parallelize import check_layout
-    from tinyscale.config import EngineConfig
 
     def refused(config: dict, world: int, model, *fields: str) -> None:
         with pytest.raises(ConfigError) as err:

@@ -9,6 +9,7 @@ Used by tinyscale's own tests and by anyone checking their own implementation of
 from tinyscale.testing.equivalence import (
     FLOAT64_ATOL,
     FLOAT64_RTOL,
+    assert_every_rank_trained_like,
     assert_losses_close,
     assert_state_dicts_close,
     max_abs_diff,
@@ -22,6 +23,7 @@ __all__ = [
     "FLOAT64_ATOL",
     "FLOAT64_RTOL",
     "RankPool",
+    "assert_every_rank_trained_like",
     "assert_losses_close",
     "assert_state_dicts_close",
     "close_pools",

@@ -75,3 +75,14 @@ def assert_losses_close(
     for step, (a, e) in enumerate(zip(actual, expected)):
         if not abs(a - e) <= atol + rtol * abs(e):
             raise AssertionError(f"loss at step {step}: {a!r} != expected {e!r} (|diff| {abs(a - e):.3e})")
+
+
+def assert_every_rank_trained_like(per_rank: Sequence[tuple], expected_losses: Sequence[float],
+                                   expected: dict[str, torch.Tensor], *, what: str) -> None:
+    """Each rank's (losses, full_state_dict, ...) equals the single process's losses and state,
+    under the original keys in their order (the engine's equivalence check, every rank alike)."""
+    for rank, (losses, state, *_) in enumerate(per_rank):
+        assert_losses_close(losses, expected_losses)
+        if list(state) != list(expected):
+            raise AssertionError(f"{what}, rank {rank}: keys {list(state)} differ from the model's {list(expected)}")
+        assert_state_dicts_close(state, expected, what=f"{what}, rank {rank}")

@@ -43,25 +43,33 @@ MIXED = {((2, 1, 1, 2), "fp16"), ((1, 2, 1, 2), "bf16")}
 # unit per pipeline stage.
 PADDED = [(3, 1, 1, 1, s, False, "none", "1f1b", 0.0) for s in (1, 2, 3)] + \
     [(2, 1, 2, 1, 2, False, "none", "1f1b", 0.0), (3, 2, 1, 1, 3, False, "none", "1f1b", 0.0)]
+# zero_optimization's knobs that change the units, on dp 3 of the width-10 GPT: buckets of at most
+# 300 elements (stages 1 and 2: many units) with sub-groups of 250 (fragments cut again), and
+# stage 3 with the 10-element norms persistent (whole on every rank, their own unit).
+KNOBS = [((3, 1, 1, 1, s, False, "none", "1f1b", 0.0), (("reduce_bucket_size", 300), ("sub_group_size", 250)))
+         for s in (1, 2)] + \
+    [((3, 1, 1, 1, 3, False, "none", "1f1b", 0.0), (("stage3_param_persistence_threshold", 11),))]
 
 
 def _jobs(thorough: bool) -> list[tuple]:
-    """(layout, precision, width-10 model?): every selected layout in float64, the MIXED ones again
-    in fp16/bf16, then the PADDED layouts."""
+    """(layout, precision, width-10 model?, zero_optimization overrides): every selected layout in
+    float64, the MIXED ones again in fp16/bf16, then the PADDED layouts and the KNOBS."""
     layouts = [lay for lay in matrix() if thorough or world(lay) <= 4]
-    return [(lay, None, False) for lay in layouts] + \
-        [(lay, p, False) for lay in layouts for d, p in sorted(MIXED) if lay[:4] == d] + \
-        [(lay, None, True) for lay in PADDED if thorough or world(lay) <= 4]
+    return [(lay, None, False, ()) for lay in layouts] + \
+        [(lay, p, False, ()) for lay in layouts for d, p in sorted(MIXED) if lay[:4] == d] + \
+        [(lay, None, True, ()) for lay in PADDED if thorough or world(lay) <= 4] + \
+        [(lay, None, True, knobs) for lay, knobs in KNOBS]
 
 
-def _engine_config(layout: tuple, precision: str | None) -> dict:
+def _engine_config(layout: tuple, precision: str | None, knobs: tuple = ()) -> dict:
     cfg = config(layout)
+    cfg["zero_optimization"] = cfg["zero_optimization"] | dict(knobs)
     if precision == "fp16":
         return cfg | {"fp16": {"enabled": True, "initial_scale_power": 8}}
     return cfg | ({"bf16": {"enabled": True}} if precision == "bf16" else {})
 
 
-def _model(layout: tuple, precision: str | None, padded: bool) -> GPT:
+def _model(layout: tuple, precision: str | None, padded: bool, knobs: tuple = ()) -> GPT:
     model = gpt(layout[-1])
     if padded:
         return GPT(model.config.with_(d_model=10, n_head=5, n_kv_head=1, ffn_hidden=14, n_layer=4,
@@ -71,8 +79,8 @@ def _model(layout: tuple, precision: str | None, padded: bool) -> GPT:
 
 def _measure(jobs: list[tuple]) -> list[dict]:
     out = []
-    for layout, precision, padded in jobs:
-        engine = ts.initialize(_model(layout, precision, padded), _engine_config(layout, precision))
+    for layout, precision, padded, knobs in jobs:
+        engine = ts.initialize(_model(layout, precision, padded), _engine_config(layout, precision, knobs))
         for batch in batches(layout):
             engine.train_batch(batch)
         report = engine.memory_report(when="before_step")
@@ -94,26 +102,28 @@ def plan_of(layout: tuple) -> LayoutPlan:
 
 
 def _id(job: tuple) -> str:
-    (dp, pp, cp, tp, stage, sp, *_), precision, padded = job
+    (dp, pp, cp, tp, stage, sp, *_), precision, padded, knobs = job
     return f"dp{dp}-pp{pp}-cp{cp}-tp{tp}-zero{stage}" + ("-sp" if sp else "") + (f"-{precision}" if precision else "") \
-        + ("-width10" if padded else "")
+        + ("-width10" if padded else "") + "".join(f"-{k.split('_')[-2]}{v}" for k, v in knobs)
 
 
 @pytest.mark.parametrize("job", [pytest.param(j, id=_id(j), marks=() if world(j[0]) <= 4 else pytest.mark.thorough)
                                  for j in _jobs(True)])
 def test_layout_memory_per_rank_equals_formula(job, request):
     thorough = request.config.getoption("--thorough")
-    layout, precision, padded = job
+    layout, precision, padded, knobs = job
     size = world(layout)
     index = [j for j in _jobs(thorough) if world(j[0]) == size].index(job)
     dtype_bytes = 8 if precision is None else 4
     expected = rank_model_state_bytes(_model(*job).config, plan_of(layout), dtype_bytes=dtype_bytes,
-                                      compute_bytes=None if precision is None else 2)
-    if padded:  # not vacuous: some unit of rank 0 is padded (the ZeRO group does not divide it)
+                                      compute_bytes=None if precision is None else 2, **dict(knobs))
+    if padded and not knobs:  # not vacuous: some unit of rank 0 is padded (the group does not divide it)
         n, cfg = layout[0] * layout[2], _model(*job).config
         units, _ = zero_units(rank_tensors(cfg, plan_of(layout), 0), layout[4], bucket_bytes=5e8 * 8, element_bytes=8,
                               pipeline=layout[1] > 1)
         assert any(sum(u) % n for u in units), units
+    if knobs:  # not vacuous: the knobs change the formula's answer
+        assert expected != rank_model_state_bytes(_model(*job).config, plan_of(layout), dtype_bytes=dtype_bytes)
     for rank, jobs in enumerate(measured(size, thorough)):
         assert jobs[index] == expected[rank], f"{_id(job)} rank {rank}"
 

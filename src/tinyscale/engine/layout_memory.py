@@ -181,12 +181,12 @@ def shard_share(units: list[list[int]], n: int, r: int, sub_group: int = DEFAULT
 def rank_model_state_bytes(cfg: GPTConfig, plan, *, dtype_bytes: int = 4, compute_bytes: int | None = None,
                            states_per_element: int = 2, step_bytes: int = 4,
                            reduce_bucket_size: int = DEFAULT_BUCKET, sub_group_size: int = DEFAULT_SUB_GROUP,
-                           persistence_threshold: int = 0) -> dict[int, dict[str, int]]:
+                           stage3_param_persistence_threshold: int = 0) -> dict[int, dict[str, int]]:
     """{rank: {category: bytes}} of the model states each rank holds before the optimizer step
     (see the module doc for the rules). `dtype_bytes`: the model's parameter dtype (masters and
     optimizer states are in it); `compute_bytes`: 2 under fp16/bf16 (parameters and gradients),
     None without; Adam defaults (`states_per_element` 2, a 4-byte `step` per stepped tensor);
-    `reduce_bucket_size`, `sub_group_size`, `persistence_threshold`: zero_optimization's."""
+    `reduce_bucket_size`, `sub_group_size`, `stage3_param_persistence_threshold`: zero_optimization's."""
     B, M, stage = compute_bytes or dtype_bytes, dtype_bytes, plan.zero_stage
     n_group = plan.dp * plan.cp
     layout = MeshLayout(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp)
@@ -200,7 +200,7 @@ def rank_model_state_bytes(cfg: GPTConfig, plan, *, dtype_bytes: int = 4, comput
                          "optimizer_states": states_per_element * M * n + step_bytes * len(tensors)}
             continue
         units, persistent = zero_units(tensors, stage, bucket_bytes=reduce_bucket_size * (2 if compute_bytes else M),
-                                       element_bytes=M, persistence_threshold=persistence_threshold,
+                                       element_bytes=M, persistence_threshold=stage3_param_persistence_threshold,
                                        pipeline=plan.pp > 1)
         r = sorted(next(g for g in groups if rank in g)).index(rank)
         S, R, f = shard_share(units, n_group, r, sub_group_size)

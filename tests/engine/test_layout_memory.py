@@ -204,3 +204,42 @@ def test_layout_memory_one_replica_holds_the_model_and_its_copies(vocab, layers,
             peers = [r + k * tp for k in range(dp)]
             assert sum(got[p]["master_weights"] for p in peers) == sum(dp * -(-sum(u) // dp) for u in units)
             assert sum(got[p]["optimizer_states"] for p in peers) == sum(map(sum, units))
+
+
+# --- the lesson's table -------------------------------------------------------------------------
+
+LESSON = "lessons/12-engine.md"
+# (dp, pp, cp, tp, ZeRO stage, width-10 model?) of the layouts in the table: each also runs above,
+# in float64, where every rank's measured bytes equal the formula's
+TABLE = [(1, 2, 1, 1, 0, False), (1, 1, 1, 2, 1, False), (1, 1, 2, 2, 3, False), (3, 1, 1, 1, 2, True)]
+TABLE_JOBS = [next(j for j in _jobs(False) if (*j[0][:5], j[2]) == row and j[1] is None and not j[3]) for row in TABLE]
+
+
+def lesson_table() -> str:
+    """The markdown table of lesson 12's "Memory per rank in every layout", from the formula;
+    ranks with the same bytes share a row."""
+    lines = ["| layout | ranks | parameters | gradients | master weights | optimizer states |",
+             "|---|---|---|---|---|---|"]
+    for job in TABLE_JOBS:
+        layout = job[0]
+        per_rank = rank_model_state_bytes(_model(*job).config, plan_of(layout), dtype_bytes=8)
+        dp, pp, cp, tp, stage, sp, *_ = layout
+        name = " x ".join(f"{a} {d}" for a, d in zip(("dp", "pp", "cp", "tp"), (dp, pp, cp, tp)) if d > 1) + \
+            (" + SP" if sp else "") + f", ZeRO {stage}" + (" (width 10)" if job[2] else "")
+        rows: list[list] = []
+        for rank, states in per_rank.items():
+            if rows and rows[-1][1] == states:
+                rows[-1][0].append(rank)
+            else:
+                rows.append([[rank], states])
+        for ranks, states in rows:
+            span = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+            lines.append(f"| {name} | {span} | " + " | ".join(f"{states[c]:,}" for c in CATEGORIES) + " |")
+    return "\n".join(lines)
+
+
+def test_layout_memory_lesson_table_is_the_formula():
+    from pathlib import Path  # noqa: PLC0415
+
+    text = (Path(__file__).parents[2] / LESSON).read_text()
+    assert lesson_table() in text, "regenerate the table: print(tests.engine.test_layout_memory.lesson_table())"

@@ -55,8 +55,10 @@ and c the optimizer's step counter bytes per tensor it steps (torch Adam: one fl
     0       B n               B n           M n under fp16/bf16     k M n + c T
     1       B n               B n           M S                     k M R + c f
     2       B n               B S           M S                     k M R + c f
-    3       B S (+B n_pers)   B S           M S                     k M R + c f
-At stage 1 the report is taken before the step, which reduce-scatters: gradients are whole.
+    3       B S'  + B n_pers  B S           M S                     k M R + c f
+S' leaves out the persistent unit's shard, whose n_pers elements stay whole instead. At stage 1
+the report is taken before the step, which reduce-scatters: gradients are whole. Categories are
+summed over device, host and disk: offload moves bytes, it does not change them (not checked here).
 At tp = pp = 1 with one unit this is `model_state_bytes(Psi, N, stage)` with Psi padded to a
 multiple of N and the counters added (`pytest -k layout_memory_reduces`).
 """

@@ -87,8 +87,8 @@ def _model(layout: tuple, precision: str | None, other: str | None, knobs: tuple
     if other == "kv4":
         return GPT(model.config.with_(d_model=8, n_head=4, n_kv_head=1, ffn_hidden=16), seed=7, dtype=torch.float64)
     if other == "width10":
-        return GPT(model.config.with_(d_model=10, n_head=5, n_kv_head=1, ffn_hidden=14, n_layer=4, tie_embeddings=False),
-                   seed=7, dtype=torch.float64 if precision is None else torch.float32)
+        cfg = model.config.with_(d_model=10, n_head=5, n_kv_head=1, ffn_hidden=14, n_layer=4, tie_embeddings=False)
+        return GPT(cfg, seed=7, dtype=torch.float64 if precision is None else torch.float32)
     return model if precision is None else GPT(model.config, seed=7, dtype=torch.float32)
 
 

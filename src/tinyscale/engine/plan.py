@@ -16,9 +16,7 @@ pipeline stages that hold it (a tied table lives on the first and the last), and
 it this rank's ZeRO shard owns over dp x cp. From those alone follows which elements this rank
 *counts* when something must see every parameter exactly once: the global gradient norm, the
 memory report, checkpoints. `counted_elements` summed over the world is the model's size
-(`pytest -k layout_plan` checks that in every layout). The same placements, computed without
-an engine from the GPT config and the plan, give each rank's model-state bytes exactly:
-`engine/layout_memory.py` (`pytest -k layout_memory`).
+(`pytest -k layout_plan` checks that in every layout).
 
 Shape legend: a placement's `global_shape` is the original model's tensor; `local_shape` is the
 tensor this rank's module holds before ZeRO flattens it (a TP shard, with its padding rows).

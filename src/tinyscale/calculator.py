@@ -30,6 +30,12 @@ for them are the standard formulas, not yet checked against those topics' measur
 Not counted: the embedding, final norm, logits and loss activations, temporary buffers
 (gradient buckets, stage 3's gathered parameters), allocator fragmentation.
 
+Exact model states per rank, for the layouts the engine runs: not this calculator's Psi/(tp pp)
+and Psi/N_d (averages), but `tinyscale.engine.layout_memory.rank_model_state_bytes` (the real
+stages, replicated norms, vocab padding, K/V copies, the tied table's copy, ZeRO's padded units,
+Adam's step counters), which equals `engine.memory_report` byte for byte in every layout of the
+layout matrix (`pytest -k layout_memory`). It is not ported to calculator.js, so `PLANNED` stays.
+
 From a shell, with the page's inputs as flags (JSON out, bytes):
     python -m tinyscale.calculator --model llama-1b --dp 8 --tp 2 --zero-stage 3 --checkpointing full
 """

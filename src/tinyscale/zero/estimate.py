@@ -26,7 +26,8 @@ Not counted (they are not model states): activations and their checkpoints, temp
 buffers (stage 2's gradient buckets in flight, stage 3's gathered full parameters of the
 module being run and its prefetch), communication buffers, and allocator fragmentation.
 Psi / N_d is the ideal share: an implementation pads each flat buffer to a multiple of N_d
-(at most N_d - 1 elements per buffer; see `tinyscale.zero.flat`), which is left out here.
+(at most N_d - 1 elements per buffer; see `tinyscale.zero.flat`), which is left out here;
+`tinyscale.engine.layout_memory` counts it (and the engine's units) exactly, per rank.
 
 Offload, per rank (host = CPU memory, disk = NVMe). ``offload`` is where the optimizer goes
 (DeepSpeed's offload_optimizer.device), ``offload_params`` where the parameter shard goes

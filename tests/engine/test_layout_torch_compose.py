@@ -5,7 +5,11 @@ then FSDP2 `fully_shard` over the dp axis of the same device mesh (`tinyscale.en
 Ours: `parallel.tensor` 2 with `zero_optimization.stage` 3 over dp. Same GPT (GQA, float64), same
 AdamW with weight decay, same batches: the losses of 3 steps and the parameters after them agree at
 rtol 1e-10 (float64: reduction order is the only difference, ~1e-15 per op). Also tp 2 alone
-(DTensor TP, no FSDP) against our TP at ZeRO 0.
+(DTensor TP, no FSDP) against our TP at ZeRO 0. And dp 2 x pp 2: torch's `Schedule1F1B` over
+`PipelineStage(GPTStage)` with FSDP2 over dp (`torch_pipelined_gpt`) against the engine's 1f1b
+pipeline at ZeRO 3 (FSDP2 resharding after forward) and ZeRO 0 (FSDP2 kept gathered), an untied
+GQA GPT of 3 blocks (stages of 1 and 2), 2 micro-batches per dp rank: losses and each stage's
+parameters, gathered over dp, at rtol 1e-10.
 Run: `pytest tests/engine/test_layout_torch_compose.py` (key layout_torch).
 """
 
@@ -20,7 +24,7 @@ import torch.distributed as dist
 import tinyscale as ts
 from tinyscale.data import synthetic_token_batches
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine.torch_compose import full_state, torch_composed_gpt
+from tinyscale.engine.torch_compose import full_state, pipelined_step, torch_composed_gpt, torch_pipelined_gpt
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
 
@@ -28,8 +32,8 @@ VOCAB, SEQ, STEPS, ROWS = 40, 8, 3, 2
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 
 
-def gpt() -> GPT:
-    cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=2, n_head=4, n_kv_head=2, d_model=16,
+def gpt(n_layer: int = 2) -> GPT:
+    cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=n_layer, n_head=4, n_kv_head=2, d_model=16,
                     ffn_hidden=24, tie_embeddings=False)  # torchtitan's Llama does not tie either
     return GPT(cfg, seed=3, dtype=torch.float64)
 
@@ -69,3 +73,54 @@ def test_layout_torch_dtensor_fsdp2_agree_with_engine(dp, tp, stage):
     for rank, (ours, ours_state, theirs, theirs_state) in enumerate(results(dp, tp, stage)):
         assert_losses_close(ours, theirs)
         assert_state_dicts_close(ours_state, theirs_state, what=f"rank {rank}: engine vs torch's dp {dp} x tp {tp}")
+
+
+M = 2  # micro-batches per dp rank: its ROWS rows, one row each (torch's schedule splits them the same way)
+
+
+def _both_pipelined(dp: int, pp: int, stage: int, reshard: bool):
+    """Engine dp x pp (1F1B, ZeRO `stage`) and torch's Schedule1F1B over FSDP2, the same batches."""
+    batches = synthetic_token_batches(num_batches=STEPS, batch_size=ROWS * dp, seq_len=SEQ, vocab_size=VOCAB, seed=2)
+    engine = ts.initialize(gpt(3), {"train_batch_size": ROWS * dp, "train_micro_batch_size_per_gpu": ROWS // M,
+                                   "gradient_accumulation_steps": M,
+                                   "optimizer": {"type": "AdamW", "params": ADAMW},
+                                   "zero_optimization": {"stage": stage},
+                                   "parallel": {"pipeline": pp, "pipeline_schedule": "1f1b"}})
+    ours = [engine.train_batch(b) for b in batches]
+    ours_state = engine.full_state_dict()
+
+    mesh = ParallelMesh(dp=dp, pp=pp)
+    model = gpt(3)  # 3 blocks: the 2 stages hold 1 and 2 (the engine's cut, `partition_gpt`)
+    schedule, stage_module = torch_pipelined_gpt(model, mesh, M, reshard_after_forward=reshard)
+    optimizer = torch.optim.AdamW(stage_module.parameters(), **ADAMW)
+    rows = slice(mesh.rank("dp") * ROWS, (mesh.rank("dp") + 1) * ROWS)  # this dp rank's rows, as the engine's
+    theirs = []
+    for ids, targets in batches:
+        theirs.append(pipelined_step(schedule, mesh, ids[rows], targets[rows]).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    mine = {id(q) for q in stage_module.parameters()}  # this pp rank's stage: compared against the engine's
+    theirs_state = {k: (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone()
+                    for k, q in model.named_parameters() if id(q) in mine}
+    return ours, {k: ours_state[k] for k in theirs_state}, theirs, theirs_state, set(ours_state)
+
+
+@functools.cache
+def pipelined_results() -> dict:
+    """One pooled 4-rank call: dp 2 x pp 2, ZeRO 3 against FSDP2, ZeRO 0 against FSDP2 kept gathered."""
+    return run_on_ranks(_pooled, 4)
+
+
+def _pooled():
+    return {"zero3-fsdp2": _both_pipelined(2, 2, 3, True), "zero0-fsdp2-no-reshard": _both_pipelined(2, 2, 0, False)}
+
+
+@pytest.mark.parametrize("case", ["zero3-fsdp2", "zero0-fsdp2-no-reshard"])
+def test_layout_torch_pipelining_dp2_pp2_agrees_with_engine(case):
+    compared = set()
+    for rank, per_rank in enumerate(pipelined_results()):
+        ours, ours_state, theirs, theirs_state, every_key = per_rank[case]
+        compared |= set(theirs_state)
+        assert_losses_close(ours, theirs)
+        assert_state_dicts_close(ours_state, theirs_state, what=f"rank {rank}: engine vs torch's dp 2 x pp 2 ({case})")
+    assert compared == every_key  # the two stages together: every parameter of the GPT

@@ -1,7 +1,7 @@
 """The engine's composed dp x tp (or dp x pp) step against the same layout from PyTorch's own pieces.
 
     python benchmarks/compose.py [--dp 2] [--tp 2] [--steps 8] [--d-model 128] [--json]
-    python benchmarks/compose.py --pp 2 [--dp 2] [--microbatches 4] [--layers 4]      # the pipeline
+    python benchmarks/compose.py --pp 2 [--dp 2] [--tp 1] [--microbatches 4] [--layers 4]   # the pipeline
 
 On the same rank processes (CPU, gloo) and the same batches, it times one full training step
 (forward, backward, AdamW step) of a float32 GPT in two ways:
@@ -11,8 +11,9 @@ On the same rank processes (CPU, gloo) and the same batches, it times one full t
     torch DTensor+FSDP2   parallelize_module with torchtitan's block plan, then fully_shard over dp
                           (`tinyscale.engine.torch_compose`: the blocks split, the embedding and
                           head whole on every TP rank)
-    torch 1F1B+FSDP2      with --pp p (tp 1): Schedule1F1B over PipelineStage(GPTStage) with each
-                          stage fully_shard over dp (`torch_pipelined_gpt`), against the engine's
+    torch 1F1B+FSDP2      with --pp p: Schedule1F1B over PipelineStage(GPTStage) with each stage's
+                          blocks split over tp as above and the stage fully_shard over dp
+                          (`torch_pipelined_gpt`), against the engine's
                           parallel.pipeline = p, 1f1b, the same m micro-batches per dp rank
 
 steps interleaved round-robin so that load changes hit both alike, the first two of each dropped as
@@ -40,10 +41,9 @@ from tinyscale.engine.torch_compose import pipelined_step, torch_composed_gpt, t
 from tinyscale.models import GPT, GPTConfig
 
 
-def torch_name(pp: int, dp: int) -> str:
-    if pp > 1:
-        return "torch 1F1B+FSDP2" if dp > 1 else "torch 1F1B"
-    return "torch DTensor+FSDP2" if dp > 1 else "torch DTensor"
+def torch_name(pp: int, dp: int, tp: int) -> str:
+    parts = (["1F1B"] if pp > 1 else []) + (["DTensor"] if tp > 1 or pp == 1 else []) + (["FSDP2"] if dp > 1 else [])
+    return "torch " + "+".join(parts)
 
 
 def _bench_rank(dp: int, tp: int, steps: int, rows: int, seq: int, d_model: int, n_layer: int, pp: int = 1,
@@ -76,8 +76,8 @@ def _bench_rank(dp: int, tp: int, steps: int, rows: int, seq: int, d_model: int,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    variants = ("engine", torch_name(pp, dp))
-    run = {"engine": engine.train_batch, torch_name(pp, dp): torch_step}
+    variants = ("engine", torch_name(pp, dp, tp))
+    run = {"engine": engine.train_batch, torch_name(pp, dp, tp): torch_step}
     times = {name: [] for name in variants}
     for batch in batches:
         for name in variants:
@@ -95,7 +95,7 @@ def _bench_rank(dp: int, tp: int, steps: int, rows: int, seq: int, d_model: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, default=2)
-    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=None, help="default 2, or 1 with --pp")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (then tp is 1): torch's 1F1B vs ours")
     parser.add_argument("--microbatches", type=int, default=4, help="per dp rank per step, with --pp")
     parser.add_argument("--steps", type=int, default=8)
@@ -105,15 +105,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = parser.parse_args()
+    if args.tp is None:
+        args.tp = 1 if args.pp > 1 else 2
     if args.pp > 1:
-        args.tp = 1  # torch_pipelined_gpt composes pp with dp only
         args.rows = max(args.rows, args.microbatches)
         if args.rows % args.microbatches:
             parser.error(f"--rows {args.rows} must be a multiple of --microbatches {args.microbatches}")
     else:
         args.microbatches = 1
     world = args.dp * args.tp * args.pp
-    name = torch_name(args.pp, args.dp)
+    name = torch_name(args.pp, args.dp, args.tp)
     console = Console(width=150)
     t0 = time.perf_counter()
     with console.status(f"timing {args.steps + 2} steps of each on {world} ranks"):
@@ -124,7 +125,7 @@ def main() -> None:
         print(json.dumps({"benchmark": "compose", "dp": args.dp, "tp": args.tp, "pp": args.pp,
                           "microbatches": args.microbatches, **res, "ratio": ratio}))
         return
-    layout = (f"dp {args.dp} x pp {args.pp} (1F1B, m={args.microbatches})" if args.pp > 1
+    layout = (f"dp {args.dp} x pp {args.pp} x tp {args.tp} (1F1B, m={args.microbatches})" if args.pp > 1
               else f"dp {args.dp} x tp {args.tp}")
     table = Table(title=f"GPT ({args.layers} layers, d_model={args.d_model}, {args.rows} rows x {args.seq} tokens "
                         f"per dp rank, float32), {layout} on CPU gloo: one training step")

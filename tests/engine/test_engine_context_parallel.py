@@ -49,7 +49,8 @@ def run_config(dp: int, cp: int, algorithm: str = "ring", sharding: str = "zigza
                optimizer: str = "sgd", clip: float = 0.0, tp: int = 1, sp: bool = False) -> dict:
     return {"train_batch_size": ROWS, "gradient_accumulation_steps": 2, "optimizer": OPTIMIZERS[optimizer],
             "gradient_clipping": clip, "zero_optimization": {"stage": stage},
-            "parallel": {"context": cp, "context_algorithm": algorithm, "context_sharding": sharding, "tensor": tp}
+            "parallel": {"context": cp, "tensor": tp}
+            | ({"context_algorithm": algorithm, "context_sharding": sharding} if cp > 1 else {})
             | ({"sequence_parallel": True} if sp else {})}
 
 
@@ -219,10 +220,15 @@ def _refusal(config: dict, gpt: GPTConfig = GPT_CONFIG, world: int = 2):
     ({"parallel": {"context": 2}}, GPT_CONFIG.with_(dropout=0.1), 2,  # stream masks; counter: -k layout_dropout
      ["parallel.context=2", "dropout=0.1", "dropout_masks='counter'"]),
     ({"parallel": {"context": 2}}, None, 2, ["parallel.context=2", "TinyMLP"]),
+    ({"parallel": {"context_algorithm": "ulysses"}}, GPT_CONFIG, 1,
+     ["parallel.context_algorithm='ulysses' needs parallel.context > 1"]),
+    ({"parallel": {"context_sharding": "contiguous"}}, GPT_CONFIG, 1,
+     ["parallel.context_sharding='contiguous' needs parallel.context > 1"]),
 ], ids=["context_parallel_not_dividing_world", "context_parallel_one_process", "ulysses_heads_not_divisible",
         "context_parallel_unknown_algorithm", "zigzag_unknown_sharding",
         "ulysses_heads_per_tp_shard_not_divisible",
-        "context_parallel_with_dropout", "context_parallel_not_a_gpt"])
+        "context_parallel_with_dropout", "context_parallel_not_a_gpt", "context_algorithm_without_cp",
+        "context_sharding_without_cp"])
 def test_engine_context_parallel_bad_layouts_are_refused_by_name(config, gpt, world, names):
     with pytest.raises(ConfigError) as err:
         _refusal(config, gpt, world)

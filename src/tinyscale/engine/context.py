@@ -39,7 +39,8 @@ layout_mixed_precision`). Refused by name before any process group exists (`chec
 `check_layout`): dropout with stream masks (counter masks, GPTConfig.dropout_masks="counter", are
 served: each rank hashes its tokens' and (query, key) blocks' masks from their global positions),
 models other than the GPT, Ulysses with (heads per TP shard) % cp != 0, a world that is not
-dp x cp x tp.
+dp x cp x tp, and `context_algorithm` or `context_sharding` without `parallel.context` > 1 (they
+would do nothing).
 Lesson: lessons/09-context-parallel.md. Tests: `pytest -k engine_context_parallel`.
 """
 
@@ -62,9 +63,11 @@ from tinyscale.tensor_parallel import vocab_parallel_cross_entropy
 def check_config(config: EngineConfig) -> list[str]:
     """What the config alone asks of context parallelism that cannot be served (no model needed)."""
     par, problems = config.parallel, []
-    cp = par.context
-    if cp == 1:
-        return problems
+    if par.context == 1:
+        for name in ("context_algorithm", "context_sharding"):
+            if name in par.model_fields_set:  # would silently do nothing
+                problems.append(f"parallel.{name}={getattr(par, name)!r} needs parallel.context > 1 (it chooses how "
+                                "context parallelism splits the sequence): set parallel.context, or remove it")
     return problems
 
 

@@ -40,6 +40,15 @@ def test_question_bank_holds_every_source_question_once(questions):
         assert set(ids) == set(re.findall(r"^- ((?:DS|DT|OPT|BASIC)-\d+) \|", QUESTIONS_MD.read_text(), re.M))
 
 
+def test_question_bank_header_names_no_file_outside_the_repository():
+    """The data file stands alone: its header says where the questions come from in words, and
+    names no absolute path (a checkout elsewhere has no such file)."""
+    header = "".join(line for line in (ROOT / "src/tinyscale/course/questions.yaml").read_text().splitlines(True)
+                     if line.startswith("#"))
+    assert not re.search(r"(^|\s)/\w", header), "questions.yaml's header names an absolute path"
+    assert "shared/" not in header and "84" in header
+
+
 def test_question_bank_page_is_generated_from_the_data(questions, headings):
     page = (ROOT / "docs/questions.md").read_text()
     assert page == bank.render(questions, headings), \

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,7 +257,5 @@ def lesson_table() -> str:
 
 
 def test_layout_memory_lesson_table_is_the_formula():
-    from pathlib import Path  # noqa: PLC0415
-
     text = (Path(__file__).parents[2] / LESSON).read_text()
     assert lesson_table() in text, "regenerate the table: print(tests.engine.test_layout_memory.lesson_table())"

@@ -65,8 +65,10 @@ the other axes and ZeRO: keys engine_pipeline, layout_pp); fp16/bf16: `pytest -k
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -203,13 +205,9 @@ class PipelineStep:
         if self.cp_group is not None:  # this cp rank's sequence shard of each (B, T) -> (B, Tl)
             micro = [shard_batch(tuple(chunk), self.cp_group, self.cp_sharding) for chunk in micro]
         inputs = [chunk[0].to(engine.device) for chunk in micro]  # (B, T) ids per micro-batch
-        rows = len(micro[0][0])  # counter dropout: micro-batch i's first row in the global batch, before its passes
-        self.executor.before_compute = lambda i: set_dropout_clock(
-            engine.model, step=engine.step, row0=(engine.dp_rank * len(micro) + i) * rows)
         targets = [chunk[1].to(engine.device) for chunk in micro]
-        profiler = engine.profiler  # wall_clock_breakdown: F actions timed as forward, B, BW and W as backward
-        self.executor.around_compute = (lambda a: profiler.phase("forward" if a.kind == F else "backward")) \
-            if profiler.enabled else None
+        self.executor.around_compute = functools.partial(_around_compute, engine, len(micro), len(micro[0][0]))
+        profiler = engine.profiler  # wall_clock_breakdown: the schedule's time beside its phases
         # the engine's roll-back triple: torch's and CUDA's generators, no TP tracker (refused with a pipeline)
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if engine.device.type == "cuda" else None, {})
         failed: list[int] = []
@@ -357,6 +355,17 @@ def _now(engine) -> float:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     return time.perf_counter()
+
+
+@contextlib.contextmanager
+def _around_compute(engine, micro_batches: int, rows: int, a) -> Iterator[None]:
+    """Around one compute action of the schedule: counter dropout learns the micro-batch's first
+    row in the global batch (before each of its passes, so a recomputation reads the same), and
+    wall_clock_breakdown times an F action as forward, B, BW and W as backward."""
+    set_dropout_clock(engine.model, step=engine.step, row0=(engine.dp_rank * micro_batches + a.microbatch) * rows)
+    profiler = engine.profiler
+    with profiler.phase("forward" if a.kind == F else "backward") if profiler.enabled else contextlib.nullcontext():
+        yield
 
 
 def _no_sync(engine):

@@ -29,11 +29,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch import nn
 
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.dist.mesh import MeshLayout
+from tinyscale.engine import tp_state
+from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear
 
 AXES = ("pp", "dp", "cp", "tp")  # the mesh's order: tp fastest (a TP group is consecutive ranks)
 
@@ -150,11 +154,6 @@ def tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int,
                   global_shape: tuple[int, ...], group) -> dict:
     """The tp fields of `param`, a parameter of `module` (a TP layer, or a replicated module),
     on the tensor-parallel process group `group`."""
-    # Imported here: tensor_parallel is a topic, the plan reads its layers only when tp > 1.
-    import torch.distributed as dist  # noqa: PLC0415
-    from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding  # noqa: PLC0415
-    from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear  # noqa: PLC0415
-
     tp_rank = dist.get_rank(group)
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or \
             (isinstance(module, RowParallelLinear) and param is module.weight):
@@ -179,7 +178,10 @@ def placements(engine) -> dict[str, Placement]:
     copy, ZeRO's fragments (call it between steps, on every rank or just this one: no collectives)."""
     model, pipeline, zero = engine.model, engine.pipeline, engine.zero
     tp = engine.config.parallel.tensor
-    global_shapes = pipeline.full_shapes() if pipeline is not None else None
+    if pipeline is not None:  # the original model's shapes, under its names
+        global_shapes = pipeline.full_shapes()
+    else:
+        global_shapes = tp_state.full_shapes(model, engine._tp_shapes) if tp > 1 else engine._tp_shapes
     owners = {}  # id(param) -> (its module, its first name)
     for mod_name, module in model.named_modules():
         for p_name, param in module.named_parameters(recurse=False):
@@ -190,20 +192,17 @@ def placements(engine) -> dict[str, Placement]:
             for f in fragments:
                 zero_ranges.setdefault(id(f.param), []).append((f.param_start, f.param_start + f.end - f.start))
     stage_of = _stages_of(pipeline) if pipeline is not None else {}
+    # the last stage's copy of a tied table (the first stage counts it); pp > 1, so they differ
     tied_copy = id(pipeline.tied[0]) if pipeline is not None and pipeline.tied is not None and \
         pipeline.rank == pipeline.plan[-1].rank else None
     table = {}
     for param in (p for p in model.parameters() if p.requires_grad):
         module, name = owners[id(param)]
         local_shape = tuple(engine._tp_shapes.get(name, param.shape))
-        if pipeline is not None:
-            key = pipeline.aliases.get(name, name)
-            global_shape = tuple(global_shapes[key])
-        else:
-            key, global_shape = name, None
-        global_shape = global_shape or _global_shape(engine, key, local_shape)
+        key = pipeline.aliases.get(name, name) if pipeline is not None else name
+        global_shape = tuple(global_shapes.get(key, local_shape))
         fields = tp_placement(module, param, local_shape, global_shape, engine.mesh.group("tp")) if tp > 1 else {}
-        if tied_copy is not None and id(param) == tied_copy and pipeline.plan[0].rank != pipeline.rank:
+        if id(param) == tied_copy:
             fields["pp_counted"] = False
         table[key] = Placement(name=key, global_shape=global_shape, local_shape=local_shape,
                                stages=stage_of.get(name.split(".")[0] if not name.startswith("blocks.")
@@ -211,17 +210,6 @@ def placements(engine) -> dict[str, Placement]:
                                zero_ranges=tuple(sorted(zero_ranges.get(id(param), ()))),
                                zero_sharded=zero is not None, **fields)
     return table
-
-
-def _global_shape(engine, name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The original tensor's shape (without a pipeline: the engine recorded the full shapes)."""
-    full = getattr(engine, "_full_shapes", None)
-    if full is None:
-        from tinyscale.engine import tp_state  # noqa: PLC0415 - the TP shards' full shapes
-
-        full = tp_state.full_shapes(engine.model, engine._tp_shapes) if engine.tp_size > 1 else engine._tp_shapes
-        engine._full_shapes = full
-    return tuple(full.get(name, local_shape))
 
 
 def _stages_of(pipeline) -> dict[str, tuple[int, ...]]:
@@ -276,8 +264,6 @@ def traffic_by_axis(ledger, mesh: ParallelMesh | MeshLayout, rank: int | None = 
     world 2 and tp 2, the world *is* the tp group) counts under the first: the axis."""
     layout = mesh if isinstance(mesh, MeshLayout) else mesh.layout
     if rank is None:
-        import torch.distributed as dist  # noqa: PLC0415 - only when the caller does not say
-
         rank = dist.get_rank()
     groups = axis_groups(layout, rank)
     out: dict[str, dict[str, dict]] = {}

@@ -126,12 +126,10 @@ class PipelineExecutor:
         # (before, after): called with every compute action, also on a rank whose compute raised
         # (a caller's collectives, e.g. ZeRO 3's all-gathers over dp, stay matched across ranks)
         self.hooks: tuple[Callable[[Action], None], Callable[[Action], None]] | None = None
-        # Called with the micro-batch index before each of its compute actions (F, B, W): the
-        # engine tells the model which global rows come (counter dropout), recomputation included.
-        self.before_compute: Callable[[int], None] | None = None
         # A context manager around each compute action itself (inside `hooks`, so ZeRO 3's
-        # gathers stay outside it): the engine's wall_clock_breakdown times F as forward and
-        # B, BW and W as backward there (`StepProfiler.phase`).
+        # gathers stay outside it; not entered on a rank whose compute raised): the engine tells
+        # the model which global rows come (counter dropout, recomputation included) and, with
+        # wall_clock_breakdown, times F as forward and B, BW and W as backward there.
         self.around_compute: Callable[[Action], contextlib.AbstractContextManager] | None = None
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
@@ -158,8 +156,6 @@ class PipelineExecutor:
             if self.failed is None:
                 try:
                     with self.around_compute(a) if self.around_compute is not None else contextlib.nullcontext():
-                        if self.before_compute is not None:
-                            self.before_compute(a.microbatch)
                         {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the schedule's messages
                     self.failed = (self.me, exc)

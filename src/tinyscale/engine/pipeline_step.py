@@ -83,7 +83,7 @@ from tinyscale.optim import check_elementwise_state, lr_at, set_lr
 from tinyscale.pipeline import (
     add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
 )
-from tinyscale.engine import pipeline_tp
+from tinyscale.engine import pipeline_tp, step_failure
 from tinyscale.engine.step_failure import StepFailed, failed_ranks
 from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
 from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
@@ -218,8 +218,9 @@ class PipelineStep:
                 # --8<-- [start:step]
                 # DDP and ZeRO 2 synchronise once, below: the schedule's backwards (and zero-bubble's
                 # W passes, which write .grad outside autograd's hooks) only accumulate.
-                error = None
-                with _no_sync(engine):
+                error, watch = None, engine._failure_watch  # watch: with tp, TP peers mid-compute
+                with _no_sync(engine), watch.attempt_step() if watch else contextlib.nullcontext():
+                    self.executor.on_failure = None if watch is None else watch.post
                     try:
                         start = _now(engine) if profiler.enabled else 0.0
                         loss = self.executor.run(inputs, targets)
@@ -228,7 +229,16 @@ class PipelineStep:
                         if self.executor.failed is None:
                             raise  # the messages themselves failed
                         error = exc if self.executor.failed[1] is not None else None  # else a peer's
-                failed = failed_ranks(error is not None, engine.device)  # who, over the world
+                if watch is None:
+                    failed = failed_ranks(error is not None, engine.device)  # who, over the world
+                else:  # over a group of its own: a TP group may be out of step
+                    failed, abandoned = watch.agree(error)
+                    if abandoned:
+                        engine._roll_back(rng)
+                        engine._broken = step_failure.broken_message(engine.step, failed, abandoned)
+                        if error is not None and not isinstance(error, step_failure.PeerFailed):
+                            raise error
+                        raise StepFailed(engine._broken)
                 if failed:
                     engine._roll_back(rng)
                     raise error if error is not None else StepFailed(

@@ -131,6 +131,9 @@ class PipelineExecutor:
         # the model which global rows come (counter dropout, recomputation included) and, with
         # wall_clock_breakdown, times F as forward and B, BW and W as backward there.
         self.around_compute: Callable[[Action], contextlib.AbstractContextManager] | None = None
+        # Called once when this rank stops computing (its compute raised, or a header said a
+        # peer's did): its TP peers, mid-compute, must not wait for it (engine/step_failure.py).
+        self.on_failure: Callable[[], None] | None = None
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
         """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
@@ -159,6 +162,8 @@ class PipelineExecutor:
                         {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the schedule's messages
                     self.failed = (self.me, exc)
+                    if self.on_failure is not None:
+                        self.on_failure()
             if self.hooks is not None:
                 self.hooks[1](a)
         self._communicate(pending)
@@ -246,6 +251,8 @@ class PipelineExecutor:
             header = torch.zeros(_HEADER, dtype=torch.int64, device=self._device)
             comm.irecv(header, peer, self.group).wait()
             if header[0].item() == _FAILED:  # no data follows
+                if self.failed is None and self.on_failure is not None:
+                    self.on_failure()
                 self.failed = self.failed or (int(header[1].item()), None)
                 continue
             buffer = _empty_from_header(header)

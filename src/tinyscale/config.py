@@ -162,6 +162,7 @@ class CompressionConfig(Section):
     type: Literal["none", "topk", "randomk", "qsgd", "powersgd", "onebit_adam"] = "none"
     ratio: Float = Field(0.01, gt=0, le=1)  # topk, randomk: the fraction of elements sent
     bits: Literal[8, 4] = 8  # qsgd
+    norm: Literal["max", "l2"] = "max"  # qsgd's scale: "l2" is the paper's QSGD, "max" the max-norm variant
     error_feedback: Bool = True  # topk, randomk, qsgd, powersgd: what is not sent is sent later
     rank: PositiveInt = 1  # powersgd: matrix_approximation_rank
     start_iter: PositiveInt = 2  # powersgd: plain all-reduce before this step (torch's start_powerSGD_iter)

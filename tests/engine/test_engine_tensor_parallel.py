@@ -24,7 +24,7 @@ import tinyscale as ts
 from tinyscale.config import ConfigError
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig, TinyMLP
-from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
+from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks, with_vocab_boundary_ids
 
 VOCAB = 251  # prime: padded at every degree
 ROWS = 4  # the global batch, the same for every layout
@@ -49,7 +49,9 @@ def run_config(tp: int, dp: int, optimizer: str, sp: bool = False, stage: int = 
 
 
 def batches(steps: int):
-    return synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=12, vocab_size=VOCAB, seed=3)
+    """Every id at a vocab-shard boundary of tp 2 and 3 is looked up and scored (random ids miss them)."""
+    data = synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=12, vocab_size=VOCAB, seed=3)
+    return with_vocab_boundary_ids(data, VOCAB, (2, 3))
 
 
 def reference(tied: bool, optimizer: str, steps: int, clip: float = 0.0, n_kv_head: int = 6):
@@ -120,7 +122,8 @@ def acceptance_config(tp: int, stage: int, sp: bool, offload: bool = False) -> d
 
 
 def acceptance_batches(steps: int):
-    return synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=8, vocab_size=VOCAB, seed=4)
+    data = synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=8, vocab_size=VOCAB, seed=4)
+    return with_vocab_boundary_ids(data, VOCAB, (4,))  # the 8 ids at tp 4's boundaries and the ends
 
 
 def _acceptance_body(layouts: list[tuple[int, int, bool, bool]], steps: int):

@@ -26,6 +26,7 @@ class _Trace(TorchDispatchMode):
         super().__init__()
         self.events: list[tuple] = []
         self.seen: set[int] = set()
+        self.live: dict[int, int] = {}  # id -> data_ptr of the storages alive now
         self.ids = itertools.count()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -42,11 +43,13 @@ class _Trace(TorchDispatchMode):
             self.seen.add(ptr)
             i = next(self.ids)
             self.events.append(("alloc", i, storage.nbytes()))
+            self.live[i] = ptr
             weakref.finalize(storage, self._freed, i, ptr).atexit = False
         return out
 
     def _freed(self, i: int, ptr: int) -> None:
         self.seen.discard(ptr)
+        self.live.pop(i, None)
         self.events.append(("free", i))
 
 

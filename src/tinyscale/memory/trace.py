@@ -61,10 +61,11 @@ def record_trace(step: Callable[[], object]) -> list[tuple]:
     return list(mode.events)
 
 
-def replay(events: list[tuple], capacity: int, alignment: int = 512) -> dict:
-    """Run the trace through a BlockAllocator of `capacity` bytes (no buffer is allocated)."""
+def replay(events: list[tuple], capacity: int, alignment: int = 512, *, defragment: bool = False) -> dict:
+    """Run the trace through a BlockAllocator of `capacity` bytes (no buffer is allocated).
+    defragment: when a request finds no block though the free bytes suffice, compact and retry."""
     alloc = BlockAllocator(capacity, alignment, buffer=False)
-    where, sizes, live, peak_live, worst, oom = {}, {}, 0, 0, 0.0, None
+    where, sizes, live, peak_live, worst, oom, compactions = {}, {}, 0, 0, 0.0, None, 0
     for event in events:
         if event[0] == "alloc":
             _, i, nbytes = event
@@ -72,8 +73,13 @@ def replay(events: list[tuple], capacity: int, alignment: int = 512) -> dict:
             try:
                 where[i] = alloc.malloc(nbytes)
             except OutOfMemory as err:
-                oom = str(err)
-                break
+                if not (defragment and alloc.free_bytes() >= max(1, -(-nbytes // alignment)) * alignment):
+                    oom = str(err)
+                    break
+                moved = alloc.defragment()  # the owners re-point: here, the trace's offsets
+                where = {k: moved.get(o, o) for k, o in where.items()}
+                compactions += 1
+                where[i] = alloc.malloc(nbytes)
             sizes[i] = nbytes
             live += nbytes
             peak_live = max(peak_live, live)
@@ -81,4 +87,4 @@ def replay(events: list[tuple], capacity: int, alignment: int = 512) -> dict:
             alloc.free(where.pop(event[1]))
             live -= sizes.pop(event[1])
     return {"peak_requested": peak_live, "peak_allocated": alloc.peak, "max_fragmentation": worst,
-            "out_of_memory": oom}
+            "out_of_memory": oom, "compactions": compactions, "bytes_moved": alloc.bytes_moved}

@@ -49,7 +49,11 @@ class Cluster:
     of the dense datasheet peak); compute time is FLOPs / (peak x efficiency). `host_bw`: the
     host link (PCIe) an offloaded optimizer pays; `host_adam`: parameters per second one GPU's
     share of the host's CPU Adam steps. `hbm_bw`: the device memory bandwidth the optimizer step
-    runs at. `tp_link`: force the tp/cp groups' link ("intra" or "inter"); None: from the mesh."""
+    runs at. `tp_link`: force the tp/cp groups' link ("intra" or "inter"); None: from the mesh.
+    `overlap`: communication runs beside compute (a GPU's copy engines and NCCL's streams); False
+    where both share the same cores (CPU ranks over gloo): nothing is hidden. `launch_overhead`:
+    seconds of host work per layer per micro-batch forward (kernel launches, Python; backward
+    pays it twice), what a small micro-batch cannot amortise."""
 
     gpus: int
     gpus_per_node: int = 8
@@ -62,6 +66,8 @@ class Cluster:
     host_adam: float = 1e9
     hbm_bw: float = 3.0e12
     tp_link: str | None = None
+    overlap: bool = True
+    launch_overhead: float = 30e-6
     name: str = ""
 
     def __post_init__(self) -> None:

@@ -12,8 +12,8 @@ Memory per GPU (the largest over the pipeline ranks, both ends of the tp and ZeR
   states to the host.
 - activations: `layer_activation_bytes` (`checkpointing.formula.block_saved_bytes` split into the
   tensors tp shards and those it replicates unless SP shards them; cp divides the tokens) x the
-  layers of each model stage on the rank x that stage's peak in-flight micro-batches, simulated
-  (`pipeline.simulator`); the last stage adds the final norm and the logits' softmax
+  layers of the rank's fullest model stage x the rank's peak in-flight (micro-batch, stage)
+  pairs, simulated (`pipeline.simulator`); the last stage adds the final norm and the logits' softmax
   (`extra_activation_bytes`); a checkpointed block's backward brings its activations back once.
 - buffers: the gradient bucket (ZeRO 0-2) or stage 3's gathered unit and its prefetch.
 A layout fits when the total is at most `USABLE` of the GPU's memory (the rest: CUDA context,
@@ -114,10 +114,13 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
                            sp: bool = False, cp: int = 1) -> float:
     """Bytes one block keeps for backward per micro-batch on one rank: `block_saved_bytes`'s
     tensors, those tp splits (q, k, v, wo's input, the MLP's, attention's log-sum-exp) over tp,
-    those it replicates (the norms' inputs, outputs and 1/rms) over tp only under SP (Korthikanti
-    et al. 2022, sec. 4.2.2); cp splits the tokens. ("sdpa" attention, no dropout.)"""
+    the norms' insides (input, normalised input, 1/rms) over tp only under SP (Korthikanti et al.
+    2022, sec. 4.2.2); the norms' outputs stay whole: they are the all-gathered inputs the
+    column-parallel wq/wk/wv and w_gate/w_up save (Megatron gathers them again in backward
+    instead). cp splits the tokens. ("sdpa" attention, no dropout.)"""
     s, h, F, kv, a = s / cp, cfg.d_model, cfg.ffn_dim, cfg.kv_dim, cfg.n_head
-    shared = 6 * s * b * h + 2 * s * b  # two RMSNorms: input, normalised input, 1/rms; their outputs
+    norms = 4 * s * b * h + 2 * s * b  # two RMSNorms: input, normalised input, 1/rms
+    gathered = 2 * s * b * h  # their outputs, as the column-parallel layers save them
     if policy == "full":
         return p * s * b * h / (tp if sp else 1)  # the block's input
     if policy == "offload":
@@ -128,7 +131,7 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
         split = 4 * s * b * h + 4 * s * b * F + a * s * b
     else:
         raise ValueError(f"policy {policy!r}: the planner knows none, selective, full, offload")
-    return p * (shared / (tp if sp else 1) + split / tp)
+    return p * (norms / (tp if sp else 1) + gathered + split / tp)
 # --8<-- [end:layer-activations]
 
 
@@ -139,7 +142,8 @@ def extra_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, *, tp: int = 
     s = s / cp
     out = 8 * s * b if first else 0.0
     if last:
-        out += p * (3 * s * b * cfg.d_model + s * b) / (tp if sp else 1) + p * s * b * -(-cfg.vocab_size // tp)
+        out += p * ((2 * s * b * cfg.d_model + s * b) / (tp if sp else 1) + s * b * cfg.d_model)  # its output: gathered
+        out += p * s * b * -(-cfg.vocab_size // tp)  # the softmax over this rank's vocab rows
     return out
 
 
@@ -157,8 +161,15 @@ def check_layout(cfg: GPTConfig, lay: Layout, global_batch: int, seq_len: int) -
     return None
 
 
+def model_state_bytes(cfg: GPTConfig, lay: Layout, *, ranks=None, dtype_bytes: int = 4,
+                      compute_bytes: int | None = 2) -> dict[int, dict[str, int]]:
+    """{rank: {parameters, gradients, master_weights, optimizer_states}} as the engine holds them
+    (`engine.layout_memory.rank_model_state_bytes` of the layout's plan; AdamW, default buckets)."""
+    return rank_model_state_bytes(cfg, lay.plan(), dtype_bytes=dtype_bytes, compute_bytes=compute_bytes, ranks=ranks)
+
+
 @functools.lru_cache(maxsize=4096)
-def _states(cfg: GPTConfig, plan: LayoutPlan, dtype_bytes: int, compute_bytes: int) -> tuple[int, ...]:
+def _states(cfg: GPTConfig, plan: LayoutPlan, dtype_bytes: int, compute_bytes: int | None) -> tuple[int, ...]:
     """(parameters, gradients, masters, optimizer states) of the rank with the most, over every
     pipeline rank at both ends of its tp group and of its ZeRO group (dp x cp)."""
     layout = MeshLayout(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp)
@@ -190,19 +201,15 @@ def _schedule(name: str, p: int, m: int, v: int):
 
 
 @functools.lru_cache(maxsize=4096)
-def _in_flight(name: str, p: int, m: int, v: int, simulated: bool) -> dict[int, int]:
-    """Peak in-flight micro-batches per model stage: simulated (unit costs), or the schedules'
-    closed forms (afab m; 1f1b min(p - s, m); zb_h1 min(p, m); interleaved: rank r's warm-up
-    2(p - r - 1) + (v - 1)p + 1 forwards, capped at v m, spread over its v chunks)."""
+def _in_flight(name: str, p: int, m: int, v: int, simulated: bool) -> tuple[int, ...]:
+    """Peak in-flight (micro-batch, chunk) pairs per pipeline rank, all its chunks at once:
+    simulated (unit costs), or the schedules' closed forms (afab m; 1f1b and ZB-H1 min(p - r, m)
+    and min(p, m); interleaved: rank r's warm-up 2(p - r - 1) + (v - 1)p forwards + 1, at most v m)."""
     if simulated:
-        return dict(simulate(_schedule(name, p, m, v)).peak_in_flight)
-    if name == "afab":
-        return dict.fromkeys(range(p), m)
-    if name == "1f1b":
-        return {s: min(p - s, m) for s in range(p)}
-    if name == "zb_h1":
-        return dict.fromkeys(range(p), min(p, m))
-    return {s: -(-min(2 * (p - s % p - 1) + (v - 1) * p + 1, v * m) // v) for s in range(p * v)}
+        return tuple(simulate(_schedule(name, p, m, v)).peak_in_flight_per_rank)
+    per_rank = {"afab": lambda r: m, "1f1b": lambda r: min(p - r, m), "zb_h1": lambda r: min(p, m),
+                "interleaved_1f1b": lambda r: min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)}[name]
+    return tuple(per_rank(r) for r in range(p))
 
 
 @dataclasses.dataclass
@@ -216,13 +223,13 @@ class Estimate:
 
 
 def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int, seq_len: int,
-             dtype_bytes: int = 4, compute_bytes: int = 2, simulate_pipeline: bool = True) -> Estimate:
+             dtype_bytes: int = 4, compute_bytes: int | None = 2, simulate_pipeline: bool = True) -> Estimate:
     """Memory per GPU and time per step of `lay` (see the module doc). `simulate_pipeline=False`
     costs the pipeline by the closed form (p-1)/(v m + p-1) instead (the search's first pass)."""
     problem = check_layout(cfg, lay, global_batch, seq_len)
     if problem:
         return Estimate(lay, {}, {}, 0.0, False, problem)
-    p, b, s, tp, cp, sp = compute_bytes, lay.micro_batch, seq_len, lay.tp, lay.cp, lay.sp
+    p, b, s, tp, cp, sp = compute_bytes or dtype_bytes, lay.micro_batch, seq_len, lay.tp, lay.cp, lay.sp
     m = lay.num_microbatches(global_batch)
     plan = lay.plan()
     params, grads, masters, states, worst = _states(cfg, plan, dtype_bytes, compute_bytes)
@@ -243,8 +250,8 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
         if mine is None:
             a = cfg.n_layer * layer + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=True, last=True)
         else:
-            a = sum(in_flight[st.stage] * (len(st.layers) * layer + extra_activation_bytes(
-                cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=st.embedding, last=st.head)) for st in mine)
+            a = in_flight[rank] * max(len(st.layers) * layer + extra_activation_bytes(
+                cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=st.embedding, last=st.head) for st in mine)
         acts.append(a + (whole - layer))  # one checkpointed block's backward brings its tensors back
     # buffers: the gradient bucket, or stage 3's largest gathered unit (a block) and its prefetch
     n_rank, block = _rank_elements(cfg, plan, worst)
@@ -275,12 +282,14 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, sched, simulate_pipeline, n_r
     tp_one = tp_link.all_reduce(act, lay.tp)  # = all-gather + reduce-scatter under SP
     tp_fwd, tp_bwd = 2 * tp_one, (4 if lay.policy == "full" else 2) * tp_one
     kv_chunk = 2 * lay.micro_batch * s / lay.cp * cfg.kv_dim / lay.tp * p  # K and V of one cp shard
-    cp_fwd = max(0.0, (lay.cp - 1) * cp_link.send(kv_chunk) - attn_layer / rate) if lay.cp > 1 else 0.0
-    cp_bwd = max(0.0, (lay.cp - 1) * cp_link.send(2 * kv_chunk) - 2 * attn_layer / rate) if lay.cp > 1 else 0.0
+    hide = 1.0 if cluster.overlap else 0.0  # share of the compute beside it that hides communication
+    cp_fwd = max(0.0, (lay.cp - 1) * cp_link.send(kv_chunk) - hide * attn_layer / rate) if lay.cp > 1 else 0.0
+    cp_bwd = max(0.0, (lay.cp - 1) * cp_link.send(2 * kv_chunk) - 2 * hide * attn_layer / rate) if lay.cp > 1 else 0.0
+    launch = cluster.launch_overhead
 
     def stage_cost(layers: int, last: bool) -> tuple[dict, float]:
         """(parts of one micro-batch's forward + backward on a stage, its forward alone)."""
-        forward = (layers * per_layer + head * last) / rate
+        forward = (layers * per_layer + head * last) / rate + (layers + last) * launch
         fwd = forward + layers * (tp_fwd + cp_fwd)
         return {"compute": 3 * forward, "recompute": layers * recompute / rate,
                 "tp": layers * (tp_fwd + tp_bwd), "cp": layers * (cp_fwd + cp_bwd)}, fwd
@@ -315,12 +324,12 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, sched, simulate_pipeline, n_r
     if lay.zero_stage == 3:  # per micro-batch: gather for forward, again for backward, reduce-scatter
         per_mb = 2 * dp_link.all_gather(grad_bytes, n) + dp_link.reduce_scatter(grad_bytes, n)
         compute_mb = (parts["compute"] + parts["recompute"]) / m
-        parts["dp"] = m * max(0.0, per_mb - compute_mb)
+        parts["dp"] = m * max(0.0, per_mb - hide * compute_mb)
     else:
         reduce = dp_link.all_reduce(grad_bytes, n)  # = reduce-scatter + all-gather's halves
         after = dp_link.all_gather(grad_bytes, n) if lay.zero_stage in (1, 2) else 0.0
         reduce = dp_link.reduce_scatter(grad_bytes, n) if lay.zero_stage in (1, 2) else reduce
-        parts["dp"] = max(0.0, reduce - t_bwd_last) + after
+        parts["dp"] = max(0.0, reduce - hide * t_bwd_last) + after
     shard = n_rank / (n if lay.zero_stage else 1)
     if lay.offload != "none":
         parts["optimizer"] = 2 * p * shard / cluster.host_bw + shard / cluster.host_adam

@@ -53,7 +53,8 @@ class Cluster:
     `overlap`: communication runs beside compute (a GPU's copy engines and NCCL's streams); False
     where both share the same cores (CPU ranks over gloo): nothing is hidden. `launch_overhead`:
     seconds of host work per layer per micro-batch forward (kernel launches, Python; backward
-    pays it twice), what a small micro-batch cannot amortise."""
+    pays it twice), what a small micro-batch cannot amortise. `intra_by_size`: the link a group of
+    k GPUs inside a node gets when placed on its best ring (`topology.intra_links`); else `intra`."""
 
     gpus: int
     gpus_per_node: int = 8
@@ -66,6 +67,7 @@ class Cluster:
     host_adam: float = 1e9
     hbm_bw: float = 3.0e12
     tp_link: str | None = None
+    intra_by_size: dict | None = None  # {group size: Link} from a topology (topology.intra_links)
     overlap: bool = True
     launch_overhead: float = 30e-6
     name: str = ""
@@ -94,4 +96,7 @@ class Cluster:
             if name == axis:
                 break
             stride *= degrees[name]
-        return self.intra if stride * degrees[axis] <= self.gpus_per_node else self.inter
+        size = stride * degrees[axis]  # the block of consecutive ranks one group spans
+        if size > self.gpus_per_node:
+            return self.inter
+        return (self.intra_by_size or {}).get(size, self.intra)

@@ -40,21 +40,21 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def cluster_from_args(args: argparse.Namespace) -> tuple[Cluster, dict | None]:
-    """The cluster the flags describe; with --topology, the intra-node link and tp/cp placement from it."""
-    intra = Link(alpha=args.intra_latency * 1e-6, beta=args.intra_bw * 1e9)
-    placement = None
+def cluster_from_args(args: argparse.Namespace) -> tuple[Cluster, object]:
+    """The cluster the flags describe; with --topology, the node's size and links from the file."""
+    intra, topo, by_size, per_node = Link(alpha=args.intra_latency * 1e-6, beta=args.intra_bw * 1e9), None, None, \
+        args.gpus_per_node
     if args.topology:
-        from tinyscale.planner.topology import parse_topology, plan_placement
+        from tinyscale.planner.topology import intra_links, parse_topology
 
         with open(args.topology) as f:
             topo = parse_topology(f.read())
-        placement = plan_placement(topo, args.max_tp or topo.num_gpus)
-        intra = placement["link"]
-    cluster = Cluster(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_mem=args.gpu_mem * 1e9,
+        per_node, by_size = topo.num_gpus, intra_links(topo)
+    cluster = Cluster(gpus=args.gpus, gpus_per_node=per_node, gpu_mem=args.gpu_mem * 1e9,
                       peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency, intra=intra,
-                      inter=Link(alpha=args.inter_latency * 1e-6, beta=args.inter_bw * 1e9), tp_link=args.tp_link)
-    return cluster, placement
+                      inter=Link(alpha=args.inter_latency * 1e-6, beta=args.inter_bw * 1e9), tp_link=args.tp_link,
+                      intra_by_size=by_size)
+    return cluster, topo
 
 
 def table(result: PlanResult, top: int) -> list[Table]:
@@ -87,17 +87,21 @@ def table(result: PlanResult, top: int) -> list[Table]:
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    cluster, placement = cluster_from_args(args)
+    cluster, topo = cluster_from_args(args)
     result = plan(args.model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, max_tp=args.max_tp)
+    placement = None
+    if topo is not None:  # where the best layout's tp groups (and tp x cp blocks) go on each node
+        from tinyscale.planner.topology import plan_placement
+
+        best = result.ranked[0].layout
+        placement = {f"{name} {k}": {x: y for x, y in plan_placement(topo, k).items() if x != "link"}
+                     for name, k in (("tp", best.tp), ("tp x cp", best.tp * best.cp)) if k > 1}
     if args.json:
-        out = result.as_dict(args.top)
-        if placement is not None:
-            out["topology"] = {k: v for k, v in placement.items() if k != "link"} | \
-                {"intra_link": {"alpha": placement["link"].alpha, "beta": placement["link"].beta}}
+        out = result.as_dict(args.top) | ({"placement": placement} if placement is not None else {})
         print(json.dumps(out, indent=1, default=str))
         return 0
-    if placement is not None:
-        console.print(f"topology: tp/cp groups on GPUs {placement['groups']} ({placement['why']})")
+    for name, place in (placement or {}).items():
+        console.print(f"topology: {name} groups on GPUs {place['groups']} ({place['why']})")
     for t in table(result, args.top):
         console.print(t)
     return 0

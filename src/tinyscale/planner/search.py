@@ -65,6 +65,11 @@ LABELS = {
 }
 
 
+def _where(cluster: Cluster, axis: str, degrees: dict) -> str:
+    link = cluster.link(axis, degrees)
+    return ("inter-node" if link is cluster.inter else "in a node") + f", {link.beta / 1e9:g} GB/s"
+
+
 def why_lost(est: Estimate, best: Estimate, cluster: Cluster) -> str:
     """One line: what costs `est` the most time against `best`, or why it does not fit."""
     if not est.fits:
@@ -76,8 +81,7 @@ def why_lost(est: Estimate, best: Estimate, cluster: Cluster) -> str:
     degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
     words = LABELS[part].format(
         policy=lay.policy, tp=lay.tp, cp=lay.cp, bubble=est.time["bubble"] / est.time["total"],
-        tp_link="inter-node" if cluster.link("tp", degrees) is cluster.inter else "in a node",
-        dp_link="inter-node" if cluster.link("dp", degrees) is cluster.inter else "in a node",
+        tp_link=_where(cluster, "tp", degrees), dp_link=_where(cluster, "dp", degrees),
         dp_what="ZeRO 3's gathers" if lay.zero_stage == 3 else "the gradient reduction",
         opt_where="offloaded: PCIe and the host's Adam" if lay.offload != "none" else "on the GPU")
     if slower < 0.005:

@@ -20,7 +20,7 @@ from tinyscale.planner.autotune import autotune, layout_of_config, trial_config
 from tinyscale.testing import run_on_ranks
 
 BASE = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
         "zero_optimization": {"stage": 1}}
 
 
@@ -76,5 +76,5 @@ def test_autotune_cli_writes_the_best_config(tmp_path, monkeypatch, capsys):
     assert main(["autotune", "--config", str(cfg), "--world-size", "2", "--model", "tiny", "--seq-len", "16",
                  "--trials", "2", "--steps", "1", "--out", str(out)]) == 0
     best = json.loads(out.read_text())
-    assert best["train_batch_size"] == 4 and best["optimizer"]["params"]["lr"] == pytest.approx(1e-3)
+    assert best["train_batch_size"] == 4 and best["optimizer"]["params"]["lr"] == pytest.approx(3e-3)
     assert "wrote" in capsys.readouterr().out

@@ -199,3 +199,48 @@ def test_planner_ranks_cpu_layouts_like_measured_step_times():
     # plus one pair two places apart; a ranking that ignored recomputation, ZeRO 3's gathers or
     # the micro-batch count would swap more
     assert rho >= 0.8, table
+
+
+def test_planner_presets_have_the_published_sizes():
+    """Llama 2's 6.74B, 13.0B and 69.0B (Touvron et al. 2023), GPT-3's 175B, Megatron's 1,008B."""
+    from tinyscale.planner import PLANNER_PRESETS
+
+    published = {"llama2-7b": 6.74e9, "llama2-13b": 13.0e9, "llama2-70b": 69.0e9, "gpt3-175b": 175e9,
+                 "megatron-1t": 1008e9}
+    for name, size in published.items():
+        assert PLANNER_PRESETS[name].num_params() == pytest.approx(size, rel=0.01), name  # biases, positions: <1%
+
+
+def test_planner_groups_stay_in_a_node_only_when_their_block_divides_it():
+    cluster = Cluster(gpus=48)  # 8 GPUs per node
+    degrees = {"pp": 1, "dp": 6, "cp": 1, "tp": 8}
+    assert cluster.link("tp", degrees) is cluster.intra and cluster.link("dp", degrees) is cluster.inter
+    assert cluster.link("tp", degrees | {"tp": 6, "dp": 8}) is cluster.inter  # ranks 6-11 straddle two nodes
+    assert cluster.link("cp", {"pp": 1, "dp": 6, "cp": 4, "tp": 2}) is cluster.intra
+    assert Cluster(gpus=48, tp_link="inter").link("tp", degrees) is Cluster(gpus=48).inter
+
+
+def test_planner_cli_json_ranks_layouts_that_fit(capsys):
+    import json
+
+    from tinyscale.cli import main
+
+    assert main(["plan", "--model", "gpt2-124m", "--gpus", "8", "--global-batch", "16", "--seq-len", "1024",
+                 "--gpu-mem", "16", "--json", "--top", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ranked = out["ranked"]
+    assert len(ranked) == 4 and ranked[0]["why_not_best"] == "best"
+    assert [r["time_s"]["total"] for r in ranked] == sorted(r["time_s"]["total"] for r in ranked)
+    assert all(r["fits"] and r["memory_bytes"]["total"] <= 0.9 * 16e9 for r in ranked)
+    assert all(r["why_not_best"].startswith(("+", "ties")) for r in ranked[1:])
+    for r in ranked:  # every ranked layout is a config the engine validates
+        from tinyscale.config import EngineConfig
+
+        EngineConfig.load(r["config"])
+
+
+def test_planner_says_when_nothing_fits():
+    from tinyscale.planner import plan
+
+    with pytest.raises(ValueError, match="no layout of 69.0B parameters fits 2 GPUs"):
+        plan("llama2-70b", Cluster(gpus=2), global_batch=2, seq_len=4096)

@@ -10,7 +10,7 @@ one GPU can send on it), for n bytes over k ranks, ring algorithms (Thakur et al
 
 Which link an axis's group crosses follows from the mesh's order, (pp, dp, cp, tp) with tp fastest
 (`tinyscale.dist.mesh`): ranks are numbered node by node, so a group of k ranks `stride` apart
-stays inside a node exactly when stride x k <= gpus_per_node. A group that crosses nodes runs at
+stays inside a node exactly when stride x k divides gpus_per_node (tp 6 on 8-GPU nodes straddles). A group that crosses nodes runs at
 the inter-node link's speed (a ring is as fast as its slowest hop). `topology.py` refines the
 intra-node link from `nvidia-smi topo -m`.
 """
@@ -97,6 +97,6 @@ class Cluster:
                 break
             stride *= degrees[name]
         size = stride * degrees[axis]  # the block of consecutive ranks one group spans
-        if size > self.gpus_per_node:
+        if self.gpus_per_node % size:  # larger than a node, or a block that straddles two nodes
             return self.inter
         return (self.intra_by_size or {}).get(size, self.intra)

@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--inter-latency", type=float, default=10, help="microseconds per message between nodes")
     p.add_argument("--tp-link", choices=("intra", "inter"), help="force the link tp/cp groups use")
     p.add_argument("--max-tp", type=int, help="largest tp degree tried (default: the GPUs per node)")
+    p.add_argument("--max-cp", type=int, default=8, help="largest cp degree tried (1: no context parallelism)")
     p.add_argument("--topology", help="`nvidia-smi topo -m` output of one node: the intra-node links from it")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=4096)
@@ -88,7 +89,8 @@ def table(result: PlanResult, top: int) -> list[Table]:
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
     cluster, topo = cluster_from_args(args)
-    result = plan(args.model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, max_tp=args.max_tp)
+    result = plan(args.model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, max_tp=args.max_tp,
+                  max_cp=args.max_cp)
     placement = None
     if topo is not None:  # where the best layout's tp groups (and tp x cp blocks) go on each node
         from tinyscale.planner.topology import plan_placement

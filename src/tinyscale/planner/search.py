@@ -128,7 +128,7 @@ FAMILIES = {
 
 
 def plan(model: str | GPTConfig, cluster: Cluster, *, global_batch: int, seq_len: int, refine: int = 24,
-         max_tp: int | None = None, layouts_to_try=None, dtype_bytes: int = 4, compute_bytes: int = 2) -> PlanResult:
+         max_tp: int | None = None, max_cp: int = 8, layouts_to_try=None, dtype_bytes: int = 4, compute_bytes: int = 2) -> PlanResult:
     """Every layout of `cluster` for `model`, ranked (see the module doc). `layouts_to_try`:
     cost only these (the CPU tests' handful) instead of enumerating."""
     cfg = resolve_model(model)
@@ -136,7 +136,7 @@ def plan(model: str | GPTConfig, cluster: Cluster, *, global_batch: int, seq_len
         raise ValueError(f"global_batch={global_batch!r}, seq_len={seq_len!r}: give positive ints")
     kw = dict(global_batch=global_batch, seq_len=seq_len, dtype_bytes=dtype_bytes, compute_bytes=compute_bytes)
     tried = list(layouts_to_try) if layouts_to_try is not None else list(
-        layouts(cfg, cluster.gpus, global_batch, max_tp=max_tp or cluster.gpus_per_node))
+        layouts(cfg, cluster.gpus, global_batch, max_tp=max_tp or cluster.gpus_per_node, max_cp=max_cp))
     first = [estimate(cfg, lay, cluster, simulate_pipeline=False, **kw) for lay in tried]
     valid = [e for e in first if e.fits or e.memory]
     fitting = sorted((e for e in valid if e.fits), key=lambda e: e.time["total"])

@@ -84,8 +84,10 @@ KEYS: tuple[Key, ...] = (
        "Adam always applies it", _is(True), _TRUE),
     _h("scheduler.type", "WarmupLR, WarmupDecayLR, WarmupCosineLR (LRRangeTest, OneCycle: refused)"),
     _h("scheduler.params.warmup_min_lr", "start of the warm-up, and WarmupDecayLR's floor (default 0)"),
-    _h("scheduler.params.warmup_max_lr", "peak (default 0.001; \"auto\": optimizer.params.lr)"),
-    _h("scheduler.params.warmup_num_steps", "warm-up length (default 1000)"),
+    _h("scheduler.params.warmup_max_lr", "peak (default: WarmupLR the optimizer's lr, WarmupDecayLR 0.001; "
+                                          "\"auto\": optimizer.params.lr)"),
+    _h("scheduler.params.warmup_num_steps", "warm-up length (default 1000; at least 1, and 1 means 2, as "
+                                             "DeepSpeed clamps it)"),
     _h("scheduler.params.warmup_type", "\"log\" (default) or \"linear\""),
     _h("scheduler.params.total_num_steps", "end of the decay (WarmupDecayLR, WarmupCosineLR)"),
     _h("scheduler.params.warmup_min_ratio", "WarmupCosineLR: warm-up start as a fraction of lr (default 0)"),

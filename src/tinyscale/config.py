@@ -123,6 +123,7 @@ class Fp16Config(Section):
     consecutive_hysteresis: Bool = False  # a clean step restores the whole hysteresis (DeepSpeed's meaning)
     # An overflow at min_loss_scale raises (DeepSpeed's ZeRO optimizers do; its stage-0 fp16
     # optimizer skips instead): there the gradients overflow unscaled, so training has diverged.
+    # tinyscale's own key: DeepSpeed 0.19.8's fp16 section has none (its ZeRO path always raises).
     raise_error_at_min_scale: Bool = True
 
 

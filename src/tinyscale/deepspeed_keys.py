@@ -118,7 +118,6 @@ KEYS: tuple[Key, ...] = (
     _h("fp16.hysteresis", "overflows tolerated before the scale halves"),
     _h("fp16.consecutive_hysteresis", "a clean step restores the whole hysteresis"),
     _h("fp16.min_loss_scale", "floor of the dynamic scale"),
-    _h("fp16.raise_error_at_min_scale", "an overflow at the floor raises (default true; lesson 04)"),
     _r("fp16.auto_cast", "DeepSpeed casts the model's floating-point inputs to fp16; tinyscale passes "
        "inputs as given", _is(False), _FALSE),
     _r("fp16.fp16_master_weights_and_grads", "DeepSpeed can keep the masters in fp16; tinyscale's masters "

@@ -12,6 +12,8 @@ harness's pooled ranks). Tasks:
 - ``scalers``: each overflow sequence through DeepSpeed's two dynamic loss scalers: the ZeRO
   optimizers' ``DynamicLossScaler.update_scale`` and stage 0's ``FP16_Optimizer._update_scale``;
   the scale in force at every step, or the step at which it raised.
+- ``fp16_growth``: DeepSpeed's engine in fp16 (its CPU check switched off) applying a known
+  gradient: the update of every step, at ZeRO stages 0 and 1.
 - ``configs``: whether DeepSpeed's own config parser accepts each config (and its message if not).
 - ``train``: DeepSpeed's engine on `world_size` gloo ranks training the GPT on given batches.
 """
@@ -48,18 +50,6 @@ def run(task: str, payload, timeout_s: float = TIMEOUT_S):
 # --- the tasks, run in the child process --------------------------------------------------------
 
 
-def _single_process_group() -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():  # DeepSpeed's scalers ask dist.get_rank() before they log
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 20000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
-
-
 def schedules(cases: list[dict]) -> list[list[float]]:
     import torch
     from deepspeed.runtime import lr_schedules
@@ -77,27 +67,28 @@ def schedules(cases: list[dict]) -> list[list[float]]:
 
 
 def scalers(cases: list[dict]) -> list[dict]:
-    """Each case: fp16 keys (DeepSpeed's names) and `overflows` (one bool per step)."""
+    """Each case: an ``fp16`` section (DeepSpeed's keys) and `overflows` (one bool per step).
+    Both scalers are built from the section as DeepSpeed's engine builds them: the ZeRO
+    optimizers' through ``CreateLossScaler``, stage 0's FP16_Optimizer through ``LossScaleConfig``
+    (FP16_UnfusedOptimizer's ``_update_scale`` is the same code)."""
     from types import SimpleNamespace
 
+    import torch
+    from deepspeed.runtime.fp16 import loss_scaler
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 
-    _single_process_group()
+    # update_scale asks deepspeed.comm for the rank only to decide who logs; rank 0 here. (A
+    # real process group would build DeepSpeed's shared-memory op, minutes on a busy machine.)
+    loss_scaler.dist = SimpleNamespace(get_rank=lambda: 0)
     out = []
     for case in cases:
-        f = case["fp16"]
-        zero = DynamicLossScaler(init_scale=2.0**f["initial_scale_power"], scale_window=f["loss_scale_window"],
-                                 min_scale=f["min_loss_scale"], delayed_shift=f["hysteresis"],
-                                 consecutive_hysteresis=f["consecutive_hysteresis"])
-        # Stage 0's FP16_Optimizer keeps its scale in loss_scale_config and updates it in
-        # _update_scale (fused_optimizer.py); its own state is all that method reads.
-        stage0 = object.__new__(FP16_Optimizer)
+        args = DeepSpeedFP16Config(enabled=True, **case["fp16"]).dynamic_loss_scale_args()
+        zero = loss_scaler.CreateLossScaler(dtype=torch.float16, static_loss_scale=0, dynamic_scaling=True,
+                                            dynamic_loss_args=args)
+        stage0 = object.__new__(FP16_Optimizer)  # _update_scale reads only these two attributes
         stage0.verbose = False
-        stage0.loss_scale_config = SimpleNamespace(
-            dynamic_loss_scale=True, cur_scale=2.0**f["initial_scale_power"], scale_factor=2.0,
-            min_loss_scale=f["min_loss_scale"], cur_iter=0, last_overflow_iter=-1,
-            scale_window=f["loss_scale_window"])
+        stage0.loss_scale_config = loss_scaler.LossScaleConfig(torch.float16, True, 0, args)
         result = {}
         for name, scale_of, update in (
                 ("zero", lambda: zero.cur_scale, zero.update_scale),
@@ -115,11 +106,53 @@ def scalers(cases: list[dict]) -> list[dict]:
     return out
 
 
+def _process_group_of_one() -> None:
+    """A gloo group of one rank, through deepspeed.init_distributed (which builds DeepSpeed's
+    shared-memory op the first time: minutes on a busy machine, then cached)."""
+    import socket
+
+    import deepspeed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def fp16_growth(payload: dict) -> dict:
+    """DeepSpeed's engine, fp16, SGD (lr 1) on w . x with w = 0: the update of every step, at
+    each ZeRO stage asked for. DeepSpeed's CPU accelerator says fp16 is unsupported on this CPU
+    (no oneDNN fp16), so the check is switched off here: fp16 arithmetic itself runs on any CPU."""
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+    _process_group_of_one()
+    x = torch.tensor([payload["x"]], dtype=torch.float16)
+    out = {}
+    for stage in payload["stages"]:
+        model = torch.nn.Linear(len(payload["x"]), 1, bias=False)
+        with torch.no_grad():
+            model.weight.zero_()
+        config = {"train_batch_size": 1, "gradient_clipping": 0.0, "fp16": {"enabled": True, **payload["fp16"]},
+                  "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                          config=config)
+        rows = []
+        for _ in range(payload["steps"]):
+            before = engine.module.weight.detach().float().clone()
+            engine.backward(engine(x).float().sum())
+            engine.step()
+            rows.append((engine.module.weight.detach().float() - before)[0].tolist())
+        out[str(stage)] = rows
+    return out
+
+
 def configs(cases: list[dict]) -> list[dict]:
     """Whether DeepSpeedConfig accepts each config dict (world size 1 for the batch identity)."""
     from deepspeed.runtime.config import DeepSpeedConfig
-
-    _single_process_group()
     out = []
     for raw in cases:
         try:
@@ -141,7 +174,8 @@ def main() -> None:
 
             answer = train(payload)
         else:
-            answer = {"schedules": schedules, "scalers": scalers, "configs": configs}[task](payload)
+            answer = {"schedules": schedules, "scalers": scalers, "configs": configs,
+                      "fp16_growth": fp16_growth}[task](payload)
     print(json.dumps(answer))
 
 

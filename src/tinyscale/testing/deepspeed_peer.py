@@ -151,12 +151,29 @@ def fp16_growth(payload: dict) -> dict:
 
 
 def configs(cases: list[dict]) -> list[dict]:
-    """Whether DeepSpeedConfig accepts each config dict (world size 1 for the batch identity)."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    """Whether DeepSpeed accepts each case's ``config`` on ``world_size`` data-parallel ranks:
+    its config parser (``DeepSpeedConfig``, told the data-parallel size), then
+    its scheduler built from the ``scheduler`` section as its engine builds it."""
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.runtime import config as ds_config
+    from deepspeed.runtime import lr_schedules
+
     out = []
-    for raw in cases:
+    for case in cases:
+        raw = json.loads(json.dumps(case["config"]))
+        dp = case.get("world_size", 1)
+        # DeepSpeedConfig reads the rank and world size from deepspeed.comm (world 1 without a
+        # process group): answer as rank 0 of `dp` ranks, so the batch identity is checked at dp.
+        ds_config.dist = SimpleNamespace(get_rank=lambda: 0, get_world_size=lambda *a, dp=dp: dp)
         try:
-            DeepSpeedConfig(json.loads(json.dumps(raw)))
+            ds_config.DeepSpeedConfig(raw)
+            sched = raw.get("scheduler")
+            if sched:
+                opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))],
+                                      lr=raw.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
+                getattr(lr_schedules, sched["type"])(opt, **sched.get("params", {}))
             out.append({"accepted": True, "message": ""})
         except Exception as exc:  # noqa: BLE001 - any refusal, whatever DeepSpeed raises
             out.append({"accepted": False, "message": f"{type(exc).__name__}: {exc}"[:300]})

@@ -119,10 +119,11 @@ class Fp16Config(Section):
     initial_scale_power: Int = Field(16, ge=0, le=64)
     loss_scale_window: PositiveInt = 1000
     hysteresis: PositiveInt = 2
-    min_loss_scale: Float = Field(1.0, gt=0)
+    min_loss_scale: Int = Field(1, gt=0)  # an integer, as DeepSpeed's (0.5 is refused there too)
     consecutive_hysteresis: Bool = False  # a clean step restores the whole hysteresis (DeepSpeed's meaning)
     # An overflow at min_loss_scale raises (DeepSpeed's ZeRO optimizers do; its stage-0 fp16
     # optimizer skips instead): there the gradients overflow unscaled, so training has diverged.
+    # tinyscale's own key: DeepSpeed 0.19.8's fp16 section has none (its ZeRO path always raises).
     raise_error_at_min_scale: Bool = True
 
 

@@ -41,7 +41,7 @@ from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 import tinyscale as ts
-from _harness import add_json_argument, round_robin, slowest, write_json
+from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
 from tinyscale.compression import (
     QSGD, CompressionState, OneBitAdam, PowerSGDState, RandomK, TopK, compression_hook, powersgd_hook,
 )

@@ -12,7 +12,7 @@ over a sequence of `seq-len` tokens, three ways:
                rank 0 alone while the others wait (what one device would do)
 
 Steps are interleaved round-robin (so load changes hit all three alike), the first of each
-dropped as warm-up (benchmarks/_harness.py); it reports the median step time of the slowest
+dropped as warm-up (tinyscale.bench); it reports the median step time of the slowest
 rank with its spread, the ratio to SDPA, and the bytes rank 0 put on the wire per step (comm
 ledger, bus bytes). Ring and Ulysses run each block on the CPU's flash kernel
 (`tinyscale.context_parallel.blocks`), as SDPA does. `--json PATH` writes cp_ring_vs_sdpa and
@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from _harness import add_json_argument, round_robin, slowest, summary, write_json
+from tinyscale.bench import add_json_argument, round_robin, slowest, summary, write_json
 from tinyscale.context_parallel import Layout, ring_attention, shard, ulysses_attention
 from tinyscale.dist import comm
 

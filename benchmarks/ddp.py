@@ -16,7 +16,7 @@ the comm ledger), and the fraction of communication time that overlap hides:
 
     hidden = (no-overlap step - overlapped step) / (no-overlap step - compute-only step)
 
-Timing: benchmarks/_harness.py (round-robin steps, 2 warm-up rounds dropped, the slowest
+Timing: tinyscale.bench (round-robin steps, 2 warm-up rounds dropped, the slowest
 rank's step, median and spread). `--json PATH` writes ddp_bucketed_vs_torch_N per world size N.
 """
 
@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from _harness import add_json_argument, round_robin, slowest, summary, write_json
+from tinyscale.bench import add_json_argument, round_robin, slowest, summary, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.data_parallel import BucketedDDP, NaiveDDP
 from tinyscale.dist import comm

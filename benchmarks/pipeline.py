@@ -15,7 +15,7 @@ schedules the bubble measured from each compute action's start and end (a clock 
 share) beside the simulator's, run on the median measured cost of each (stage, kind) and the
 per-message latency measured in the same processes (a ping-pong of one activation-sized
 message, half the median round trip), and the closed form (which assumes equal stages and free
-messages). Timing: benchmarks/_harness.py. `--json PATH` writes pp_1f1b_vs_torch,
+messages). Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
 pp_afab_vs_torch and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points).
 Lesson: lessons/08-pipeline-parallel.md.
 """
@@ -33,7 +33,7 @@ from rich.table import Table
 
 import tinyscale as ts
 from tinyscale.pipeline.schedules import SEND_B, SEND_F
-from _harness import add_json_argument, round_robin, slowest, write_json
+from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.pipeline import (

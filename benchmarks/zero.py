@@ -22,7 +22,7 @@ communication), the ratio against the reference (stage 3 against FSDP2,
 the others against torch DDP; the target for stage 3 is at most 1.3x), the spread
 (fastest .. slowest step), and the bytes our implementations put on the wire per step (the
 comm ledger's bus bytes, against the 2 Psi and 3 Psi of ZeRO's section 7). torch's own
-collectives bypass the ledger. Timing: benchmarks/_harness.py (the slowest rank's step).
+collectives bypass the ledger. Timing: tinyscale.bench (the slowest rank's step).
 `--json PATH` writes zero1_vs_ddp, zero2_vs_ddp and zero3_vs_fsdp2.
 """
 
@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from _harness import add_json_argument, round_robin, slowest, write_json
+from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.dist import comm
 from tinyscale.models import GPT, GPTConfig

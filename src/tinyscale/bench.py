@@ -1,6 +1,6 @@
 """The timing harness every benchmark shares, and the `--json` file each writes.
 
-    from _harness import add_json_argument, round_robin, summary, write_json
+    from tinyscale.bench import add_json_argument, round_robin, summary, write_json
 
 - `round_robin(variants, steps, warmup=...)`: one step of each variant in turn, `warmup` +
   `steps` rounds, so a change in the machine's load (other processes on the shared cores)
@@ -13,7 +13,7 @@
   runs/bench.json, with the machine and its load when measured (`uptime`'s load averages:
   timings on a shared machine mean little without it).
 
-    python benchmarks/_harness.py merge OUT.json IN.json ...   (what `make bench` runs)
+    python -m tinyscale.bench merge OUT.json IN.json ...   (what `make bench` runs)
 """
 
 from __future__ import annotations
@@ -98,5 +98,5 @@ def merge(out: str, inputs: Sequence[str]) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] != "merge":
-        sys.exit("usage: python benchmarks/_harness.py merge OUT.json IN.json ...")
+        sys.exit("usage: python -m tinyscale.bench merge OUT.json IN.json ...")
     print(json.dumps(merge(sys.argv[2], sys.argv[3:])["ratios"], indent=2))

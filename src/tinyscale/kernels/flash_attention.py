@@ -169,8 +169,13 @@ def attention_reference(q, k, v, *, causal_mask_kind: str, scale: float, key_val
 # --8<-- [end:reference]
 
 
+# Triton launch options for every flash kernel ({"num_warps": 8, "num_stages": 3}): empty, Triton's
+# defaults; scripts/gpu_perf.py sweeps them with the tile size on a GPU (lesson 11).
+LAUNCH: dict = {}
+
+
 def _tiles(D: int, block: int) -> dict:
-    return dict(D=D, BD=max(16, triton.next_power_of_2(D)), BM=block, BN=block)
+    return dict(D=D, BD=max(16, triton.next_power_of_2(D)), BM=block, BN=block, **LAUNCH)
 
 
 def _block(q: torch.Tensor, block: int | None) -> int:

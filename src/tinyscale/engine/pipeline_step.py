@@ -52,7 +52,7 @@ bubble) are comm_exposed, the host's work between actions other, and `pipeline_b
 this rank's share of the schedule's time outside its compute actions (`PipelineStep.profile`).
 
 A forward, backward or loss that raises on some stages: the executor runs the schedule's
-messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
+messages to the end anyway (a failed stage sends messages saying so), every rank agrees on who
 failed (one all-reduce of a flag per rank, `step_failure.failed_ranks`) and drops the step, as
 the data-parallel engine does: that rank re-raises its error, the others raise `StepFailed`
 naming it. A failure in the messages themselves still stops the engine. Tests:

@@ -1,0 +1,135 @@
+"""The MoE layer in one process: router, capacity, the per-token sum, the aux losses, the GPT.
+
+Run: `pytest tests/moe/test_moe.py` (key moe). Float64 throughout: the layer against a loop
+over tokens written from the definitions must agree to rounding (rtol 1e-12: a few float64
+ulps of O(1) sums of at most 4 products; a wrong weight, expert or drop is off by O(1e-2)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tinyscale as ts
+from tinyscale.models import GPT, GPTConfig
+from tinyscale.moe import MoE, capacity, moe_layers, moe_stats, route
+
+TINY = GPTConfig.preset("tiny")
+
+
+def _layer(E=5, k=2, cf=0.8, kind="softmax", shared=0, seed=0) -> MoE:
+    cfg = TINY.with_(moe_experts=E, moe_top_k=k, moe_capacity_factor=cf, moe_router=kind, moe_shared_experts=shared)
+    layer = MoE(cfg, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
+    return layer
+
+
+def _per_token(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """y_t = sum over t's kept choices of w * expert(x_t), written token by token from the definitions."""
+    N, E, k = x.shape[0], layer.num_experts, layer.top_k
+    logits = x @ layer.router.weight.t()
+    if layer.router_kind == "softmax":
+        scores = logits.softmax(-1)
+        w, e = scores.topk(k, -1)
+        w = w / w.sum(-1, keepdim=True) if k > 1 else w
+    else:
+        s = logits.sigmoid()
+        w, e = s.topk(k, -1)
+        w = w / w.sum(-1, keepdim=True)
+    cap = math.ceil(layer.capacity_factor * N * k / E) if layer.capacity_factor else N * k
+    taken, y, dropped = [0] * E, torch.zeros_like(x), 0
+    ex = layer.experts
+    for j in range(k):  # every token's first choice before any second choice
+        for t in range(N):
+            i = int(e[t, j])
+            if taken[i] >= cap:
+                dropped += 1
+                continue
+            taken[i] += 1
+            h = F.silu(x[t] @ ex.w_gate[i]) * (x[t] @ ex.w_up[i])
+            y[t] += w[t, j] * (h @ ex.w_down[i])
+    if layer.shared is not None:
+        s = layer.shared
+        y = y + s["w_down"](F.silu(s["w_gate"](x)) * s["w_up"](x))
+    return y, dropped
+
+
+@pytest.mark.parametrize("k,cf,kind,shared", [(1, 0.7, "softmax", 0), (2, 0.8, "softmax", 1), (2, None, "sigmoid", 0),
+                                              (3, 1.1, "sigmoid", 0)])
+def test_moe_layer_equals_the_per_token_sum_with_drops(k, cf, kind, shared):
+    layer = _layer(E=5, k=k, cf=cf, kind=kind, shared=shared)
+    x = torch.randn(2, 11, TINY.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = layer(x)
+    want, dropped = _per_token(layer, x.reshape(22, -1))
+    torch.testing.assert_close(y.reshape(22, -1), want, rtol=1e-12, atol=1e-12)
+    assert layer.stats.dropped == dropped
+    assert (dropped > 0) == (cf is not None), "every capacity here drops some assignments"
+    assert int(layer.stats.load.sum()) == 22 * k
+
+
+def test_moe_router_capacity_keeps_first_choices_first():
+    # 4 tokens all prefer expert 0 then expert 1; capacity ceil(0.5 * 4 * 2 / 2) = 2 per expert
+    logits = torch.tensor([[2.0, 1.0]] * 4, dtype=torch.float64)
+    r = route(logits, top_k=2, capacity_factor=0.5)
+    assert capacity(4, 2, 2, 0.5) == 2 and r.dropped == 4
+    assert r.token_index.tolist() == [0, 1, 0, 1] and r.expert_index.tolist() == [0, 0, 1, 1]
+    assert r.counts.tolist() == [2, 2] and r.load.tolist() == [4, 4]
+
+
+def test_moe_aux_loss_is_alpha_at_uniform_routing_and_its_gradient_reaches_the_router():
+    layer = _layer(E=4, k=1, cf=None)
+    layer.z_loss_coef = 0.0
+    with torch.no_grad():
+        layer.router.weight.zero_()  # uniform probabilities; top-1 ties break to one expert
+    x = torch.randn(1, 8, TINY.d_model, dtype=torch.float64)
+    layer(x)
+    # f = (1, 0, 0, 0), P = 1/4 each: L = alpha E sum f P = alpha
+    assert layer.aux_loss.item() == pytest.approx(layer.aux_loss_coef, rel=1e-12)
+    layer.router.weight.data.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    layer.aux_loss.backward()
+    g = layer.router.weight.grad
+    assert g is not None and g.abs().max() > 1e-6, "the aux loss must train the router (through P)"
+    # from the definition: d/dW of alpha E sum_i f_i mean_t softmax(x W^T)_ti, f held fixed
+    W = layer.router.weight.detach().clone().requires_grad_(True)
+    tokens = x.reshape(8, -1)
+    f = layer.stats.load.double() / 8
+    (layer.aux_loss_coef * 4 * (f * (tokens @ W.t()).softmax(-1).mean(0)).sum()).backward()
+    torch.testing.assert_close(g, W.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_moe_z_loss_is_the_mean_squared_logsumexp():
+    logits = torch.randn(6, 3, dtype=torch.float64)
+    r = route(logits, 1, z_loss_coef=0.5)
+    assert r.z_loss.item() == pytest.approx(0.5 * (torch.logsumexp(logits, -1) ** 2).mean().item(), rel=1e-12)
+
+
+def test_moe_gpt_param_count_keys_and_dense_blocks():
+    cfg = TINY.with_(n_layer=3, moe_experts=3, moe_top_k=1, moe_layers=(0, 2), moe_shared_experts=1)
+    model = GPT(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    assert len(moe_layers(model)) == 2 and not hasattr(model.blocks[1].mlp, "router")
+    assert model.state_dict()["blocks.0.mlp.experts.w_gate"].shape == (3, cfg.d_model, cfg.ffn_dim)
+    assert TINY.num_params() == GPTConfig.preset("tiny").with_(moe_experts=0).num_params()
+
+
+def test_moe_gpt_trains_in_the_reference_with_aux_in_its_loss():
+    cfg = TINY.with_(moe_experts=4, moe_top_k=2, moe_capacity_factor=1.0)
+    model = GPT(cfg, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 256, (4, 16), generator=gen), torch.randint(0, 256, (4, 16), generator=gen)
+    ce = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+    loss = model(x, y)
+    aux = sum(m.aux_loss for m in moe_layers(model))
+    assert loss.item() == pytest.approx((ce + aux).item(), rel=1e-14) and aux.item() > 0
+    losses = ts.reference.train(model, [(x, y)] * 4, {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+                                                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    assert losses[-1] < losses[0]
+    stats = moe_stats(model)
+    assert stats["assignments"] == 2 * 2 * 16 * 2 and stats["aux_loss"] > 0

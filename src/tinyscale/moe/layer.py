@@ -46,6 +46,7 @@ class MoEStats:
     """One forward of one MoE layer, detached: what the engine and the lesson log."""
 
     load: torch.Tensor      # (E,) assignments per expert before the capacity drop
+    kept: torch.Tensor      # (E,) assignments per expert after it (the rows dispatched)
     dropped: int            # assignments dropped for capacity
     assignments: int        # N * k
     aux_loss: float
@@ -125,7 +126,7 @@ class MoE(nn.Module):
             s = self.shared
             y = y + s["w_down"](F.silu(s["w_gate"](tokens)) * s["w_up"](tokens))  # (N, C)
         self.aux_loss = r.aux_loss + r.z_loss
-        self.stats = MoEStats(load=r.load.detach(), dropped=r.dropped, assignments=B * T * self.top_k,
+        self.stats = MoEStats(load=r.load.detach(), kept=r.counts.detach(), dropped=r.dropped, assignments=B * T * self.top_k,
                               aux_loss=float(r.aux_loss.detach()), z_loss=float(r.z_loss.detach()))
         y = y.view(B, T, C)
         if self.aux_grad_scale is not None and self.training:  # pipeline: the loss never sees aux_loss

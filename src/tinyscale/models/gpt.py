@@ -259,10 +259,13 @@ class GPT(nn.Module):
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}: "
                              "targets must be idx shifted by one position, same (B, T)")
         _check_ids(targets, cfg, "targets")
-        # MoE blocks: their load-balancing and z losses (set by this forward) train with the loss.
-        aux = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]
         # Mean over all B*T positions = mean over rows of per-row means (every row has T
         # positions): that is what lets data parallelism average per-rank losses.
         logits = logits.reshape(B * T, cfg.vocab_size).to(_compute_dtype(logits.dtype))  # (B*T, V)
-        loss = F.cross_entropy(logits, targets.reshape(B * T).long())
+        return self.add_aux_losses(F.cross_entropy(logits, targets.reshape(B * T).long()))
+
+    def add_aux_losses(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` plus the load-balancing and z losses this forward's MoE blocks set (tinyscale.moe):
+        they train with the loss. A dense GPT: `loss` itself."""
+        aux = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]
         return loss + sum(aux) if aux else loss

@@ -99,3 +99,56 @@ def test_expert_parallel_groups_live_inside_dp():
     assert edp_groups == [[0, 4], [2, 6], [1, 5], [3, 7]]
     with pytest.raises(ValueError, match="must divide dp"):
         expert_group_ranks(MeshLayout(dp=3), 2)
+
+
+def _sharded_body(ep: int):
+    """dp = world ranks, experts stored sharded over ep groups inside dp: one step's gradient."""
+    from tinyscale.models import GPT
+    from tinyscale.moe import expert_groups, reduce_expert_gradients, shard_experts
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = GPT(_GPT, seed=1, dtype=torch.float64)
+    ep_group, edp_group = expert_groups(MeshLayout(dp=world), ep)
+    apply_expert_parallel(model, ep_group)
+    shard_experts(model)
+    x, y = _gpt_batch()
+    rows = x.shape[0] // world
+    with comm.record() as ledger:
+        model(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]).backward()
+        expert = {n for n, _ in model.named_parameters() if ".experts." in n}
+        for n, p in model.named_parameters():
+            if n not in expert:
+                comm.all_reduce(p.grad)
+                p.grad.div_(world)
+        reduce_expert_gradients(model, edp_group, world)
+    edp = [r.bytes for r in ledger.rows if r.op == "all_reduce" and r.group_size == world // ep]
+    return {n: p.grad for n, p in model.named_parameters()}, {n: model.blocks[0].mlp.experts.first for n in expert}, edp
+
+
+_GPT = GPTConfig(vocab_size=40, max_seq_len=8, n_layer=2, n_head=2, d_model=8, ffn_hidden=12, moe_experts=4,
+                 moe_top_k=2, moe_capacity_factor=0.9)
+
+
+def _gpt_batch():
+    gen = torch.Generator().manual_seed(4)
+    return torch.randint(0, 40, (4, 8), generator=gen), torch.randint(0, 40, (4, 8), generator=gen)
+
+
+def test_expert_parallel_sharded_experts_reduce_over_the_expert_data_parallel_group():
+    """dp 4 with ep 2: each rank stores 2 of the 4 experts; the expert shards' gradients summed over
+    their expert-data-parallel pair / dp equal the single-process gradient of the batch's mean loss
+    (each rank's rows are one micro-batch of the reference's four)."""
+    from tinyscale.models import GPT
+    out = run_on_ranks(_sharded_body, 4, 2)
+    ref = GPT(_GPT, seed=1, dtype=torch.float64)
+    x, y = _gpt_batch()
+    for i in range(4):
+        (ref(x[i:i + 1], y[i:i + 1]) / 4).backward()
+    for rank, (grads, first, edp_bytes) in enumerate(out):
+        assert first and set(first.values()) == {2 * (rank % 2)}
+        for name, p in ref.named_parameters():
+            want = p.grad
+            if ".experts." in name:
+                want = want[first[name]:first[name] + 2]  # this rank's shard
+            torch.testing.assert_close(grads[name], want, rtol=1e-10, atol=1e-13, msg=name)
+        # the expert-data-parallel all-reduce moves only the shard: 2 layers x 3 tensors x 2 experts
+        assert sum(edp_bytes) == 2 * 2 * 3 * 8 * 12 * 8

@@ -58,6 +58,7 @@ def _train(layouts: list[tuple]):
         spec = dict(item)
         engine = ts.initialize(gpt(spec), engine_config(spec))
         losses = [engine.train_batch(b) for b in batches(spec)]
+        assert engine.last_step["moe"]["assignments"] == len(moe_layers(engine.model)) * SEQ * spec["k"]
         out.append((losses, engine.full_state_dict(), engine.comm_ledger.calls("all_to_all"),
                     len(moe_layers(engine.model))))
     return out

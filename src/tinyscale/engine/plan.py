@@ -57,6 +57,7 @@ class LayoutPlan:
     context_algorithm: str = "ring"
     zero_stage: int = 0
     ep: int = 1  # expert parallelism: runs of ep dp ranks split the experts (engine/expert.py)
+    moe: bool = False  # the model is an MoE GPT (its routing is logged in engine.last_step["moe"])
 
     @property
     def layout(self) -> MeshLayout:
@@ -113,7 +114,8 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     return LayoutPlan(world_size=world_size, dp=world_size // (tp * cp * pp), pp=pp, cp=cp, tp=tp,
                       virtual_stages=par.virtual_stages, schedule=par.pipeline_schedule,
                       sequence_parallel=par.sequence_parallel, context_algorithm=par.context_algorithm,
-                      zero_stage=config.zero_optimization.stage, ep=par.expert)
+                      zero_stage=config.zero_optimization.stage, ep=par.expert,
+                      moe=bool(getattr(getattr(model, "config", None), "moe_experts", 0)))
 
 
 # --8<-- [start:placement]

@@ -63,6 +63,7 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(num_experts, d_model, hidden, **kw))  # (E, C, F_e)
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, d_model, **kw))  # (E, F_e, C)
         self.local = (0, num_experts)  # the held experts this rank computes (expert parallelism)
+        self.first = 0  # the global index of the first held expert (`shard_experts` holds E / ep of them)
         self.impl = "kernel"  # "kernel": grouped_gemm (Triton where it runs, else the loop); "loop"
 
     # --8<-- [start:experts]

@@ -18,6 +18,12 @@ over dp like any other parameter). Storing only E / ep experts per rank, reduced
 expert-data-parallel group, is the memory-saving layout; see lessons/13-moe.md for what this
 costs instead: the experts' gradient traffic over dp rather than dp / ep ranks.
 
+The memory-saving form, in this topic (`shard_experts`, `reduce_expert_gradients`): each rank
+stores only its E / ep experts; after backward the dense gradients are averaged over dp as
+always, and each expert shard's gradient is summed over the expert-data-parallel group (the
+dp / ep ranks holding the same experts) and divided by dp: every dp rank's tokens reached the
+expert through one of the ep groups, so that sum is every rank's contribution, once.
+
 Lesson: lessons/13-moe.md. Tests: `pytest tests/moe -k expert_parallel`.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from tinyscale.dist import comm
 from tinyscale.dist.mesh import MeshLayout
 from tinyscale.moe.layer import moe_layers
 
@@ -69,3 +76,33 @@ def apply_expert_parallel(model: nn.Module, group) -> nn.Module:
         layer.experts.local = (rank * per_rank, (rank + 1) * per_rank)
     return model
 # --8<-- [end:apply]
+
+
+EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
+
+
+# --8<-- [start:shard]
+def shard_experts(model: nn.Module) -> nn.Module:
+    """After `apply_expert_parallel`: keep only this rank's experts (dim 0 of each expert tensor), in place.
+    `Experts.first` is then the global index of the first one held."""
+    for layer in moe_layers(model):
+        ex = layer.experts
+        start, stop = ex.local
+        for name in EXPERT_PARAMS:
+            full = getattr(ex, name)
+            setattr(ex, name, nn.Parameter(full.detach()[start:stop].clone(), requires_grad=full.requires_grad))
+        ex.local, ex.first = (0, stop - start), start
+    return model
+
+
+def reduce_expert_gradients(model: nn.Module, edp_group, dp_size: int) -> None:
+    """Expert shards' gradients: summed over the expert-data-parallel group, divided by dp (the
+    dense parameters' mean over dp is the caller's, as in any data parallelism)."""
+    for layer in moe_layers(model):
+        for name in EXPERT_PARAMS:
+            grad = getattr(layer.experts, name).grad
+            if grad is not None:
+                if dist.get_world_size(edp_group) > 1:
+                    comm.all_reduce(grad, group=edp_group)
+                grad.div_(dp_size)
+# --8<-- [end:shard]

@@ -88,7 +88,7 @@ def test_moe_aux_loss_is_alpha_at_uniform_routing_and_its_gradient_reaches_the_r
     layer.z_loss_coef = 0.0
     with torch.no_grad():
         layer.router.weight.zero_()  # uniform probabilities; top-1 ties break to one expert
-    x = torch.randn(1, 8, TINY.d_model, dtype=torch.float64)
+    x = torch.randn(1, 8, TINY.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     layer(x)
     # f = (1, 0, 0, 0), P = 1/4 each: L = alpha E sum f P = alpha
     assert layer.aux_loss.item() == pytest.approx(layer.aux_loss_coef, rel=1e-12)
@@ -189,3 +189,22 @@ def test_moe_experts_grouped_gemm_kernel_equals_the_loop():
         outs.append((y.detach(), layer.experts.w_gate.grad.clone(), layer.experts.w_down.grad.clone()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * b.abs().max().item())
+
+
+def test_moe_flops_count_the_active_experts_not_all_of_them():
+    """tinyscale.mfu's forward FLOPs of an MoE GPT equal torch's FlopCounterMode count (no
+    assignment dropped): the router and k (+ shared) experts per token, whatever E is."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tinyscale.mfu import forward_flops
+    counts = []
+    for E in (4, 8):
+        cfg = TINY.with_(attn_impl="math", moe_experts=E, moe_top_k=2, moe_shared_experts=1, moe_layers=(1,))
+        model = GPT(cfg, dtype=torch.float64)  # float64: the experts' loop of matmuls (Triton's kernel is not counted)
+        x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        with FlopCounterMode(display=False) as fwd:
+            model(x, x)
+        assert fwd.get_total_flops() == 2 * forward_flops(cfg, 16).forward
+        counts.append(forward_flops(cfg, 16).mlp)
+    C = TINY.d_model
+    assert counts[1] - counts[0] == 16 * 2 * C * 4, "doubling E adds only the router's columns"

@@ -267,5 +267,5 @@ class GPT(nn.Module):
     def add_aux_losses(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` plus the load-balancing and z losses this forward's MoE blocks set (tinyscale.moe):
         they train with the loss. A dense GPT: `loss` itself."""
-        aux = [b.mlp.aux_loss for b in self.blocks if getattr(b.mlp, "aux_loss", None) is not None]
+        aux = [m.aux_loss for m in self.blocks.modules() if getattr(m, "aux_loss", None) is not None]
         return loss + sum(aux) if aux else loss

@@ -187,6 +187,7 @@ class ParallelConfig(Section):
     pipeline_reshard_after_forward: Bool = False
     context_algorithm: Literal["ring", "ulysses"] = "ring"
     context_sharding: Literal["zigzag", "contiguous"] = "zigzag"  # tinyscale.context_parallel.sharding
+    expert: PositiveInt = 1  # expert parallelism: an MoE GPT's experts split over this many dp ranks (engine/expert.py)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ from tinyscale.engine.grad_norm import GradNorm
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.models.dropout import set_dropout_clock
+from tinyscale.moe import moe_stats
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.tensor_parallel import full_state_dict_from_tp
@@ -276,6 +277,8 @@ class Engine:
             mean_loss, skipped = self._step(batch)
         self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
                           **self.throughput.record(batch, self._clock() - start)}
+        if self.plan.moe:  # an MoE GPT: this rank's last micro-batch's routing (load, dropped, aux losses)
+            self.last_step["moe"] = moe_stats(self.model)
         if self.profiler.enabled:
             self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
             if self.pipeline is not None:  # the schedule's seconds and this rank's bubble in them

@@ -48,7 +48,7 @@ import torch
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine import context, pipeline_layout
+from tinyscale.engine import context, expert, pipeline_layout
 from tinyscale.engine.pipeline_step import PipelineStep
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -146,6 +146,7 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
         pipeline.split_context_parallel(model, config, mesh)
     else:
         context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
+    expert.apply(model, config, mesh)  # an MoE GPT's experts split over the ep groups inside dp (engine/expert.py)
     # --8<-- [start:activation-checkpointing]
     ac = config.activation_checkpointing
     if ac.policy != "none":  # a recomputation replays the TP tracker's stream too (tensor_parallel/random.py)

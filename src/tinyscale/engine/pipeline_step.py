@@ -76,7 +76,7 @@ import torch.distributed as dist
 from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
-from tinyscale.engine import compression, context, pipeline_checkpoint
+from tinyscale.engine import compression, context, expert, pipeline_checkpoint
 from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
@@ -213,6 +213,10 @@ class PipelineStep:
         failed: list[int] = []
         # fp16: every backward is of loss x S (the loss reported stays unscaled)
         self.executor.loss_scale = 1.0 if engine.loss_scaler is None else engine.loss_scaler.scale
+        # an MoE GPT: each layer backpropagates its aux loss as the executor does the loss (engine/expert.py)
+        self.moe_aux = 0.0
+        if self.gpt_config.moe_experts:
+            expert.set_aux_grad_scale(engine.model, self.executor.loss_scale / len(micro))
         try:
             with comm.record(engine.comm_ledger):
                 # --8<-- [start:step]
@@ -266,6 +270,7 @@ class PipelineStep:
                 total = torch.zeros((), dtype=torch.float64, device=engine.device)
                 if loss is not None:
                     total += loss.detach().double()
+                total += self.moe_aux / len(micro)  # this rank's stages' aux losses (an MoE GPT; else 0)
                 comm.all_reduce(total, group=self.group)  # only the last stage's is not zero
                 if engine.dp_size > 1:
                     comm.all_reduce(total, group=engine.dp_group)
@@ -374,8 +379,13 @@ def _around_compute(engine, micro_batches: int, rows: int, a) -> Iterator[None]:
     wall_clock_breakdown times an F action as forward, B, BW and W as backward."""
     set_dropout_clock(engine.model, step=engine.step, row0=(engine.dp_rank * micro_batches + a.microbatch) * rows)
     profiler = engine.profiler
+    moe = a.kind == F and engine.pipeline.gpt_config.moe_experts > 0
+    if moe:
+        expert.take_aux(engine.model)  # a recomputation's, in an earlier backward: not this forward's
     with profiler.phase("forward" if a.kind == F else "backward") if profiler.enabled else contextlib.nullcontext():
         yield
+    if moe:  # an MoE GPT's aux losses join the reported loss (their gradient is AddAuxLoss's)
+        engine.pipeline.moe_aux += expert.take_aux(engine.model)
 
 
 def _no_sync(engine):

@@ -185,6 +185,10 @@ class ParallelConfig(Section):
     pipeline_reshard_after_forward: Bool = False
     context_algorithm: Literal["ring", "ulysses"] = "ring"
     context_sharding: Literal["zigzag", "contiguous"] = "zigzag"  # tinyscale.context_parallel.sharding
+    # AutoTP (a model tinyscale did not write, tensor > 1): module-name pattern -> style, read before
+    # the built-in Llama-family names (tinyscale.tensor_parallel.auto)
+    tp_plan: dict[str, Literal["colwise", "rowwise", "colwise_gather_output", "vocab", "replicate"]] = \
+        Field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def shard(owner: nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
     if isinstance(owner, RowParallelLinear) and leaf == "weight":
         cols = owner.in_features // dist.get_world_size(owner.group)
         return _rows(full.t(), cols, owner.group).t().contiguous()  # (O, C) -> (O, C/t)
-    if isinstance(owner, ReplicatedKVLinear):  # (K*D, C) -> (D, C): the K/V head this rank reads
+    if isinstance(owner, ReplicatedKVLinear):  # (K*D, C) -> (D, C): the K/V head this rank reads (a bias too)
         return full[owner.head * owner.head_dim:(owner.head + 1) * owner.head_dim].clone()
     return full.clone()  # replicated: norms, a row layer's bias
 
@@ -57,8 +57,8 @@ def full_shape(owner: nn.Module, leaf: str, local: torch.Size) -> torch.Size:
         return torch.Size((owner.num_embeddings, *local[1:]))
     if isinstance(owner, RowParallelLinear) and leaf == "weight":
         return torch.Size((owner.out_features, owner.in_features))
-    if isinstance(owner, ReplicatedKVLinear):
-        return torch.Size((owner.n_kv_head * owner.head_dim, owner.in_features))
+    if isinstance(owner, ReplicatedKVLinear):  # (K*D, C), or a bias's (K*D,)
+        return torch.Size((owner.n_kv_head * owner.head_dim, *local[1:]))
     return local
 
 

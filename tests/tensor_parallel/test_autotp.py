@@ -9,7 +9,8 @@
   that tp does not divide, clipping that binds, weight decay, accumulation 2 (`-k hf_llama`);
   Qwen2 with q/k/v biases (copied with their K/V head) and a padding token; a model of our own
   placed by `parallel.tp_plan`, with a frozen bias; dp 2 x tp 2 at ZeRO 1 and 3 (K/V heads split;
-  with --thorough).
+  with --thorough);
+- a checkpoint saved by one process resumes at tp 2, continuing as the reference.
 Run: `pytest tests/tensor_parallel/test_autotp.py` (keys autotp, hf_llama).
 """
 from __future__ import annotations
@@ -96,6 +97,24 @@ def test_autotp_qwen2_biases_and_tp_plan_train_like_single_process():
             ("readout", run_config(tp=2, stage=0, tp_plan=READOUT_PLAN)),
             ("readout", run_config(tp=2, stage=2, optimizer="adamw", tp_plan=READOUT_PLAN))]
     _check(ts.testing.run_on_ranks(_train_body, 2, runs), runs)
+
+
+def _resume_body(path: str):
+    engine = ts.initialize(BUILDERS["qwen2_kv1"](), run_config(tp=2, stage=1, optimizer="adamw"))
+    engine.load_checkpoint(path)
+    return engine.train_batch(batches()[1]), engine.full_state_dict()
+
+
+def test_autotp_checkpoint_from_one_process_resumes_at_tp2(tmp_path):
+    """A checkpoint holds the original tensors: one process's, loaded at tp 2 (ZeRO 1, Adam's
+    moments cut to shards, a K/V head and its bias copied onto both ranks), continues as the reference."""
+    engine = ts.initialize(BUILDERS["qwen2_kv1"](), run_config(optimizer="adamw"))
+    first = engine.train_batch(batches()[0])
+    engine.save_checkpoint(str(tmp_path))
+    expected_losses, expected = reference("qwen2_kv1", "adamw")
+    for second, state in ts.testing.run_on_ranks(_resume_body, 2, str(tmp_path)):
+        ts.testing.assert_losses_close([first, second], expected_losses)
+        ts.testing.assert_state_dicts_close(state, expected, what="resumed at tp 2")
 
 
 @pytest.mark.thorough  # a pool of 4 ranks, each importing transformers: ~20 s on 2 cores

@@ -43,11 +43,19 @@ def qwen2(kv_heads: int = 2, seed: int = 1) -> CausalLMLoss:
     return model
 
 
-def gpt2() -> CausalLMLoss:
+def gpt2(seed: int = 3) -> CausalLMLoss:
+    """GPT-2: transformers' Conv1D layers (weights stored (in, out)), q, k and v fused in c_attn,
+    biases everywhere, LayerNorm, learned positions, embedding tied to the head."""
     t = hf()
-    cfg = t.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=4, n_positions=16,
-                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
-    return CausalLMLoss(t.GPT2LMHeadModel(cfg).double())
+    cfg = t.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=16, n_inner=24,
+                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", use_cache=False)
+    torch.manual_seed(seed)
+    model = CausalLMLoss(t.GPT2LMHeadModel(cfg).double())
+    with torch.no_grad():  # transformers zeroes biases at init: nonzero ones show a bias split wrong
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
 
 
 class Readout(nn.Module):

@@ -3,11 +3,12 @@
 - the plan found in a transformers Llama's module tree (q/k/v, gate/up colwise; o, down rowwise;
   the embedding and the tied head split by vocab rows), with no processes;
 - every layer it cannot place is refused by name, before any process group (ConfigError):
-  unplaced modules, GPT-2's fused Conv1D, dropout, head counts tp does not split, tp_plan typos;
+  unplaced modules, dropout, head counts tp does not split (fused or not), tp_plan typos;
 - trained through the engine at tp 2, ZeRO 0-3, equal to one process in float64 (rtol 1e-10):
   Llama with a tied embedding and one K/V head copied onto both ranks (GQA, K < t), a vocab (61)
   that tp does not divide, clipping that binds, weight decay, accumulation 2 (`-k hf_llama`);
-  Qwen2 with q/k/v biases (copied with their K/V head) and a padding token; a model of our own
+  Qwen2 with q/k/v biases (copied with their K/V head) and a padding token; GPT-2, whose Conv1D
+  layers store their weights (in, out) and whose c_attn fuses q, k and v; a model of our own
   placed by `parallel.tp_plan`, with a frozen bias; dp 2 x tp 2 at ZeRO 1 and 3 (K/V heads split;
   with --thorough);
 - a checkpoint saved by one process resumes at tp 2, continuing as the reference.
@@ -52,7 +53,7 @@ def batches(steps: int = 2):
 
 
 BUILDERS = {"llama": llama, "llama_kv2": lambda: llama(tied=False, kv_heads=2), "qwen2_kv1": lambda: qwen2(kv_heads=1),
-            "readout": Readout}
+            "gpt2": gpt2, "readout": Readout}
 PLANS = {"readout": READOUT_PLAN}
 
 
@@ -92,8 +93,9 @@ def test_autotp_hf_llama_trains_like_single_process():
     _check(ts.testing.run_on_ranks(_train_body, 2, runs), runs)
 
 
-def test_autotp_qwen2_biases_and_tp_plan_train_like_single_process():
+def test_autotp_qwen2_gpt2_and_tp_plan_train_like_single_process():
     runs = [("qwen2_kv1", run_config(tp=2, stage=0)), ("qwen2_kv1", run_config(tp=2, stage=3, optimizer="adamw")),
+            ("gpt2", run_config(tp=2, stage=0)), ("gpt2", run_config(tp=2, stage=3, optimizer="adamw")),
             ("readout", run_config(tp=2, stage=0, tp_plan=READOUT_PLAN)),
             ("readout", run_config(tp=2, stage=2, optimizer="adamw", tp_plan=READOUT_PLAN))]
     _check(ts.testing.run_on_ranks(_train_body, 2, runs), runs)
@@ -145,14 +147,11 @@ def test_autotp_refuses_unplaced_modules_by_name():
            "readout (Linear)" in message and "parallel.tp_plan" in message
 
 
-def test_autotp_refuses_gpt2_fused_conv1d_by_name():
-    message = _refusal(gpt2())
-    assert "lm.transformer.h.0.attn.c_attn (Conv1D)" in message and "lm.transformer.h.0.mlp.c_fc (Conv1D)" in message
-    # placed by a plan, Conv1D is still no Linear: the reason is given
-    message = _refusal(gpt2(), tp_plan={"*.c_attn": "colwise", "*.c_proj": "rowwise", "*.c_fc": "replicate",
-                                        "*.wte": "vocab", "*.wpe": "replicate", "*lm_head": "replicate"})
-    assert "lm.transformer.h.0.attn.c_attn: style 'colwise' (from '*.c_attn') needs an Linear, not a Conv1D" \
-           in message and "fuses q, k and v" in message
+def test_autotp_finds_gpt2_fused_qkv_and_refuses_heads_tp_does_not_split():
+    plan = find_plan(gpt2(), 2)
+    assert plan["lm.transformer.h.0.attn.c_attn"] == "colwise" and plan["lm.transformer.wpe"] == "replicate"
+    message = _refusal(gpt2(), tp=3, world=3)
+    assert "lm.transformer.h.0.attn.c_attn: q, k and v fused, with 4 query and 4 K/V heads" in message
 
 
 @pytest.mark.parametrize("case, expected", [

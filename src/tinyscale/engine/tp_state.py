@@ -37,6 +37,8 @@ def _rows(full: torch.Tensor, rows: int, group) -> torch.Tensor:
 
 def shard(owner: nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's shard of the full tensor `full` of `owner`'s parameter `leaf` (or a state of its shape)."""
+    if hasattr(owner, "shard_tensor"):  # a layer that cuts its own (tensor_parallel/fused.py)
+        return owner.shard_tensor(leaf, full)
     if isinstance(owner, ColumnParallelLinear):
         return _rows(full, owner.local_out, owner.group)  # (O, C) -> (O/t, C)
     if isinstance(owner, VocabParallelEmbedding):
@@ -51,6 +53,8 @@ def shard(owner: nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
 
 def full_shape(owner: nn.Module, leaf: str, local: torch.Size) -> torch.Size:
     """The original tensor's shape (no communication)."""
+    if hasattr(owner, "full_shape"):
+        return owner.full_shape(leaf, local)
     if isinstance(owner, ColumnParallelLinear):
         return torch.Size((owner.out_features, *local[1:]))
     if isinstance(owner, VocabParallelEmbedding):

@@ -12,12 +12,12 @@ How the plan is found. Every module that holds a weight of two or more dims (a L
 Embedding, transformers' Conv1D, ...) must be placed. The caller's `tp_plan` (module-name
 pattern -> style, `fnmatch` patterns over the full dotted name, as torch's plans write
 "layers.*.attention.wq") is read first, then `DEFAULT_PLAN`: the names the Llama family uses
-(Llama, Mistral, Qwen2, ...; transformers' own `base_model_tp_plan` for them says the same), which
-are also the projections of the attention and the MLP DeepSpeed's AutoTP looks for.
+(Llama, Mistral, Qwen2, ...; transformers' own `base_model_tp_plan` for them says the same) and
+GPT-2's, which are also the projections of the attention and the MLP DeepSpeed's AutoTP looks for.
 
     style                   layer            split                       output
-    colwise                 nn.Linear        out_features (rows of W)    this rank's slice (heads, hidden units)
-    rowwise                 nn.Linear        in_features (columns of W)  summed over the ranks (Megatron's g)
+    colwise                 Linear, Conv1D   out_features (rows of W)    this rank's slice (heads, hidden units)
+    rowwise                 Linear, Conv1D   in_features (columns of W)  summed over the ranks (Megatron's g)
     colwise_gather_output   nn.Linear        out_features, padded        gathered, padding dropped (the LM head)
     vocab                   nn.Embedding     vocab rows, padded          summed over the ranks
     replicate               anything         none                        the module runs whole on every rank
@@ -27,17 +27,17 @@ first `config` in the module tree that has them) and the attention module's `hea
 colwise layer inside an attention module (a module with an int `head_dim`) is split by whole
 heads: out_features H*D (queries) needs t | H; K*D (keys, values; GQA) needs t | K, or K | t, in
 which case each K/V head is copied onto the t/K ranks whose query heads read it
-(`kv_heads.ReplicatedKVLinear`). Then the attention module's per-rank counts are fixed up
-(`num_heads`, `num_attention_heads`, `num_key_value_heads`, `num_key_value_groups`, where it
-has them), so its reshape to (B, T, -1, D) and its `repeat_kv` work on the local shard.
+(`kv_heads.ReplicatedKVLinear`). A projection (H + 2K)*D wide fuses q, k and v (GPT-2's
+`c_attn`): each chunk is split by heads on its own (`fused.FusedColumnLinear`), which needs t | H
+and t | K. transformers' `Conv1D` (GPT-2's layers, weight stored (in, out)) is split in its own
+layout (`fused.py`). Then the attention module's per-rank counts are fixed up (`num_heads`,
+`num_attention_heads`, `num_key_value_heads`, `num_key_value_groups`, GPT-2's `split_size`, where
+it has them), so its reshape to (B, T, -1, D) and its `repeat_kv` work on the local shard.
 
 What it refuses (ValueError listing every module by name, with the fix; the engine raises it as
 one ConfigError before any process group exists):
 - a weighted module no pattern places (add a `tp_plan` entry for it);
 - a style on the wrong kind of module (colwise on an Embedding, vocab on a Linear, ...);
-  transformers' `Conv1D` (GPT-2's c_attn, c_fc, c_proj) among them: its weight is stored (in, out)
-  and c_attn fuses q, k and v, so one rank's heads are three separate blocks of its output; place
-  it "replicate", or use a model with separate q/k/v Linear layers;
 - a colwise layer whose parent has no rowwise layer (its sharded output would leave the region
   unsummed), and rowwise without colwise;
 - head counts that t does not split (above), and feature counts it does not divide;
@@ -60,12 +60,14 @@ Lesson 12, "Module injection: AutoTP".
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tinyscale.tensor_parallel.comm_ops import copy_to_region, gather_from_region
+from tinyscale.tensor_parallel.fused import FusedColumnLinear, RowParallelConv1D, is_conv1d
 from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear
 from tinyscale.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -76,9 +78,29 @@ DEFAULT_PLAN = {  # the Llama family's names (transformers' base_model_tp_plan a
     "*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise", "*.o_proj": "rowwise",
     "*.gate_proj": "colwise", "*.up_proj": "colwise", "*.down_proj": "rowwise",
     "*embed_tokens": "vocab", "*lm_head": "colwise_gather_output",
+    # GPT-2's: Conv1D layers, q, k and v fused in c_attn; the position table replicated
+    "*.c_attn": "colwise", "*.c_fc": "colwise", "*.c_proj": "rowwise", "*.wte": "vocab", "*.wpe": "replicate",
 }
 # --8<-- [end:default-plan]
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_key_value_groups")
+
+
+def _features(layer: nn.Module) -> tuple[int, int]:
+    """(in, out) of a Linear, or of a Conv1D (weight stored (in, out))."""
+    return tuple(layer.weight.shape) if is_conv1d(layer) else (layer.in_features, layer.out_features)
+
+
+def qkv_chunks(model: nn.Module, name: str, layer: nn.Module) -> list[int] | None:
+    """The output chunks of a fused q/k/v projection inside an attention module ([H*D, K*D, K*D]);
+    None for a layer that is one projection."""
+    parent, counts = model.get_submodule(_parent(name)), head_counts(model)
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or counts is None:
+        return None
+    heads, kv_heads = counts
+    if _features(layer)[1] == (heads + 2 * kv_heads) * head_dim:
+        return [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    return None
 
 
 def model_config(model: nn.Module):
@@ -124,7 +146,13 @@ def _attention_problems(model: nn.Module, name: str, layer: nn.Linear, style: st
     if not isinstance(head_dim, int) or counts is None:
         return []
     heads, kv_heads = counts
-    width = layer.out_features if style == "colwise" else layer.in_features
+    width = _features(layer)[1 if style == "colwise" else 0]
+    if style == "colwise" and qkv_chunks(model, name, layer) is not None:  # fused: every chunk split by heads
+        if heads % tp or kv_heads % tp:
+            return [f"{name}: q, k and v fused, with {heads} query and {kv_heads} K/V heads (config."
+                    f"num_attention_heads, num_key_value_heads): tp={tp} must divide both (copying fused K/V heads "
+                    f"is not built); choose parallel.tensor dividing {math.gcd(heads, kv_heads)}"]
+        return []
     if width == heads * head_dim:
         if heads % tp:
             return [f"{name}: {heads} query heads (config.num_attention_heads) are not divisible by tp={tp}: "
@@ -158,16 +186,16 @@ def find_plan(model: nn.Module, tp: int, tp_plan: dict[str, str] | None = None) 
             unplaced.append(f"{name} ({type(module).__name__})")
             continue
         plan[name] = style
-        wants = nn.Embedding if style == "vocab" else nn.Linear if style != "replicate" else nn.Module
-        if not isinstance(module, wants):
-            why = (" (transformers' Conv1D stores its weight (in, out) and GPT-2's c_attn fuses q, k and v: one "
-                   "rank's heads would be three separate blocks of it)" if type(module).__name__ == "Conv1D" else "")
-            problems.append(f"{name}: style {style!r} (from {pattern!r}) needs an {wants.__name__}, not a "
-                            f"{type(module).__name__}{why}; place it 'replicate' in parallel.tp_plan")
+        wants = {"vocab": (nn.Embedding,), "replicate": (nn.Module,), "colwise_gather_output": (nn.Linear,)}.get(
+            style, (nn.Linear, "Conv1D"))
+        if not any(isinstance(module, w) if isinstance(w, type) else type(module).__name__ == w for w in wants):
+            names = " or ".join(w if isinstance(w, str) else w.__name__ for w in wants)
+            problems.append(f"{name}: style {style!r} (from {pattern!r}) needs an {names}, not a "
+                            f"{type(module).__name__}; place it 'replicate' in parallel.tp_plan")
             continue
         if style in ("colwise", "rowwise"):
             problems += _attention_problems(model, name, module, style, tp)
-            width = module.out_features if style == "colwise" else module.in_features
+            width = _features(module)[1 if style == "colwise" else 0]
             if width % tp and not any(p.startswith(name + ":") for p in problems):
                 side = "out_features" if style == "colwise" else "in_features"
                 problems.append(f"{name}: {side}={width} is not divisible by tp={tp}: choose parallel.tensor "
@@ -257,7 +285,10 @@ def _split(model: nn.Module, name: str, module: nn.Module, style: str, group) ->
     if style == "colwise_gather_output":
         return GatherOutputLinear.from_linear(module, group, pad_out_features=True)
     if style == "rowwise":
-        return RowParallelLinear.from_linear(module, group)
+        return RowParallelConv1D(module, group) if is_conv1d(module) else RowParallelLinear.from_linear(module, group)
+    chunks = qkv_chunks(model, name, module)
+    if chunks is not None or is_conv1d(module):  # fused q/k/v, or a Conv1D (one chunk)
+        return FusedColumnLinear(module, group, chunks or [_features(module)[1]])
     parent, counts = model.get_submodule(_parent(name)), head_counts(model)
     head_dim = getattr(parent, "head_dim", None)
     if isinstance(head_dim, int) and counts is not None:
@@ -275,6 +306,8 @@ def _fix_head_counts(attention: nn.Module, heads: int, kv_heads: int, tp: int) -
     for attr in HEAD_COUNTS:
         if isinstance(getattr(attention, attr, None), int):
             setattr(attention, attr, local[attr])
+    if getattr(attention, "split_size", None) == heads * attention.head_dim:  # GPT-2's split of fused q, k, v
+        attention.split_size = local_heads * attention.head_dim
 
 
 # --8<-- [start:apply]

@@ -48,7 +48,8 @@ def gpt2(seed: int = 3) -> CausalLMLoss:
     biases everywhere, LayerNorm, learned positions, embedding tied to the head."""
     t = hf()
     cfg = t.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=16, n_inner=24,
-                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", use_cache=False)
+                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
+                       attn_implementation="eager", use_cache=False)
     torch.manual_seed(seed)
     model = CausalLMLoss(t.GPT2LMHeadModel(cfg).double())
     with torch.no_grad():  # transformers zeroes biases at init: nonzero ones show a bias split wrong

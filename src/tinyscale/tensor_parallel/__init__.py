@@ -14,6 +14,8 @@ rank stores and multiplies 1/t of it; activations are exchanged inside every lay
                       full_state_dict_from_tp(model) its inverse
     auto.py           AutoTP: find_plan(model, tp, tp_plan) and apply_autotp(model, group, plan)
                       split a model tinyscale did not write (a transformers Llama), by name
+    fused.py          FusedColumnLinear (fused q/k/v split chunk by chunk), RowParallelConv1D:
+                      transformers' Conv1D layers (GPT-2) in their own (in, out) layout
 
     model = GPT(cfg, seed=0)                      # the same full model on every rank
     apply_tensor_parallel(model, ParallelMesh(tp=2), sequence_parallel=True)

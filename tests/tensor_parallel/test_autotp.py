@@ -147,7 +147,7 @@ def test_autotp_refuses_unplaced_modules_by_name():
            "readout (Linear)" in message and "parallel.tp_plan" in message
 
 
-def test_autotp_finds_gpt2_fused_qkv_and_refuses_heads_tp_does_not_split():
+def test_autotp_refuses_fused_qkv_heads_tp_does_not_split():
     plan = find_plan(gpt2(), 2)
     assert plan["lm.transformer.h.0.attn.c_attn"] == "colwise" and plan["lm.transformer.wpe"] == "replicate"
     message = _refusal(gpt2(), tp=3, world=3)

@@ -27,6 +27,7 @@ from tinyscale.data import synthetic_token_batches
 from tinyscale.engine.plan import plan_layout
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.tensor_parallel import find_plan
+from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
 from tests.tensor_parallel.hf_models import READOUT_PLAN, VOCAB, Readout, gpt2, llama, qwen2
 
 ROWS, SEQ, PAD = 4, 8, 0
@@ -81,16 +82,16 @@ def _check(per_rank, runs):
         for rank_results in per_rank:
             losses, state, local = rank_results[k]
             what = f"{name}, {config['parallel']}, zero {config['zero_optimization']['stage']}"
-            ts.testing.assert_losses_close(losses, expected_losses)
+            assert_losses_close(losses, expected_losses)
             assert list(state) == list(expected), what  # the original keys, in order
-            ts.testing.assert_state_dicts_close(state, expected, what=what)
+            assert_state_dicts_close(state, expected, what=what)
             assert local < full, what  # this rank holds shards, not the whole model
 
 
 def test_autotp_hf_llama_trains_like_single_process():
     runs = [("llama", run_config(tp=2, stage=stage, optimizer=opt))
             for stage, opt in ((0, "sgd"), (1, "adamw"), (2, "sgd"), (3, "adamw"))]
-    _check(ts.testing.run_on_ranks(_train_body, 2, runs), runs)
+    _check(run_on_ranks(_train_body, 2, runs), runs)
 
 
 def test_autotp_qwen2_gpt2_and_tp_plan_train_like_single_process():
@@ -98,7 +99,7 @@ def test_autotp_qwen2_gpt2_and_tp_plan_train_like_single_process():
             ("gpt2", run_config(tp=2, stage=0)), ("gpt2", run_config(tp=2, stage=3, optimizer="adamw")),
             ("readout", run_config(tp=2, stage=0, tp_plan=READOUT_PLAN)),
             ("readout", run_config(tp=2, stage=2, optimizer="adamw", tp_plan=READOUT_PLAN))]
-    _check(ts.testing.run_on_ranks(_train_body, 2, runs), runs)
+    _check(run_on_ranks(_train_body, 2, runs), runs)
 
 
 def _resume_body(path: str):
@@ -114,15 +115,15 @@ def test_autotp_checkpoint_from_one_process_resumes_at_tp2(tmp_path):
     first = engine.train_batch(batches()[0])
     engine.save_checkpoint(str(tmp_path))
     expected_losses, expected = reference("qwen2_kv1", "adamw")
-    for second, state in ts.testing.run_on_ranks(_resume_body, 2, str(tmp_path)):
-        ts.testing.assert_losses_close([first, second], expected_losses)
-        ts.testing.assert_state_dicts_close(state, expected, what="resumed at tp 2")
+    for second, state in run_on_ranks(_resume_body, 2, str(tmp_path)):
+        assert_losses_close([first, second], expected_losses)
+        assert_state_dicts_close(state, expected, what="resumed at tp 2")
 
 
 @pytest.mark.thorough  # a pool of 4 ranks, each importing transformers: ~20 s on 2 cores
 def test_autotp_hf_llama_dp2_tp2_trains_like_single_process():
     runs = [("llama_kv2", run_config(tp=2, dp=2, stage=1)), ("llama_kv2", run_config(tp=2, dp=2, stage=3, optimizer="adamw"))]
-    _check(ts.testing.run_on_ranks(_train_body, 4, runs), runs)
+    _check(run_on_ranks(_train_body, 4, runs), runs)
 
 
 def test_autotp_finds_the_hf_llama_plan_in_its_module_tree():

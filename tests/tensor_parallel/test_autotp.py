@@ -24,7 +24,7 @@ import torch
 import tinyscale as ts
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import synthetic_token_batches
-from tinyscale.engine.plan import plan_layout
+from tinyscale.engine.plan import placements, plan_layout
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.tensor_parallel import find_plan
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
@@ -71,7 +71,8 @@ def _train_body(runs: list[tuple[str, dict]]):
         engine = ts.initialize(BUILDERS[name](), config)
         losses = [engine.train_batch(b) for b in batches()]
         local = sum(engine._tp_shapes[n].numel() for n, _ in engine.model.named_parameters())
-        out.append((losses, engine.full_state_dict(), local))
+        counted = {name: place.counted_elements for name, place in placements(engine).items()}
+        out.append((losses, engine.full_state_dict(), local, counted))
     return out
 
 
@@ -80,12 +81,16 @@ def _check(per_rank, runs):
         expected_losses, expected = reference(name, "sgd" if config["optimizer"]["type"] == "SGD" else "adamw")
         full = sum(p.numel() for p in BUILDERS[name]().parameters())
         for rank_results in per_rank:
-            losses, state, local = rank_results[k]
+            losses, state, local, _ = rank_results[k]
             what = f"{name}, {config['parallel']}, zero {config['zero_optimization']['stage']}"
             assert_losses_close(losses, expected_losses)
             assert list(state) == list(expected), what  # the original keys, in order
             assert_state_dicts_close(state, expected, what=what)
             assert local < full, what  # this rank holds shards, not the whole model
+        # The placements count every element of every trained tensor once over the world (the
+        # clipping norm reads them): shards, fused chunks, K/V head copies, a tied table.
+        counted = {name: sum(r[k][3][name] for r in per_rank) for name in per_rank[0][k][3]}
+        assert counted == {name: expected[name].numel() for name in counted}, what
 
 
 def test_autotp_hf_llama_trains_like_single_process():

@@ -188,6 +188,10 @@ class ParallelConfig(Section):
     context_algorithm: Literal["ring", "ulysses"] = "ring"
     context_sharding: Literal["zigzag", "contiguous"] = "zigzag"  # tinyscale.context_parallel.sharding
     expert: PositiveInt = 1  # expert parallelism: an MoE GPT's experts split over this many dp ranks (engine/expert.py)
+    # AutoTP (a model tinyscale did not write, tensor > 1): module-name pattern -> style, read before
+    # the built-in Llama-family names (tinyscale.tensor_parallel.auto)
+    tp_plan: dict[str, Literal["colwise", "rowwise", "colwise_gather_output", "vocab", "replicate"]] = \
+        Field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,8 @@ KEYS: tuple[Key, ...] = (
     _r("pipeline", "DeepSpeed's pipeline engine; tinyscale's pipeline is parallel.pipeline, "
        "parallel.pipeline_schedule and parallel.virtual_stages", _never),
     _r("tensor_parallel", "DeepSpeed's automatic tensor parallelism (AutoTP) finds the layers to split; "
-       "tinyscale's is parallel.tensor, which splits its GPT (lesson 07)", _never),
+       "tinyscale's is parallel.tensor: its GPT by its own plan (lesson 07), another model by AutoTP with "
+       "parallel.tp_plan (lesson 12)", _never),
     _r("elasticity", "DeepSpeed picks batch sizes valid for a range of world sizes; not built", _disabled, _OFF),
     _r("disable_allgather", "DeepSpeed can broadcast instead of all-gather; tinyscale all-gathers",
        _is(False), _FALSE),

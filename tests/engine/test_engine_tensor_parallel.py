@@ -250,11 +250,13 @@ def _base(**extra) -> dict:
 @pytest.mark.parametrize(("model", "config", "names"), [
     ("gpt", {"parallel": {"tensor": 2}}, ["parallel.tensor=2", "world size 1"]),  # one process
     ("gpt", {"parallel": {"tensor": 4}}, ["parallel.tensor=4", "n_head", "6"]),   # 6 heads over 4 ranks
-    ("mlp", {"parallel": {"tensor": 2}}, ["parallel.tensor=2", "TinyMLP"]),
+    # a model of the user's: AutoTP (tensor_parallel/auto.py) names the layers it cannot place
+    ("mlp", {"parallel": {"tensor": 2}}, ["parallel.tensor=2", "AutoTP cannot place 3 module(s): fc_in (Linear), "
+                                          "shared (Linear), frozen (Linear)", "parallel.tp_plan"]),
     ("gpt", {"parallel": {"sequence_parallel": True}}, ["parallel.sequence_parallel", "parallel.tensor"]),
     ("gpt", {"parallel": {"tensor_dropout": "tracker"}}, ["parallel.tensor_dropout", "parallel.tensor"]),
     ("gpt", {"parallel": {"tensor": 2, "tensor_dropout": "fast"}}, ["parallel.tensor_dropout", "exact", "tracker"]),
-], ids=["tp_not_dividing_world", "tp_heads_not_divisible", "tp_not_a_gpt", "sequence_parallel_without_tp",
+], ids=["tp_not_dividing_world", "tp_heads_not_divisible", "tp_layers_autotp_cannot_place", "sequence_parallel_without_tp",
         "tensor_dropout_without_tp", "tp_dropout_mode_unknown"])
 def test_engine_tensor_parallel_bad_layouts_are_refused_by_name(model, config, names):
     net = GPT(gpt_config(False), seed=0, dtype=torch.float64) if model == "gpt" else TinyMLP(dim=4, hidden=8)

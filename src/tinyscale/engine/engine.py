@@ -4,7 +4,8 @@
     loss = engine.train_batch(batch)        # the global batch's mean loss, same on every rank
 
 Set-up, in this order (each step needs the one before; `engine/parallelize.py` states it):
-tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`), the
+tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`; another model's
+layers, found by name: AutoTP, `tinyscale.tensor_parallel.auto`), the
 activation-checkpointing policy rebuilds its blocks (`tinyscale.checkpointing.apply_policy`);
 the optimizer takes fp32 masters from the parameters before mixed precision rounds them to fp16/bf16
 (`tinyscale.precision`); then the data-parallel wrapper or ZeRO stage hooks into the model.

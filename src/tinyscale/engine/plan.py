@@ -160,6 +160,13 @@ def tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int,
     """The tp fields of `param`, a parameter of `module` (a TP layer, or a replicated module),
     on the tensor-parallel process group `group`."""
     tp_rank = dist.get_rank(group)
+    if hasattr(module, "tp_split_dim"):  # a layer that says it (tensor_parallel/fused.py): no padding
+        name = next(n for n, p in module.named_parameters(recurse=False) if p is param)
+        dim = module.tp_split_dim(name)
+        if dim is None:
+            return {"tp": "replicate", "tp_counted": tp_rank == 0}
+        rows = local_shape[dim] if len(local_shape) > dim else 0
+        return {"tp": "shard", "tp_dim": dim, "tp_range": (tp_rank * rows, (tp_rank + 1) * rows)}
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or \
             (isinstance(module, RowParallelLinear) and param is module.weight):
         dim = 1 if isinstance(module, RowParallelLinear) else 0

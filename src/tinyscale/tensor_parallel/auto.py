@@ -40,7 +40,8 @@ one ConfigError before any process group exists):
 - a style on the wrong kind of module (colwise on an Embedding, vocab on a Linear, ...);
 - a colwise layer whose parent has no rowwise layer (its sharded output would leave the region
   unsummed), and rowwise without colwise;
-- head counts that t does not split (above), and feature counts it does not divide;
+- head counts that t does not split (above), or that no config gives, and feature counts it
+  does not divide;
 - a shared (tied) weight split two different ways (a tied embedding and head are both split by
   vocab rows, `vocab` and `colwise_gather_output`: one shard, one Parameter, as in one process);
 - dropout with p > 0 (an `nn.Dropout`, or an attention module's `attention_dropout`): such a model
@@ -143,8 +144,12 @@ def _attention_problems(model: nn.Module, name: str, layer: nn.Linear, style: st
     """A colwise or rowwise layer inside an attention module is split by whole heads."""
     parent = model.get_submodule(_parent(name))
     head_dim, counts = getattr(parent, "head_dim", None), head_counts(model)
-    if not isinstance(head_dim, int) or counts is None:
+    if not isinstance(head_dim, int):
         return []
+    if counts is None:
+        return [f"{name}: inside an attention module (head_dim={head_dim}), but the model has no config with "
+                "num_attention_heads, so its heads cannot be kept whole: give the model its config, or place "
+                "the attention's layers 'replicate' in parallel.tp_plan"]
     heads, kv_heads = counts
     width = _features(layer)[1 if style == "colwise" else 0]
     if style == "colwise" and qkv_chunks(model, name, layer) is not None:  # fused: every chunk split by heads

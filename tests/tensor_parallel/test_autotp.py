@@ -168,6 +168,8 @@ def test_autotp_refuses_fused_qkv_heads_tp_does_not_split():
     ("tied", "share a weight but are placed ['vocab', 'replicate']"),
     ("sequence_parallel", "parallel.sequence_parallel with a CausalLMLoss"),
     ("region", "lm.model.layers.0.mlp.down_proj: rowwise with no colwise layer beside it"),
+    ("wrong_style", "lm.model.layers.0.self_attn.q_proj: style 'vocab' (from '*.q_proj') needs a layer of type "
+                    "Embedding; it is a Linear"),
     ("no_config", "lm.model.layers.0.self_attn.q_proj: inside an attention module (head_dim=4), but the model "
                   "has no config with num_attention_heads"),
 ])
@@ -190,6 +192,8 @@ def test_autotp_refuses_what_it_cannot_split(case, expected):
         kw = {"tp_plan": {"*lm_head": "replicate"}}
     elif case == "sequence_parallel":
         kw = {"sequence_parallel": True}
+    elif case == "wrong_style":
+        kw = {"tp_plan": {"*.q_proj": "vocab"}}
     elif case == "no_config":  # the heads' count is nowhere to be read
         for m in model.modules():
             if hasattr(m, "config"):

@@ -127,7 +127,8 @@ def test_autotp_checkpoint_from_one_process_resumes_at_tp2(tmp_path):
 
 @pytest.mark.thorough  # a pool of 4 ranks, each importing transformers: ~20 s on 2 cores
 def test_autotp_hf_llama_dp2_tp2_trains_like_single_process():
-    runs = [("llama_kv2", run_config(tp=2, dp=2, stage=1)), ("llama_kv2", run_config(tp=2, dp=2, stage=3, optimizer="adamw"))]
+    runs = [("llama_kv2", run_config(tp=2, dp=2, stage=1)),
+            ("llama_kv2", run_config(tp=2, dp=2, stage=3, optimizer="adamw"))]
     _check(run_on_ranks(_train_body, 4, runs), runs)
 
 

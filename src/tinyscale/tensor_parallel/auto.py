@@ -196,7 +196,8 @@ def find_plan(model: nn.Module, tp: int, tp_plan: dict[str, str] | None = None) 
         if not any(isinstance(module, w) if isinstance(w, type) else type(module).__name__ == w for w in wants):
             names = " or ".join(w if isinstance(w, str) else w.__name__ for w in wants)
             problems.append(f"{name}: style {style!r} (from {pattern!r}) needs a layer of type {names}; it is "
-                            f"a {type(module).__name__}: place it with another style, or 'replicate', in parallel.tp_plan")
+                            f"a {type(module).__name__}: place it with another style, or 'replicate', in "
+                            "parallel.tp_plan")
             continue
         if style in ("colwise", "rowwise"):
             problems += _attention_problems(model, name, module, style, tp)

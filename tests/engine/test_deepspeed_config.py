@@ -97,7 +97,7 @@ def test_deepspeed_config_honoured_keys_are_fields_and_every_field_is_in_the_tab
     honoured = {k.path for k in KEYS if k.kind == "honoured"}
     for path in honoured:
         _field(path)
-    ours = {"parallel", "compression", "activation_checkpointing.policy", "activation_checkpointing.every_k",
+    ours = {"parallel", "compression", "monitor", "activation_checkpointing.policy", "activation_checkpointing.every_k",
             "activation_checkpointing.use_reentrant"}  # tinyscale's own keys, not DeepSpeed's
 
     def leaves(model, prefix=""):

@@ -76,6 +76,7 @@ from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint, compression, context, parallelize, step_failure, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
+from tinyscale.engine.monitor import Monitor
 from tinyscale.engine.plan import plan_layout
 from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.engine.engine.StepFailed
 from tinyscale.engine.grad_norm import GradNorm
@@ -239,6 +240,7 @@ class Engine:
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
         self._grad_norm: GradNorm | None = None
+        self.last_grad_norm: float | None = None  # stage 0 fp32: the last clipping norm (monitor.grad_norm_of)
         self.step = 0
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
@@ -250,6 +252,8 @@ class Engine:
         # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed
         # communication per step, `engine.profiler.records` (tinyscale.mfu.StepProfiler).
         self.profiler = StepProfiler(enabled=config.wall_clock_breakdown, device=self.device)
+        # tensorboard, csv_monitor, per-rank times, stragglers, health (engine/monitor.py)
+        self.monitor = Monitor(config, self.device)
 
     # --8<-- [start:train-batch]
     def train_batch(self, batch: Sequence[torch.Tensor]) -> float:
@@ -265,15 +269,21 @@ class Engine:
             )
         with self.profiler.step(tokens=batch[0].numel()):  # wall_clock_breakdown: else a no-op
             mean_loss, skipped = self._step(batch)
+        self._after_step(batch, start, mean_loss, skipped)
+        return mean_loss
+
+    def _after_step(self, batch: Sequence[torch.Tensor], start: float, mean_loss: float, skipped: bool) -> None:
+        """The step's record (`last_step`), the monitor, the progress line; `batch`: the global
+        batch or a tensor of its shape (the loop of `tinyscale.deepspeed` passes a meta tensor)."""
         self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
                           **self.throughput.record(batch, self._clock() - start)}
         if self.profiler.enabled:
             self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
             if self.pipeline is not None:  # the schedule's seconds and this rank's bubble in them
                 self.last_step["profile"] |= self.pipeline.profile(self.last_step["profile"])
+        self.monitor.record(self)  # every rank: with wall_clock_breakdown it gathers the ranks' times
         if self.step % self.config.steps_per_print == 0:  # DeepSpeed's progress line
             self._print_progress(mean_loss, skipped)
-        return mean_loss
 
     def _print_progress(self, mean_loss: float, skipped: bool) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -326,6 +336,13 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then it is re-raised
                 error = exc
                 self._complete_abandoned(len(micro) - i)
+        return self._finish_step(total, len(micro), error, rng, hooked)
+
+    def _finish_step(self, total: torch.Tensor, num_micro: int, error: Exception | None, rng: tuple,
+                     hooked) -> tuple[float, bool]:
+        """The rest of a step once every micro-batch's backward ran (train_batch's loop above, or a
+        script's forward/backward loop: `tinyscale.deepspeed`): agree, clip, step."""
+        with comm.record(self.comm_ledger):
             # ZeRO: which parameters got a gradient on this rank rides along with the loss, so
             # that those no rank used are not stepped (as in one process) at no extra collective;
             # so does whether this rank's forward or backward raised.
@@ -338,7 +355,7 @@ class Engine:
                 total, failed = sent[0], sent[1:1 + self.reduce_size]
                 used = None if used is None else sent[1 + self.reduce_size:]
         used = None if used is None else used.cpu() > 0
-        mean_loss = total.item() / (len(micro) * self.reduce_size)
+        mean_loss = total.item() / (num_micro * self.reduce_size)
         failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
         if self.tp_size > 1:  # a TP peer's failure too: the whole world drops the step together
             with comm.record(self.comm_ledger):
@@ -368,7 +385,7 @@ class Engine:
         lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None
         skipped = False
         try:
-            with phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
+            with self.profiler.phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
                 if self.zero is not None:
                     if lr is not None:
                         self.zero.set_lr(lr)
@@ -382,9 +399,11 @@ class Engine:
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
                     if self.config.gradient_clipping > 0 and self.tp_size > 1:  # the full model's norm
-                        self.grad_norm().clip_(self.config.gradient_clipping, [(p, p.grad) for p in self.params])
-                    elif self.config.gradient_clipping > 0:
-                        torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
+                        self.last_grad_norm = self.grad_norm().clip_(self.config.gradient_clipping,
+                                                                     [(p, p.grad) for p in self.params])
+                    elif self.config.gradient_clipping > 0:  # the norm kept for the monitor (engine/monitor.py)
+                        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                                                                                   self.config.gradient_clipping))
                     if lr is not None:
                         set_lr(self.optimizer, lr)
                     self.optimizer.step()

@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,docs,notebooks,triton]"  # triton: tinyscale.kernels, run on the CPU by its interpreter
+	$(PY) -m pip install --quiet -e ".[dev,docs,notebooks,triton,monitor]"  # triton: tinyscale.kernels, run on the CPU by its interpreter
 	touch $(STAMP)
 
 demo: setup

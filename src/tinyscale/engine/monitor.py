@@ -135,7 +135,7 @@ class Monitor:
         if engine.loss_scaler is not None:
             scalars["Train/Samples/loss_scale"] = engine.loss_scaler.scale
         if engine._before_step_report is not None:
-            scalars["Train/Samples/memory_model_states_bytes"] = engine._before_step_report.total()
+            scalars["Train/Samples/memory_model_states_bytes"] = engine._before_step_report.total
         scalars["Train/Samples/memory_high_water_bytes"] = self.health["memory_high_water_bytes"]
         scalars |= {f"Health/{k}": v for k, v in self.health.items() if k != "memory_high_water_bytes"}
         for r, row in enumerate(times or []):

@@ -62,7 +62,7 @@ class DeepSpeedEngine:
         self._rng: tuple | None = None
         self._hooked = None
         self._start = 0.0
-        self._micro_shape: tuple | None = None
+        self._first_micro: tuple | None = None
 
     # -- what DeepSpeed's engine reports --------------------------------------------------------
     @property
@@ -153,6 +153,7 @@ class DeepSpeedEngine:
 
     forward = __call__
 
+    # --8<-- [start:loop]
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of loss / gradient_accumulation_steps (times the loss scale under fp16); the
         gradients are averaged over the data-parallel ranks by the boundary's backward (stage 0)
@@ -185,15 +186,16 @@ class DeepSpeedEngine:
         engine = self.engine
         gas = self.gradient_accumulation_steps()
         try:
-            parallelize.skip_dropout_masks(engine.model, engine.config, [self._micro_shape] * gas,
+            parallelize.skip_dropout_masks(engine.model, engine.config, [self._first_micro] * gas,
                                            engine.dp_size - 1 - engine.dp_rank)  # exact TP dropout
             mean_loss, skipped = engine._finish_step(self._total, gas, None, self._rng, self._hooked)
             self._window.close()  # the profiler's step ends after the optimizer's phase
-            shape = (engine.batch.train_batch_size, *self._micro_shape[0].shape[1:])
+            shape = (engine.batch.train_batch_size, *self._first_micro[0].shape[1:])
             engine._after_step((torch.empty(shape, device="meta"),), self._start, mean_loss, skipped)
         finally:
             self._reset()
         self.micro_steps += 1
+    # --8<-- [end:loop]
 
     def _open_step(self, inputs: tuple) -> None:
         engine = self.engine
@@ -209,10 +211,10 @@ class DeepSpeedEngine:
                      parallelize.rng_state(engine.model))
         self._hooked = compression.snapshot(engine.ddp)
         self._total = torch.zeros((), dtype=torch.float64, device=engine.device)
-        self._micro_shape = tuple(t for t in inputs if torch.is_tensor(t))
+        self._first_micro = tuple(t for t in inputs if torch.is_tensor(t))
         self._window = contextlib.ExitStack()
         self._window.enter_context(engine.profiler.step())
-        parallelize.skip_dropout_masks(engine.model, engine.config, [self._micro_shape] * self.gradient_accumulation_steps(),
+        parallelize.skip_dropout_masks(engine.model, engine.config, [self._first_micro] * self.gradient_accumulation_steps(),
                                        engine.dp_rank)  # exact TP dropout: the earlier dp ranks' masks
 
     def _reset(self) -> None:

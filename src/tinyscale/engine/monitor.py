@@ -158,6 +158,7 @@ class Monitor:
         comm.all_gather(out, local)
         return out.view(self.world, len(mine)).tolist()
 
+    # --8<-- [start:health]
     def _check_health(self, step: int, loss: float, norm: float | None, engine) -> None:
         h = self.health
         h["skipped_steps"] = engine.skipped_steps
@@ -185,6 +186,8 @@ class Monitor:
                 self.stragglers.append((step, r, b, median))
                 log.warning("straggler at step %d: rank %d was busy %.4g s, %.0f%% above the median rank's %.4g s",
                             step, r, b, 100 * (b / median - 1) if median > 0 else math.inf, median)
+
+    # --8<-- [end:health]
 
     def straggler_report(self) -> dict:
         """Rank 0: each rank's mean seconds per step by phase, and the (step, rank) stragglers seen."""

@@ -3,7 +3,7 @@
 The forward/backward/step loop, fed the micro-batches `train_batch` cuts from each global
 batch, equals `train_batch` bit for bit (`torch.equal`, float64) at ZeRO stages 0-3 and under
 tensor parallelism, on the odd GPT (tied embeddings, GQA, vocab 61, clipping that binds, weight
-decay, 2 micro-batches of accumulation, counter dropout). With a pipeline,
+decay, 2 micro-batches of accumulation, counter dropout; under tp 2 also stream dropout's exact masks). With a pipeline,
 `train_batch(data_iter=...)` equals the engine's `train_batch` on the gathered global batch.
 What is not served is refused by name. The tutorial-shaped script against DeepSpeed itself:
 tests/engine/test_deepspeed_api_script.py.
@@ -24,9 +24,9 @@ from tinyscale.testing import run_on_ranks
 VOCAB, SEQ, MICRO, ACCUM = 61, 10, 2, 2
 
 
-def gpt() -> GPT:
+def gpt(masks: str = "counter") -> GPT:
     cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=3, n_head=6, n_kv_head=2, d_model=12,
-                    ffn_hidden=20, tie_embeddings=True, dropout=0.1, dropout_masks="counter")
+                    ffn_hidden=20, tie_embeddings=True, dropout=0.1, dropout_masks=masks)
     return GPT(cfg, seed=7, dtype=torch.float64)
 
 
@@ -39,13 +39,16 @@ def config(stage: int, dp: int, **parallel) -> dict:
 
 
 def _loop_and_train_batch(stage: int, dp: int, parallel: dict, steps: int = 2):
+    masks = parallel.pop("masks", "counter")
     cfg = config(stage, dp, **parallel)
     batches = synthetic_token_batches(num_batches=steps, batch_size=MICRO * ACCUM * dp, seq_len=SEQ,
                                       vocab_size=VOCAB, seed=3)
-    engine = ts.initialize(gpt(), cfg)
+    torch.manual_seed(0)  # stream dropout: each engine's shared stream is seeded from the global generator
+    engine = ts.initialize(gpt(masks), cfg)
     expected = [engine.train_batch(b) for b in batches]
     expected_state = engine.full_state_dict()
-    ds, _, _, _ = deepspeed.initialize(model=gpt(), config=cfg)
+    torch.manual_seed(0)
+    ds, _, _, _ = deepspeed.initialize(model=gpt(masks), config=cfg)
     assert ds.engine.dp_size == dp
     losses, boundaries = [], []
     for b in batches:
@@ -62,10 +65,12 @@ def _loop_and_train_batch(stage: int, dp: int, parallel: dict, steps: int = 2):
 
 
 @pytest.mark.parametrize("stage,dp,parallel", [(0, 2, {}), (1, 2, {}), (2, 2, {}), (3, 2, {}),
-                                               (1, 1, {"tensor": 2})],
-                         ids=["zero0-dp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero1-tp2"])
+                                               (1, 1, {"tensor": 2}), (2, 2, {"tensor": 2, "masks": "stream"})],
+                         ids=["zero0-dp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero1-tp2", "zero2-dp2-tp2-stream"])
 def test_deepspeed_api_loop_equals_train_batch_bit_for_bit(stage, dp, parallel):
-    for expected, losses, boundaries, steps, lr, same in run_on_ranks(_loop_and_train_batch, 2, stage, dp, parallel):
+    world = dp * parallel.get("tensor", 1)
+    for expected, losses, boundaries, steps, lr, same in run_on_ranks(_loop_and_train_batch, world, stage, dp,
+                                                                      dict(parallel)):
         assert losses == expected  # exact floats, not close: the same operations in the same order
         assert same, "parameters differ from train_batch's"
         assert boundaries == [False, True] * 2 and steps == 2

@@ -214,8 +214,8 @@ class DeepSpeedEngine:
         self._first_micro = tuple(t for t in inputs if torch.is_tensor(t))
         self._window = contextlib.ExitStack()
         self._window.enter_context(engine.profiler.step())
-        parallelize.skip_dropout_masks(engine.model, engine.config, [self._first_micro] * self.gradient_accumulation_steps(),
-                                       engine.dp_rank)  # exact TP dropout: the earlier dp ranks' masks
+        gas = self.gradient_accumulation_steps()  # exact TP dropout: the earlier dp ranks' masks
+        parallelize.skip_dropout_masks(engine.model, engine.config, [self._first_micro] * gas, engine.dp_rank)
 
     def _reset(self) -> None:
         if self._window is not None:
@@ -275,7 +275,8 @@ class DeepSpeedEngine:
         """(path, client_state) from load_dir/tag (default: the tag in ``latest``); (None, None)
         with a warning if there is no ``latest`` file, as DeepSpeed. `path` is the tag's
         directory (DeepSpeed returns its model-states file inside it)."""
-        partial = {"load_module_strict": (load_module_strict, True), "load_optimizer_states": (load_optimizer_states, True),
+        partial = {"load_module_strict": (load_module_strict, True),
+                   "load_optimizer_states": (load_optimizer_states, True),
                    "load_lr_scheduler_states": (load_lr_scheduler_states, True),
                    "load_module_only": (load_module_only, False), "custom_load_fn": (custom_load_fn, None)}
         for name, (value, served) in partial.items():

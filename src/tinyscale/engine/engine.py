@@ -385,7 +385,8 @@ class Engine:
         lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None
         skipped = False
         try:
-            with self.profiler.phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
+            # ZeRO's gathers, fp16's overflow flag
+            with self.profiler.phase("optimizer"), comm.record(self.comm_ledger):
                 if self.zero is not None:
                     if lr is not None:
                         self.zero.set_lr(lr)

@@ -129,7 +129,8 @@ class Monitor:
         if not self.writers:
             return
         x = (step + 1) * engine.batch.train_batch_size  # DeepSpeed's x axis: samples seen
-        scalars = {"Train/Samples/train_loss": loss, "Train/Samples/lr": engine._torch_optimizer().param_groups[0]["lr"],
+        lr = engine._torch_optimizer().param_groups[0]["lr"]  # the lr this step used (DeepSpeed's get_lr()[0])
+        scalars = {"Train/Samples/train_loss": loss, "Train/Samples/lr": lr,
                    "Train/Samples/grad_norm": grad_norm_of(engine), "Train/Samples/tokens_per_s": last["tokens_per_s"],
                    "Train/Samples/mfu": last.get("mfu")}
         if engine.loss_scaler is not None:

@@ -53,6 +53,10 @@ micro-batches instead of the loop above, then DDP or ZeRO over dp (x cp), once; 
 units are then this rank's stages, gathered around the schedule's actions
 (`engine/pipeline_step.py`). fp16 and bf16 work in every one of these layouts
 (`pytest -k layout_mixed_precision`).
+
+A script's own forward/backward/step loop (`tinyscale.deepspeed`, DeepSpeed's API) runs the
+micro-batches itself and ends each step in the same `_finish_step`. After every step the
+monitor (`engine/monitor.py`: tensorboard, csv_monitor, per-rank times, health) records it.
 """
 
 from __future__ import annotations

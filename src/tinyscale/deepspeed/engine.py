@@ -8,7 +8,7 @@ One optimizer step is `gradient_accumulation_steps` forward/backward/step calls.
 forward of a step opens it (the random state a dropped step restores, the dropout clock, the
 profiler's step); every backward but the boundary's runs under DDP's ``no_sync`` (stage 0),
 so gradients are averaged once; the boundary's ``step()`` finishes it with the engine's own
-code (`Engine._finish_step`: the loss, failure and used-parameter agreement, fp16's overflow
+code (`Engine._agree_step`, `_finish_step`: the loss, failure and used-parameter agreement, fp16's overflow
 check, clipping, the schedule's lr, the optimizer step). Fed the micro-batches
 `train_batch` cuts from a global batch, the loop equals `train_batch` bit for bit
 (``pytest -k deepspeed_api``).
@@ -188,7 +188,9 @@ class DeepSpeedEngine:
         try:
             parallelize.skip_dropout_masks(engine.model, engine.config, [self._first_micro] * gas,
                                            engine.dp_size - 1 - engine.dp_rank)  # exact TP dropout
-            mean_loss, skipped = engine._finish_step(self._total, gas, None, self._rng, self._hooked)
+            with comm.record(engine.comm_ledger):
+                total, failed, used, error = engine._agree_step(self._total, None)
+            mean_loss, skipped = engine._finish_step(total, failed, used, gas, error, self._rng, self._hooked)
             self._window.close()  # the profiler's step ends after the optimizer's phase
             shape = (engine.batch.train_batch_size, *self._first_micro[0].shape[1:])
             engine._after_step((torch.empty(shape, device="meta"),), self._start, mean_loss, skipped)

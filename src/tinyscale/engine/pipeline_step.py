@@ -328,7 +328,8 @@ class PipelineStep:
             engine.optimizer.zero_grad(set_to_none=True)
             return skipped
         if engine.config.gradient_clipping > 0:  # the whole model's norm (engine/grad_norm.py)
-            engine.grad_norm().clip_(engine.config.gradient_clipping, [(q, q.grad) for q in engine.params])
+            engine.last_grad_norm = engine.grad_norm().clip_(engine.config.gradient_clipping,
+                                                             [(q, q.grad) for q in engine.params])
         if lr is not None:
             set_lr(engine.optimizer, lr)
         engine.optimizer.step()

@@ -389,7 +389,8 @@ class Engine:
         mean_loss = total.item() / (num_micro * self.reduce_size)
         failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
         if watch is not None:  # a TP or cp peer's failure too: the whole world drops the step together
-            failed_ranks, abandoned = watch.agree(error)
+            with comm.record(self.comm_ledger):
+                failed_ranks, abandoned = watch.agree(error)
             where = "rank(s)"
             if abandoned:  # the model's groups are out of step: no later step can be trusted
                 self._roll_back(rng)

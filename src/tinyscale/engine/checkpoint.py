@@ -142,7 +142,8 @@ def restore_rng(saved: dict | None, rank: int, world_size: int, device: torch.de
 
 def check_compatible(path, meta: dict, model_state: dict, ours: dict[str, torch.Size], optimizer: str) -> None:
     """Refuse a checkpoint this engine cannot continue: another optimizer class, other
-    parameter names, other shapes. Every difference is named at once."""
+    parameter names, other shapes. Every difference is named at once. `model_state`: the
+    checkpoint's parameters, name -> tensor or shape."""
     problems = []
     saved_optimizer = meta.get("optimizer_class")
     if saved_optimizer is not None and saved_optimizer != optimizer:
@@ -154,8 +155,8 @@ def check_compatible(path, meta: dict, model_state: dict, ours: dict[str, torch.
         problems.append(f"this model has {missing} which the checkpoint lacks")
     if unexpected:
         problems.append(f"the checkpoint has {unexpected} which this model lacks")
-    shapes = [f"{k}: saved {tuple(v.shape)}, here {tuple(ours[k])}" for k, v in model_state.items()
-              if k in ours and tuple(v.shape) != tuple(ours[k])]
+    saved = {k: tuple(v.shape) if torch.is_tensor(v) else tuple(v) for k, v in model_state.items()}
+    shapes = [f"{k}: saved {v}, here {tuple(ours[k])}" for k, v in saved.items() if k in ours and v != tuple(ours[k])]
     if shapes:
         problems.append("shapes differ: " + "; ".join(shapes))
     if problems:

@@ -35,7 +35,6 @@ from torch import nn
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.dist.mesh import MeshLayout
-from tinyscale.engine import tp_state
 from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear
 
@@ -171,17 +170,33 @@ def tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int,
     return {"tp": "replicate", "tp_counted": tp_rank == 0}
 
 
-def placements(engine) -> dict[str, Placement]:
+def full_shape(module: nn.Module, leaf: str, local: tuple[int, ...]) -> tuple[int, ...]:
+    """The original tensor's shape of `module`'s parameter `leaf`, a TP shard of shape `local`."""
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        rows = module.out_features if isinstance(module, ColumnParallelLinear) else module.num_embeddings
+        return (rows, *local[1:])
+    if isinstance(module, RowParallelLinear) and leaf == "weight":
+        return (module.out_features, module.in_features)
+    if isinstance(module, ReplicatedKVLinear):
+        return (module.n_kv_head * module.head_dim, module.in_features)
+    return tuple(local)
+
+
+def placements(engine, include_frozen: bool = False) -> dict[str, Placement]:
     """Where every parameter this rank holds lives, keyed by its name in the original model.
 
     Reads what the transforms left: the TP layers' shard sizes, the pipeline's stages and tied
-    copy, ZeRO's fragments (call it between steps, on every rank or just this one: no collectives)."""
+    copy, ZeRO's fragments (call it between steps, on every rank or just this one: no collectives).
+    `include_frozen`: frozen parameters too (checkpoints hold them; they are never ZeRO-sharded)."""
     model, pipeline, zero = engine.model, engine.pipeline, engine.zero
     tp = engine.config.parallel.tensor
     if pipeline is not None:  # the original model's shapes, under its names
         global_shapes = pipeline.full_shapes()
     else:
-        global_shapes = tp_state.full_shapes(model, engine._tp_shapes) if tp > 1 else engine._tp_shapes
+        global_shapes = engine._tp_shapes
+        if tp > 1:
+            global_shapes = {k: full_shape(model.get_submodule(k.rpartition(".")[0]), k.rpartition(".")[2], s)
+                             for k, s in global_shapes.items()}
     owners = {}  # id(param) -> (its module, its first name)
     for mod_name, module in model.named_modules():
         for p_name, param in module.named_parameters(recurse=False):
@@ -196,7 +211,7 @@ def placements(engine) -> dict[str, Placement]:
     tied_copy = id(pipeline.tied[0]) if pipeline is not None and pipeline.tied is not None and \
         pipeline.rank == pipeline.plan[-1].rank else None
     table = {}
-    for param in (p for p in model.parameters() if p.requires_grad):
+    for param in (p for p in model.parameters() if p.requires_grad or include_frozen):
         module, name = owners[id(param)]
         local_shape = tuple(engine._tp_shapes.get(name, param.shape))
         key = pipeline.aliases.get(name, name) if pipeline is not None else name
@@ -208,7 +223,7 @@ def placements(engine) -> dict[str, Placement]:
                                stages=stage_of.get(name.split(".")[0] if not name.startswith("blocks.")
                                                    else ".".join(name.split(".")[:2]), ()),
                                zero_ranges=tuple(sorted(zero_ranges.get(id(param), ()))),
-                               zero_sharded=zero is not None, **fields)
+                               zero_sharded=zero is not None and param.requires_grad, **fields)
     return table
 
 

@@ -1,0 +1,490 @@
+"""Sharded checkpoints on torch.distributed.checkpoint (DCP), driven by the placements.
+
+    save(engine, directory, extras)     # every rank writes the pieces it owns and counts
+    load(engine, directory)             # every rank reads the pieces its layout needs
+
+What the checkpoint holds is the SINGLE-PROCESS model, in the key layout of torch's own DCP
+recipe (``dcp.save({"model": model_sd, "optim": optim_sd})`` with the state dicts of
+`torch.distributed.checkpoint.state_dict.get_state_dict`, checked against torch 2.13's FSDP2 on
+gloo in `pytest -k dcp_interop`), global shapes, no padding:
+
+    model.<fqn>                          each parameter of the original model (a tied table once,
+                                         under its first name); mixed precision: the fp32 master,
+                                         as FSDP2 keeps its sharded parameters in fp32
+    optim.state.<fqn>.<key>              the optimizer's per-parameter state (exp_avg, exp_avg_sq:
+                                         shaped like the parameter; step: a 0-d tensor)
+    optim.param_groups.<i>.<hyper>       each group's hyperparameters, and ``.params``: its fqns
+    tinyscale.rank.<r>                   rank r's random generators (and TP's tracker stream,
+                                         and compression's residuals): written by rank r
+    tinyscale.loss_scaler                fp16's scaler state
+
+Which rank writes what follows from `engine.plan.placements` alone. A parameter's elements
+that a rank holds are flat ranges of its TP shard (the whole shard; under ZeRO the fragments
+of its flat shard, `Placement.zero_ranges`). A flat range of an N-d tensor is not a box, so
+`boxes` cuts it into at most 2N - 1 boxes (a partial row, whole rows, a partial row); each box
+moves to global coordinates by the shard's offset along its TP dim (`Placement.tp_range`), and
+becomes one DCP chunk (`WriteItem` with `ChunkStorageMetadata` offsets and sizes). A rank
+writes a piece only if it counts it: `tp_counted` and `pp_counted` (a replicated tensor on TP
+rank 0, a replicated K/V head on its first copy, a tied table on the first stage), and over
+dp x cp either its ZeRO fragment or, unsharded, on reduce rank 0. Vocab padding rows (they end
+a TP shard) and ZeRO padding (past the last parameter) are never in a range, so never written;
+DCP's global plan validation then checks that the chunks of every tensor tile it exactly.
+Scalars (Adam's step) and hyperparameters are written by the rank holding element 0.
+
+Loading asks DCP only for the boxes this rank's layout needs (all of its TP shard, or under
+ZeRO-3 only its fragments), whatever layout wrote them: DCP's read planning intersects them
+with the saved chunks (`create_read_items_for_chunk_list`) and copies each overlap in place
+into the parameter, master or state tensor that needs it. A rank holds, beyond its own
+shards, one saved chunk at a time while it reads (DCP's reader loads a chunk, then narrows
+it) and one piece at a time while it writes (DCP's writer clones a view whose storage is
+bigger); `pytest -k dcp_checkpoint_memory` measures that.
+
+The directory is a version of `engine/checkpoint_io.py`'s (``latest`` pointer, atomic
+commit): DCP's files (``__<rank>_0.distcp``, ``.metadata``) plus meta.json, whose SHA-256
+table lists every file; every rank verifies a share of the files before anything is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import math
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from tinyscale.engine.checkpoint_io import CheckpointError
+from tinyscale.engine.plan import Placement, placements
+
+MODEL, STATE, GROUPS, RANK, SCALER = "model.", "optim.state.", "optim.param_groups.", "tinyscale.rank.", \
+    "tinyscale.loss_scaler"
+
+
+# --8<-- [start:boxes]
+def boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The flat range [start, end) of a row-major tensor of `shape` as boxes (offsets, sizes),
+    in flat order; each box is contiguous in the flat tensor. At most 2 len(shape) - 1 of them."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    out = []
+    if start % inner:  # a partial first row
+        row, stop = start // inner, min(end, (start // inner + 1) * inner)
+        out += [((row, *o), (1, *s)) for o, s in boxes(shape[1:], start - row * inner, stop - row * inner)]
+        start = stop
+    rows = (end - start) // inner
+    if rows and start < end:  # whole rows
+        out.append(((start // inner, *[0] * (len(shape) - 1)), (rows, *shape[1:])))
+        start += rows * inner
+    if start < end:  # a partial last row
+        out += [((start // inner, *o), (1, *s)) for o, s in boxes(shape[1:], 0, end - start)]
+    return out
+# --8<-- [end:boxes]
+
+
+@dataclasses.dataclass
+class Piece:
+    """A box of a checkpoint tensor and the tensor here that is (saving) or receives (loading) it."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    tensor: torch.Tensor  # shaped `sizes`: a view into a parameter, master or state
+
+
+def real_shape(pl: Placement) -> tuple[int, ...]:
+    """The TP shard without its vocab padding rows (which end it: the real elements lead)."""
+    if pl.tp == "shard" and pl.tp_range is not None:
+        shape = list(pl.local_shape)
+        shape[pl.tp_dim] = pl.tp_range[1] - pl.tp_range[0]
+        if pl.tp_dim != 0 and shape != list(pl.local_shape):
+            raise ValueError(f"{pl.name}: padding along dim {pl.tp_dim} of a TP shard is not at its end")
+        return tuple(shape)
+    return tuple(pl.local_shape)
+
+
+def pieces(pl: Placement, key: str, start: int, end: int, flat: torch.Tensor) -> list[Piece]:
+    """The boxes of the flat range [start, end) of `pl`'s TP shard, padding cut off, each with
+    its view of `flat` (a 1-d tensor holding exactly that range)."""
+    shape = real_shape(pl)
+    out = []
+    for offsets, sizes in boxes(shape, start, min(end, math.prod(shape))):
+        first = sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offsets)) - start
+        view = flat[first:first + math.prod(sizes)].view(sizes)
+        offsets = list(offsets)
+        if pl.tp in ("shard", "kv_copy"):
+            offsets[pl.tp_dim] += pl.tp_range[0]
+        out.append(Piece(key, tuple(offsets), tuple(sizes), pl.global_shape, view))
+    return out
+
+
+def holds_first_element(pl: Placement, start: int) -> bool:
+    return start == 0 and (pl.tp not in ("shard", "kv_copy") or pl.tp_range[0] == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# What this rank holds, parameter by parameter.
+
+@dataclasses.dataclass
+class Held:
+    """One flat range [start, end) of a parameter's TP shard held here: the values (`flat`:
+    the parameter, or its fp32 master), the optimizer's state for it and where that lives."""
+
+    placement: Placement
+    param: torch.Tensor
+    start: int
+    end: int
+    flat: torch.Tensor
+    target: torch.Tensor | None  # the optimizer's key for this range (param, master, fragment view)
+    group: int | None           # its parameter group's index (None: frozen)
+
+
+def held(engine) -> list[Held]:
+    """Every range of every parameter this rank holds (tied copies and replicas included)."""
+    table = placements(engine, include_frozen=True)
+    aliases = engine.pipeline.aliases if engine.pipeline is not None else {}
+    out = []
+    seen = set()
+    zero = engine.zero
+    for name, param in engine.model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        pl = table[aliases.get(name, name)]
+        numel = math.prod(pl.local_shape)
+        if not param.requires_grad:
+            out.append(Held(pl, param, 0, numel, param.data.view(-1), None, None))
+        elif zero is None:
+            target, group = _plain_target(engine, param)
+            out.append(Held(pl, param, 0, numel, target.data.view(-1), target, group))
+    if zero is not None:
+        sharded = zero.sharded
+        groups = [g for g in sharded.param_groups if g["params"]]
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        names = {id(p): aliases.get(n, n) for n, p in engine.model.named_parameters()}
+        for frags in sharded.fragments:
+            for f in frags:
+                pl = table[names[id(f.param)]]
+                out.append(Held(pl, f.param, f.param_start, f.param_start + f.end - f.start, f.view, f.view,
+                                group_of[id(f.param)]))
+    return out
+
+
+def _plain_target(engine, param) -> tuple[torch.Tensor, int]:
+    """Without ZeRO: the tensor the optimizer steps for `param` (its fp32 master under mixed precision)."""
+    opt = torch_optimizer(engine)
+    target = param
+    mp = getattr(engine.optimizer, "masters", None)
+    if mp is not None:
+        target = dict(zip(map(id, engine.optimizer.params), mp))[id(param)]
+    for i, g in enumerate(opt.param_groups):
+        if any(t is target for t in g["params"]):
+            return target, i
+    raise ValueError("a trainable parameter in no optimizer group")
+
+
+def torch_optimizer(engine) -> torch.optim.Optimizer:
+    return engine._torch_optimizer()
+
+
+def _writes(engine, h: Held) -> bool:
+    """Whether this rank writes range `h`: counted over tp and pp, and once over dp x cp."""
+    pl = h.placement
+    return pl.tp_counted and pl.pp_counted and (pl.zero_sharded or engine.reduce_rank == 0)
+
+
+def _group_table(engine, items: list[Held]) -> list[dict]:
+    """The global parameter groups: hyperparameters and the fqns of every stage, in the model's
+    order (a small all-gather of names under a pipeline or ZeRO, where a rank holds a part)."""
+    opt = torch_optimizer(engine)
+    local: dict[int, dict] = {}
+    for h in items:
+        if h.group is not None:
+            entry = local.setdefault(h.group, {"hyper": {k: v for k, v in opt.param_groups[h.group].items()
+                                                        if k != "params"}, "params": set()})
+            entry["params"].add(h.placement.name)
+    for i, g in enumerate(opt.param_groups):  # a group empty here still exists
+        local.setdefault(i, {"hyper": {k: v for k, v in g.items() if k != "params"}, "params": set()})
+    parts = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    order = engine.pipeline.order if engine.pipeline is not None else \
+        {n: i for i, n in enumerate(n for n, _ in engine.model.named_parameters())}
+    groups = []
+    for i in range(max(len(p) for p in parts)):
+        names = set().union(*(p[i]["params"] for p in parts if i in p))
+        hyper = next(p[i]["hyper"] for p in parts if i in p)
+        groups.append({**hyper, "params": sorted(names, key=order.__getitem__)})
+    return groups
+
+
+@contextmanager
+def _quiet():
+    """DCP warns that it runs in one process when there is no process group: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default global planning (metadata, validation that chunks tile each tensor) over
+    this rank's pieces; the local plan and the data come from them, not from a state_dict."""
+
+    def __init__(self, tensors: list[Piece], objects: dict[str, object]):
+        super().__init__()
+        self.tensors = {(p.key, p.offsets): p for p in tensors}
+        self.objects = objects
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator, self.mappings = {}, is_coordinator, {}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for p in self.tensors.values():
+            props = TensorProperties(dtype=p.tensor.dtype)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes))
+            items.append(WriteItem(index=MetadataIndex(p.key, p.offsets), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                               size=torch.Size(p.global_shape))))
+        items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.objects]
+        # the nested form for torch's own readers (dcp_to_torch_save): "model.a.b" -> ("model", "a.b")
+        mappings = {it.index.fqn: _path(it.index.fqn) for it in items}
+        self.plan = SavePlan(items, planner_data=mappings)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(self.objects[write_item.index.fqn], buf)
+            return buf
+        return self.tensors[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
+
+
+def _path(key: str) -> tuple:
+    for prefix in (STATE, GROUPS):
+        if key.startswith(prefix):
+            head, rest = tuple(prefix[:-1].split(".")), key[len(prefix):]
+            if prefix == GROUPS:
+                i, _, k = rest.partition(".")
+                return (*head, int(i), k)
+            name, _, k = rest.rpartition(".")
+            return (*head, name, k)
+    first, _, rest = key.partition(".")
+    return (first, rest)
+
+
+def save_items(engine) -> tuple[list[Piece], dict[str, object]]:
+    """The pieces (tensors) and objects this rank writes."""
+    items = held(engine)
+    opt = torch_optimizer(engine)
+    tensors: list[Piece] = []
+    objects: dict[str, object] = {}
+    for h in items:
+        if not _writes(engine, h):
+            continue
+        name = h.placement.name
+        tensors += pieces(h.placement, MODEL + name, h.start, h.end, h.flat.detach())
+        state = opt.state.get(h.target, {}) if h.target is not None else {}
+        first = holds_first_element(h.placement, h.start)
+        for k, v in state.items():
+            key = f"{STATE}{name}.{k}"
+            if torch.is_tensor(v) and v.dim() > 0:
+                tensors += pieces(h.placement, key, h.start, h.end, v.detach().view(-1))
+            elif first and torch.is_tensor(v):
+                tensors.append(Piece(key, (), (), (), v.detach()))
+            elif first:
+                objects[key] = v
+    groups = _group_table(engine, items)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for i, g in enumerate(groups):
+            for k, v in g.items():
+                objects[f"{GROUPS}{i}.{k}"] = v
+        if engine.loss_scaler is not None:
+            objects[SCALER] = engine.loss_scaler.state_dict()
+    return tensors, objects
+
+
+def save(engine, directory: Path, rank_state: dict) -> list[str]:
+    """Write this rank's pieces into `directory` (every rank, the same directory); returns the
+    files this rank wrote (for their checksums)."""
+    tensors, objects = save_items(engine)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    objects[f"{RANK}{rank}"] = rank_state
+    writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1)
+    with _quiet():
+        dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors, objects))
+    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
+
+class _LoadPlanner(LoadPlanner):
+    """Reads exactly the boxes in `tensors` (and the objects named) from whatever chunks were saved."""
+
+    def __init__(self, tensors: list[Piece], objects: list[str]):
+        self.tensors, self.object_keys, self.objects = tensors, objects, {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        md, items = self.metadata.state_dict_metadata, []
+        for i, p in enumerate(self.tensors):
+            chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=torch.Size(p.sizes))
+            for it in create_read_items_for_chunk_list(p.key, md[p.key], [chunk]):
+                items.append(dataclasses.replace(it, dest_index=MetadataIndex(p.key, p.offsets, index=i)))
+        for k in self.object_keys:
+            zero = torch.Size((0,))
+            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(k), dest_offsets=zero,
+                                  storage_index=MetadataIndex(k), storage_offsets=zero, lengths=zero))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        value.seek(0)
+        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        t = self.tensors[read_item.dest_index.index].tensor
+        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            t = t.narrow(d, o, n)
+        return t
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # resolve_tensor handed out views: the data is in place
+
+
+def read_metadata(directory: Path):
+    return dcp.FileSystemReader(directory).read_metadata()
+
+
+def saved_shapes(metadata) -> dict[str, tuple[int, ...]]:
+    """The model's parameters in a checkpoint: fqn -> global shape."""
+    return {k[len(MODEL):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+            if k.startswith(MODEL) and isinstance(v, TensorStorageMetadata)}
+
+
+def read_objects(directory: Path, keys: list[str]) -> dict[str, object]:
+    """Small non-tensor entries (every rank that calls it reads them; a collective)."""
+    planner = _LoadPlanner([], keys)
+    with _quiet():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(directory), planner=planner)
+    return planner.objects
+
+
+@torch.no_grad()
+def load(engine, directory: Path, metadata) -> None:
+    """Fill this rank's parameters, masters and optimizer states from the checkpoint at `directory`."""
+    md = metadata.state_dict_metadata
+    opt = torch_optimizer(engine)
+    stage3 = engine.zero is not None and hasattr(engine.zero, "publish_shard")
+    tensors: list[Piece] = []
+    new_states: list[tuple[torch.Tensor, dict]] = []
+    scalars: dict[str, list[torch.Tensor]] = {}
+    objects: set[str] = set()
+    items = held(engine)
+    if engine.zero is not None and not stage3:  # stage 1/2: every parameter whole, beside its master shards
+        whole = {id(h.param): h for h in items}
+        table, aliases = placements(engine), engine.pipeline.aliases if engine.pipeline is not None else {}
+        names = {id(p): aliases.get(n, n) for n, p in engine.model.named_parameters()}
+        for p in engine.zero.sharded.params:
+            if id(p) not in whole:  # no fragment here
+                whole[id(p)] = Held(table[names[id(p)]], p, 0, 0, p.data.view(-1), None, None)
+        for h in whole.values():
+            if h.param.requires_grad:
+                tensors += pieces(h.placement, MODEL + h.placement.name, 0, math.prod(h.placement.local_shape),
+                                  h.param.data.view(-1))
+    for h in items:
+        pl, name = h.placement, h.placement.name
+        tensors += pieces(pl, MODEL + name, h.start, h.end, h.flat)  # the values (fp32 masters)
+        if h.target is None:
+            continue
+        state = {}
+        for key in (k for k in md if k.startswith(f"{STATE}{name}.") and "." not in k[len(STATE) + len(name) + 1:]):
+            k = key[len(STATE) + len(name) + 1:]
+            entry = md[key]
+            if isinstance(entry, BytesStorageMetadata):
+                objects.add(key)
+                state[k] = key
+            elif len(entry.size) == 0:
+                state[k] = torch.zeros((), dtype=entry.properties.dtype)
+                scalars.setdefault(key, []).append(state[k])
+            else:
+                state[k] = torch.zeros_like(h.target)  # shaped like the parameter, master or fragment
+                tensors += pieces(pl, key, h.start, h.end, state[k].view(-1))
+        new_states.append((h.target, state))
+    for key, targets in scalars.items():  # one read each; copied into every range's state below
+        tensors.append(Piece(key, (), (), (), targets[0]))
+    planner = _LoadPlanner(tensors, sorted(objects))
+    with _quiet():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(directory), planner=planner)
+    for targets in scalars.values():
+        for t in targets[1:]:
+            t.copy_(targets[0])
+    opt.state.clear()
+    for target, state in new_states:
+        if state:
+            opt.state[target] = {k: planner.objects[v] if isinstance(v, str) else v for k, v in state.items()}
+    mp = getattr(engine.optimizer, "masters", None)
+    if engine.zero is None and mp is not None:  # the parameters: the masters rounded
+        for p, m in zip(engine.optimizer.params, mp):
+            p.data.copy_(m)
+    if stage3:
+        for i, (unit, master) in enumerate(zip(engine.zero.sharded.units, engine.zero.sharded.master)):
+            engine.zero.publish_shard(i, master.to(unit.dtype))
+
+
+def file_digests(directory: Path, files: list[str]) -> dict[str, str]:
+    out = {}
+    for f in files:
+        h = hashlib.sha256()
+        with open(directory / f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        out[f] = h.hexdigest()
+    return out
+
+
+def check_files(directory: Path, digests: dict[str, str], rank: int, world: int) -> str | None:
+    """Verify this rank's share of the files (every world-th); the first problem, or None."""
+    for i, (f, digest) in enumerate(sorted(digests.items())):
+        if i % world != rank:
+            continue
+        if not (directory / f).is_file():
+            return (f"{directory / f} is missing (meta.json lists it; found by rank {rank}): the checkpoint is "
+                    "incomplete; restore the file or load an earlier checkpoint")
+        actual = file_digests(directory, [f])[f]
+        if actual != digest:
+            return (f"{directory / f} is corrupt (SHA-256 {actual[:12]}..., expected {digest[:12]}...; found by "
+                    f"rank {rank}): restore it or load an earlier checkpoint")
+    return None
+
+
+__all__ = ["CheckpointError", "Piece", "boxes", "load", "pieces", "read_metadata", "read_objects", "save",
+           "save_items", "saved_shapes"]

@@ -191,8 +191,25 @@ def write(path, model_state: dict, optimizer_state: dict, meta: dict, rng: dict 
 
 
 def read(path) -> tuple[dict, dict, dict]:
-    """Read and verify a checkpoint: (model_state, optimizer_state, meta); meta["rng"] holds
-    rng.pt's content (None if the checkpoint has none)."""
-    files, meta = checkpoint_io.read(path)
-    meta["rng"] = files.get("rng.pt")
-    return files["model.pt"], files["optimizer.pt"], meta
+    """Read and verify a whole checkpoint in one process: (model_state, optimizer_state, meta),
+    the single-process model's state by name (`export` writes it to one file); meta["rng"]
+    holds every rank's random state (None if the checkpoint has none). Any format: DCP's
+    sharded one (3) or the single files of older versions (1, 2)."""
+    from tinyscale.engine import dcp_checkpoint  # noqa: PLC0415 - it imports this module's users
+
+    version = checkpoint_io.live_version(path)
+    meta = checkpoint_io.read_meta(version)
+    if meta["format_version"] < 3:
+        files, meta = checkpoint_io.read(path)
+        meta["rng"] = files.get("rng.pt")
+        return files["model.pt"], files["optimizer.pt"], meta
+    for f in meta["sha256"]:
+        problem = dcp_checkpoint.check_files(version, {f: meta["sha256"][f]}, 0, 1)
+        if problem is not None:
+            raise CheckpointError(f"load_checkpoint: {problem}")
+    model, optimizer, extra = dcp_checkpoint.read_whole(version)
+    if dcp_checkpoint.SCALER in extra:
+        optimizer["loss_scaler"] = extra[dcp_checkpoint.SCALER]
+    ranks = {int(k[len(dcp_checkpoint.RANK):]): v for k, v in extra.items() if k.startswith(dcp_checkpoint.RANK)}
+    meta["rng"] = {"world_size": meta["world_size"], "ranks": ranks} if ranks else None
+    return model, optimizer, meta

@@ -51,12 +51,13 @@ import hashlib
 import io
 import math
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
@@ -236,11 +237,21 @@ def _group_table(engine, items: list[Held]) -> list[dict]:
 
 
 @contextmanager
-def _quiet():
-    """DCP warns that it runs in one process when there is no process group: that is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def _dcp(what: str, directory: Path):
+    """Around a DCP call: no warning that it runs in one process when there is no process group
+    (intended here), and its `CheckpointException` (a BaseException carrying every failed rank's
+    error, raised on every rank) turned into this rank's own error, or a `CheckpointError`
+    naming each failed rank and its error (which names the file)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    except CheckpointException as exc:
+        mine = exc.failures.get(dist.get_rank() if dist.is_initialized() else 0)
+        if mine is not None and what == "save":
+            raise mine[0] from None
+        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+        raise CheckpointError(f"{what}_checkpoint: {directory}: {detail}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,16 +335,32 @@ def save_items(engine) -> tuple[list[Piece], dict[str, object]]:
     return tensors, objects
 
 
+def _resident(engine, write: bool) -> ExitStack:
+    """ZeRO's disk tier (offload nvme): this rank's master and state shards in memory inside."""
+    stack = ExitStack()
+    sharded = engine.zero.sharded if engine.zero is not None else None
+    if sharded is not None and sharded.swap is not None:
+        for i in range(len(sharded.units)):
+            stack.enter_context(sharded.swap.resident(sharded._swap_keys(i), write=write))
+    return stack
+
+
 def save(engine, directory: Path, rank_state: dict) -> list[str]:
     """Write this rank's pieces into `directory` (every rank, the same directory); returns the
     files this rank wrote (for their checksums)."""
+    with _resident(engine, write=False):
+        _save(engine, directory, rank_state)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
+
+
+def _save(engine, directory: Path, rank_state: dict) -> None:
     tensors, objects = save_items(engine)
     rank = dist.get_rank() if dist.is_initialized() else 0
     objects[f"{RANK}{rank}"] = rank_state
     writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1)
-    with _quiet():
+    with _dcp("save", directory):
         dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors, objects))
-    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +420,7 @@ def saved_shapes(metadata) -> dict[str, tuple[int, ...]]:
 def read_objects(directory: Path, keys: list[str]) -> dict[str, object]:
     """Small non-tensor entries (every rank that calls it reads them; a collective)."""
     planner = _LoadPlanner([], keys)
-    with _quiet():
+    with _dcp("load", directory):
         dcp.load({}, storage_reader=dcp.FileSystemReader(directory), planner=planner)
     return planner.objects
 
@@ -401,6 +428,15 @@ def read_objects(directory: Path, keys: list[str]) -> dict[str, object]:
 @torch.no_grad()
 def load(engine, directory: Path, metadata) -> None:
     """Fill this rank's parameters, masters and optimizer states from the checkpoint at `directory`."""
+    with _resident(engine, write=True):
+        _load(engine, directory, metadata)
+    sharded = engine.zero.sharded if engine.zero is not None else None
+    if sharded is not None and sharded.swap is not None:
+        for i in range(len(sharded.units)):  # states born here go to disk as the step's do
+            sharded.register_states(i)
+
+
+def _load(engine, directory: Path, metadata) -> None:
     md = metadata.state_dict_metadata
     opt = torch_optimizer(engine)
     stage3 = engine.zero is not None and hasattr(engine.zero, "publish_shard")
@@ -425,7 +461,7 @@ def load(engine, directory: Path, metadata) -> None:
         tensors += pieces(pl, MODEL + name, h.start, h.end, h.flat)  # the values (fp32 masters)
         if h.target is None:
             continue
-        state = {}
+        state, old = {}, opt.state.get(h.target, {})
         for key in (k for k in md if k.startswith(f"{STATE}{name}.") and "." not in k[len(STATE) + len(name) + 1:]):
             k = key[len(STATE) + len(name) + 1:]
             entry = md[key]
@@ -435,14 +471,16 @@ def load(engine, directory: Path, metadata) -> None:
             elif len(entry.size) == 0:
                 state[k] = torch.zeros((), dtype=entry.properties.dtype)
                 scalars.setdefault(key, []).append(state[k])
-            else:
-                state[k] = torch.zeros_like(h.target)  # shaped like the parameter, master or fragment
+            else:  # shaped like the parameter, master or fragment; in place where it exists (the disk tier keeps it)
+                now = old.get(k)
+                same = torch.is_tensor(now) and now.shape == h.target.shape and now.dtype == h.target.dtype
+                state[k] = now if same else torch.zeros_like(h.target)
                 tensors += pieces(pl, key, h.start, h.end, state[k].view(-1))
         new_states.append((h.target, state))
     for key, targets in scalars.items():  # one read each; copied into every range's state below
         tensors.append(Piece(key, (), (), (), targets[0]))
     planner = _LoadPlanner(tensors, sorted(objects))
-    with _quiet():
+    with _dcp("load", directory):
         dcp.load({}, storage_reader=dcp.FileSystemReader(directory), planner=planner)
     for targets in scalars.values():
         for t in targets[1:]:
@@ -458,6 +496,37 @@ def load(engine, directory: Path, metadata) -> None:
     if stage3:
         for i, (unit, master) in enumerate(zip(engine.zero.sharded.units, engine.zero.sharded.master)):
             engine.zero.publish_shard(i, master.to(unit.dtype))
+
+
+def read_whole(directory: Path) -> tuple[dict, dict, dict]:
+    """Everything in a checkpoint version as whole tensors, in this process alone (no collective):
+    (model state by fqn, optimizer state {"state": {fqn: {key: value}}, "param_groups": [...]},
+    the tinyscale entries). The export path: it holds the whole model, as the file it writes does."""
+    md = read_metadata(directory).state_dict_metadata
+    tensors, objects = [], []
+    for key, entry in md.items():
+        if isinstance(entry, BytesStorageMetadata):
+            objects.append(key)
+        else:
+            shape = tuple(entry.size)
+            tensors.append(Piece(key, (0,) * len(shape), shape, shape, torch.empty(shape, dtype=entry.properties.dtype)))
+    planner = _LoadPlanner(tensors, objects)
+    with _dcp("load", directory):
+        dcp.load({}, storage_reader=dcp.FileSystemReader(directory), planner=planner, no_dist=True)
+    values = {p.key: p.tensor for p in tensors} | planner.objects
+    model = {k[len(MODEL):]: v for k, v in values.items() if k.startswith(MODEL)}
+    state: dict[str, dict] = {}
+    groups: dict[int, dict] = {}
+    extra = {}
+    for key, v in values.items():
+        path = _path(key)
+        if key.startswith(STATE):
+            state.setdefault(path[2], {})[path[3]] = v
+        elif key.startswith(GROUPS):
+            groups.setdefault(path[2], {})[path[3]] = v
+        elif not key.startswith(MODEL):
+            extra[key] = v
+    return model, {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}, extra
 
 
 def file_digests(directory: Path, files: list[str]) -> dict[str, str]:

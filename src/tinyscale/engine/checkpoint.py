@@ -65,24 +65,6 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, saved: dict,
     })
 
 
-MASTER = "_mixed_precision_master"  # a master's key while it travels inside its parameter's state
-
-
-def fold_masters(state: dict[str, dict], masters: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Mixed precision's fp32 masters ({name: tensor}) as one more per-parameter state, so that
-    whatever gathers or cuts the states by layout (TP shards, pipeline stages) does the same to
-    them; `unfold_masters` takes them out again."""
-    return {n: {**state.get(n, {}), **({MASTER: masters[n]} if n in masters else {})}
-            for n in [*state, *(n for n in masters if n not in state)]}
-
-
-def unfold_masters(state: dict[str, dict]) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
-    """Inverse of `fold_masters`: (the states, without entries that held only a master; the masters)."""
-    masters = {n: entry[MASTER] for n, entry in state.items() if MASTER in entry}
-    rest = {n: {k: v for k, v in entry.items() if k != MASTER} for n, entry in state.items()}
-    return {n: entry for n, entry in rest.items() if entry or n not in masters}, masters
-
-
 # --8<-- [start:rng]
 def rng_state(device: torch.device) -> dict:
     """This process's random generators: what dropout (and a user's own draws) will draw next."""

@@ -498,6 +498,43 @@ def _load(engine, directory: Path, metadata) -> None:
             engine.zero.publish_shard(i, master.to(unit.dtype))
 
 
+@torch.no_grad()
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    """The single-process model's state_dict on CPU, on every rank, from the placements: each
+    rank contributes the pieces it would write to a checkpoint (as the parameters hold them:
+    fp16/bf16 under mixed precision), every rank places them by their global offsets."""
+    aliases = engine.pipeline.aliases if engine.pipeline is not None else {}
+    names = {id(p): aliases.get(n, n) for n, p in engine.model.named_parameters()}
+    mine, shapes = [], {}
+    with _resident(engine, write=False):
+        for h in held(engine):
+            shapes[h.placement.name] = (h.placement.global_shape, h.param.dtype)
+            if _writes(engine, h):
+                mine += [(p.key, p.offsets, p.tensor.to("cpu", h.param.dtype, copy=True))
+                         for p in pieces(h.placement, h.placement.name, h.start, h.end, h.flat.detach())]
+    keys, buffers = {}, {}
+    for k, v in engine.model.state_dict(keep_vars=True).items():
+        if id(v) in names:
+            keys[k] = names[id(v)]
+        else:
+            buffers[k] = v.detach().to("cpu", copy=True)
+    parts = [(mine, shapes, keys, buffers)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (mine, shapes, keys, buffers))
+    full = {}
+    for _, part_shapes, _, _ in parts:
+        for name, (shape, dtype) in part_shapes.items():
+            full.setdefault(name, torch.zeros(shape, dtype=dtype))
+    for part, _, _, _ in parts:
+        for name, offsets, tensor in part:
+            full[name][tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
+    keys = {k: v for _, _, part_keys, _ in parts for k, v in part_keys.items()}
+    buffers = {k: v for _, _, _, part_buffers in parts for k, v in part_buffers.items()}
+    order = list(engine.pipeline.shapes) if engine.pipeline is not None else list(engine.model.state_dict())
+    return {k: full[keys[k]] if k in keys else buffers[k] for k in order}
+
+
 def read_whole(directory: Path) -> tuple[dict, dict, dict]:
     """Everything in a checkpoint version as whole tensors, in this process alone (no collective):
     (model state by fqn, optimizer state {"state": {fqn: {key: value}}, "param_groups": [...]},

@@ -85,7 +85,6 @@ from tinyscale.mfu import StepProfiler
 from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
-from tinyscale.tensor_parallel import full_state_dict_from_tp
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 from tinyscale.zero.optimizer import COMM_DTYPES
 from tinyscale.zero.stage3 import Wrap
@@ -429,14 +428,10 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict().
 
-        With stage 3 every unit is all-gathered for the copy, with pipeline parallelism every
-        stage's tensors are broadcast over the pp group (call it on every rank)."""
-        gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
-        with gathered:  # ZeRO-3's dp gather first, then tensor parallelism's over the TP group (then pp's)
-            if self.pipeline is not None:
-                return self.pipeline.full_state_dict(self.model)
-            state = full_state_dict_from_tp(self.model) if self.tp_size > 1 else self.model.state_dict()
-            return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        Each rank contributes the pieces of the single-process model it owns (the placements, as
+        for a checkpoint), and every rank places all of them by their global offsets (call it on
+        every rank; `engine/dcp_checkpoint.py`)."""
+        return dcp_checkpoint.full_state_dict(self)
 
     def save_checkpoint(self, path, client_state: dict | None = None) -> None:
         """Write everything an exact resume needs to directory `path` (call on every rank).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 import tinyscale as ts
 from tinyscale.data import synthetic_token_batches
-from tinyscale.engine import checkpoint_io, dcp_checkpoint
+from tinyscale.engine import checkpoint, checkpoint_io, dcp_checkpoint
 from tinyscale.engine.plan import placements
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
@@ -220,3 +221,137 @@ def test_dcp_checkpoint_memory_a_save_holds_no_rank_near_the_whole_model(tmp_pat
     for model_bytes, saving, gathering in run_on_ranks(_save_memory, 2, str(tmp_path / "ckpt")):
         assert saving < model_bytes / 4, (saving, model_bytes)
         assert gathering > 0.9 * model_bytes, (gathering, model_bytes)
+
+
+# --- dcp_faults: a damaged shard or a failed write is refused on every rank, none hangs ---------
+
+def _save_dp2(path: str) -> None:
+    engine = ts.initialize(gpt(), config(dp=2, stage=3))
+    engine.train_batch(BATCHES[0])
+    engine.save_checkpoint(path)
+
+
+def _load_dp2(path: str) -> str | None:
+    engine = ts.initialize(gpt(seed=1), config(dp=2, stage=3))
+    try:
+        engine.load_checkpoint(path)
+    except checkpoint_io.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _flip(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+DAMAGES = {"missing": lambda f: f.unlink(), "truncated": _truncate, "corrupt": _flip}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_dcp_faults_a_damaged_shard_is_refused_on_every_rank_naming_file_and_rank(tmp_path, damage):
+    """Rank 1's shard file missing, cut in half or with one byte flipped: both ranks raise
+    CheckpointError naming the file and the rank that found it (the checksums are verified
+    before any read, a share of the files per rank), and neither waits for the other."""
+    path = tmp_path / "ckpt"
+    run_on_ranks(_save_dp2, 2, str(path), timeout_s=120)
+    DAMAGES[damage](checkpoint_io.live_version(path) / "__1_0.distcp")
+    errors = run_on_ranks(_load_dp2, 2, str(path), timeout_s=120)
+    word = "missing" if damage == "missing" else "corrupt"
+    finders = set()
+    for rank, error in enumerate(errors):
+        assert error is not None and "__1_0.distcp" in error and f"is {word}" in error, (rank, error)
+        finders.add(re.search(r"found by rank (\d)", error).group(1))
+    assert len(finders) == 1, errors  # every rank names the same rank: the one that verified the file
+
+
+def _save_failing_on_rank1(path: str) -> str:
+    engine = ts.initialize(gpt(), config(dp=2, stage=1))
+    engine.train_batch(BATCHES[0])
+    engine.save_checkpoint(path)
+    engine.train_batch(BATCHES[1])
+    real = torch.save
+    if dist.get_rank() == 1:
+        def failing(obj, f, *args, **kwargs):
+            raise OSError("disk full (simulated on rank 1)")
+        torch.save = failing
+    try:
+        engine.save_checkpoint(path)
+    except BaseException as exc:  # noqa: BLE001 - what each rank sees is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.save = real
+    return "saved"
+
+
+def test_dcp_faults_a_write_failing_on_one_rank_leaves_the_previous_checkpoint_live(tmp_path):
+    """Rank 1 cannot write: rank 1 raises its own error, rank 0 a CheckpointError naming rank 1
+    and it; `latest` still names the first version, which loads."""
+    path = tmp_path / "ckpt"
+    errors = run_on_ranks(_save_failing_on_rank1, 2, str(path), timeout_s=120)
+    assert errors[1].startswith("OSError: disk full (simulated on rank 1)"), errors[1]
+    assert errors[0].startswith("CheckpointError") and "rank 1" in errors[0] and "disk full" in errors[0], errors[0]
+    assert checkpoint_io.live_version(path).name == "v000001"
+    assert checkpoint.read(path)[2]["step"] == 1
+
+
+# --- dcp_async_save: written in the background, committed only when every rank's write succeeded
+
+def _async(path: str, fail_rank: int | None) -> tuple:
+    engine = ts.initialize(gpt(), config(dp=2, stage=1))
+    engine.train_batch(BATCHES[0])
+    start = time.perf_counter()
+    engine.save_checkpoint(f"{path}/sync")
+    blocking = time.perf_counter() - start
+    snapshot = engine.full_state_dict()
+    real = torch.save
+    if dist.get_rank() == fail_rank:  # only the writer thread calls torch.save while training runs
+        def failing(obj, f, *args, **kwargs):
+            raise OSError(f"disk full (simulated on rank {fail_rank})")
+        torch.save = failing
+    try:
+        start = time.perf_counter()
+        engine.save_checkpoint(f"{path}/async", blocking=False)
+        stall = time.perf_counter() - start
+        for b in BATCHES[1:3]:  # training changes what is being written
+            engine.train_batch(b)
+        try:
+            engine.wait_checkpoint()
+            error = None
+        except BaseException as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.save = real
+    committed = Path(f"{path}/async/latest").exists()
+    if fail_rank is not None:
+        engine.save_checkpoint(f"{path}/async")  # the next save commits
+    fresh = ts.initialize(gpt(seed=1), config(dp=2, stage=1))
+    fresh.load_checkpoint(f"{path}/async")
+    return blocking, stall, error, committed, snapshot, fresh.step, fresh.full_state_dict(), engine.full_state_dict()
+
+
+def test_dcp_async_save_writes_the_snapshot_while_training_goes_on(tmp_path):
+    """The async save holds the state of the moment it was called although two steps run while
+    it writes; the call returns faster than a blocking save of the same state (measured in the
+    same run: the stall is the snapshot's copy to host memory and the version's start)."""
+    for blocking, stall, error, committed, snapshot, step, loaded, _ in run_on_ranks(_async, 2, str(tmp_path), None):
+        assert error is None and committed and step == 1
+        assert_state_dicts_close(loaded, snapshot, rtol=0, atol=0)
+        assert stall < blocking, (stall, blocking)
+    print(f"blocking save {blocking * 1e3:.1f} ms, async stall {stall * 1e3:.1f} ms")
+
+
+def test_dcp_async_save_failing_on_one_rank_does_not_move_latest(tmp_path):
+    """Rank 1's background write fails: the future raises on both ranks and `latest` does not move
+    (the directory holds no live version until the next save, which then commits normally)."""
+    results = run_on_ranks(_async, 2, str(tmp_path), 1)
+    assert "disk full" in results[1][2] and "rank 1" in results[0][2], [r[2] for r in results]
+    for _, _, _, committed, _, step, loaded, final in results:
+        assert not committed
+        assert step == 3  # the next, synchronous save's state
+        assert_state_dicts_close(loaded, final, rtol=0, atol=0)

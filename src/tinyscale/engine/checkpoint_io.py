@@ -102,6 +102,7 @@ def begin(path: str | os.PathLike) -> tuple[Path, str]:
     number = max(_versions(path), default=0) + 1
     name = f"v{number:06d}"
     tmp = path / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a failed save of this process (nothing commits it)
     tmp.mkdir()
     _reach("temp_created")
     return tmp, name

@@ -46,6 +46,7 @@ table lists every file; every rank verifies a share of the files before anything
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import io
@@ -349,18 +350,34 @@ def save(engine, directory: Path, rank_state: dict) -> list[str]:
     """Write this rank's pieces into `directory` (every rank, the same directory); returns the
     files this rank wrote (for their checksums)."""
     with _resident(engine, write=False):
-        _save(engine, directory, rank_state)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
+        tensors, objects = save_items(engine)
+        objects[f"{RANK}{dist.get_rank() if dist.is_initialized() else 0}"] = rank_state
+        return write(directory, tensors, objects)
 
 
-def _save(engine, directory: Path, rank_state: dict) -> None:
-    tensors, objects = save_items(engine)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    objects[f"{RANK}{rank}"] = rank_state
+# --8<-- [start:snapshot]
+def snapshot(engine, rank_state: dict) -> tuple[list[Piece], dict[str, object]]:
+    """This rank's pieces copied to host memory (pinned when there is a GPU) and its objects
+    copied: what an async save writes in the background while training changes the originals."""
+    pin = torch.cuda.is_available()
+    with _resident(engine, write=False):
+        tensors, objects = save_items(engine)
+        tensors = [dataclasses.replace(p, tensor=torch.empty(p.tensor.shape, dtype=p.tensor.dtype, pin_memory=pin)
+                                       .copy_(p.tensor)) for p in tensors]
+    objects = copy.deepcopy(objects)
+    objects[f"{RANK}{dist.get_rank() if dist.is_initialized() else 0}"] = copy.deepcopy(rank_state)
+    return tensors, objects
+# --8<-- [end:snapshot]
+
+
+def write(directory: Path, tensors: list[Piece], objects: dict[str, object], group=None) -> list[str]:
+    """DCP's save of these pieces and objects (over process group `group`, default: the world);
+    returns the files this rank wrote."""
     writer = dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1)
     with _dcp("save", directory):
-        dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors, objects))
+        dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors, objects), process_group=group)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -564,6 +581,61 @@ def read_whole(directory: Path) -> tuple[dict, dict, dict]:
         elif not key.startswith(MODEL):
             extra[key] = v
     return model, {"state": state, "param_groups": [groups[i] for i in sorted(groups)]}, extra
+
+
+# --8<-- [start:export]
+def export(path, out) -> dict:
+    """`tinyscale checkpoint export DIR OUT.pt`: the checkpoint at `path` (any layout wrote it)
+    as one torch.save file, in one process: {"model": state_dict, "optim": {"state", "param_groups"},
+    "tinyscale": {"meta", "rng", "loss_scaler"}}; ``torch.load(OUT)["model"]`` loads into the
+    plain model. What DeepSpeed's zero_to_fp32 and torch's dcp_to_torch_save do; it holds the
+    whole model, as the file does. Returns the meta."""
+    from tinyscale.engine import checkpoint  # noqa: PLC0415 - checkpoint imports this module's users
+
+    model, optimizer, meta = checkpoint.read(path)
+    extra = {"meta": {k: v for k, v in meta.items() if k not in ("sha256", "rng")}, "rng": meta.get("rng")}
+    if "loss_scaler" in optimizer:
+        extra["loss_scaler"] = optimizer.pop("loss_scaler")
+    torch.save({"model": model, "optim": optimizer, "tinyscale": extra}, out)
+    return extra["meta"]
+
+
+def import_file(source, path) -> Path:
+    """`tinyscale checkpoint import IN.pt DIR`: a torch.save file, `export`'s form or a plain
+    model state_dict ({fqn: tensor}), as a new version of the checkpoint at `path` (one process).
+    A plain state_dict has no optimizer state: the engine that loads it starts its optimizer."""
+    from tinyscale.engine import checkpoint_io  # noqa: PLC0415
+
+    saved = torch.load(source, map_location="cpu", weights_only=False)
+    if not (isinstance(saved, dict) and "model" in saved and isinstance(saved["model"], dict)):
+        saved = {"model": saved}
+    extra = saved.get("tinyscale", {})
+    tensors = [Piece(MODEL + k, (0,) * v.dim(), tuple(v.shape), tuple(v.shape), v.detach())
+               for k, v in saved["model"].items() if torch.is_tensor(v)]
+    objects: dict[str, object] = {}
+    optim = saved.get("optim") or {"state": {}, "param_groups": []}
+    for name, entry in optim["state"].items():
+        for k, v in entry.items():
+            if torch.is_tensor(v):
+                tensors.append(Piece(f"{STATE}{name}.{k}", (0,) * v.dim(), tuple(v.shape), tuple(v.shape), v))
+            else:
+                objects[f"{STATE}{name}.{k}"] = v
+    for i, group in enumerate(optim["param_groups"]):
+        objects.update({f"{GROUPS}{i}.{k}": v for k, v in group.items()})
+    if extra.get("loss_scaler") is not None:
+        objects[SCALER] = extra["loss_scaler"]
+    for r, state in ((extra.get("rng") or {}).get("ranks") or {}).items():
+        objects[f"{RANK}{r}"] = state
+    meta = {"step": 0, "skipped_steps": 0, "world_size": 1, **extra.get("meta", {})}
+    meta.pop("format_version", None)
+    tmp, name = checkpoint_io.begin(path)
+    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+    with _dcp("save", tmp):
+        dcp.save({}, storage_writer=writer, planner=_SavePlanner(tensors, objects), no_dist=True)
+    checkpoint_io._reach("files_written")
+    files = [p.name for p in tmp.iterdir()]
+    return checkpoint_io.commit(path, tmp, name, meta, file_digests(tmp, files))
+# --8<-- [end:export]
 
 
 def file_digests(directory: Path, files: list[str]) -> dict[str, str]:

@@ -57,6 +57,7 @@ units are then this rank's stages, gathered around the schedule's actions
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -232,6 +233,8 @@ class Engine:
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
         self._grad_norm: GradNorm | None = None
+        self._pending: concurrent.futures.Future | None = None  # an async save in flight
+        self._checkpoint_group = None  # its gloo group, made at the first async save
         self.step = 0
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
@@ -433,7 +436,7 @@ class Engine:
         every rank; `engine/dcp_checkpoint.py`)."""
         return dcp_checkpoint.full_state_dict(self)
 
-    def save_checkpoint(self, path, client_state: dict | None = None) -> None:
+    def save_checkpoint(self, path, client_state: dict | None = None, *, blocking: bool = True):
         """Write everything an exact resume needs to directory `path` (call on every rank).
 
         Parameters, optimizer state, loss scaler, step and schedule position, every rank's
@@ -441,7 +444,14 @@ class Engine:
         `load_checkpoint`. Every rank writes only the pieces of the single-process model it
         owns, through torch.distributed.checkpoint (`engine/dcp_checkpoint.py`: the format is
         the same for every layout); rank 0 commits the version, crash-safe
-        (`tinyscale.engine.checkpoint_io`), once every rank's files are written."""
+        (`tinyscale.engine.checkpoint_io`), once every rank's files are written.
+
+        `blocking=False` (async save, DCP's `async_save` idea): this rank's pieces are copied to
+        host memory, then written and committed by a background thread over a gloo group of
+        its own while training goes on; returns a future (`.result()` waits, and raises what
+        the save raised). `latest` moves only once every rank's write succeeded. The next
+        save or load waits for it first; `wait_checkpoint()` does too."""
+        self.wait_checkpoint()
         client_state = {} if client_state is None else client_state
         try:
             json.dumps(client_state)
@@ -467,29 +477,56 @@ class Engine:
             raise error if error is not None else CheckpointError(
                 f"save_checkpoint: rank 0 could not start a version in {path}; see its error")
         tmp, name = Path(started[0][0]), started[0][1]
-        files = dcp_checkpoint.save(self, tmp, mine)  # DCP raises on every rank if one fails
-        written = [(dcp_checkpoint.file_digests(tmp, files), local is not None)]
-        if world > 1:
-            written = [None] * world
-            dist.all_gather_object(written, (dcp_checkpoint.file_digests(tmp, files), local is not None))
+        meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": world, "dp": self.dp_size,
+                "optimizer_class": type(self._torch_optimizer()).__name__,
+                "config": self.config.model_dump(mode="json"), "client_state": client_state}
+        if blocking:
+            files = dcp_checkpoint.save(self, tmp, mine)  # DCP raises on every rank if one fails
+            self._commit(path, tmp, name, meta, files, local is not None)
+            return None
+        tensors, objects = dcp_checkpoint.snapshot(self, mine)
+        if self._checkpoint_group is None and world > 1:  # its own group: the training's collectives go on
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        group = self._checkpoint_group
+
+        def background() -> None:
+            files = dcp_checkpoint.write(tmp, tensors, objects, group)
+            self._commit(path, tmp, name, meta, files, local is not None, group)
+
+        self._pending = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint").submit(background)
+        return self._pending
+
+    def wait_checkpoint(self) -> None:
+        """Wait for an async save in flight (`save_checkpoint(..., blocking=False)`); raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _commit(self, path, tmp: Path, name: str, meta: dict, files: list[str], compressed: bool,
+                group=None) -> None:
+        """Every rank's files written: their checksums to rank 0, which commits; every rank learns
+        whether that succeeded (over `group`), so none waits forever."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        here = (dcp_checkpoint.file_digests(tmp, files), compressed)
+        written = [here]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            written = [None] * dist.get_world_size()
+            dist.all_gather_object(written, here, group=group)
+        error = None
         if rank == 0:
             try:
                 checkpoint_io._reach("files_written")
                 digests = {k: v for d, _ in written for k, v in d.items()}
                 digests.update(dcp_checkpoint.file_digests(tmp, [".metadata"]))
-                meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": world,
-                        "dp": self.dp_size, "optimizer_class": type(self._torch_optimizer()).__name__,
-                        "compression_state": any(c for _, c in written),
-                        "config": self.config.model_dump(mode="json"), "client_state": client_state}
-                checkpoint_io.commit(path, tmp, name, meta, digests)
+                checkpoint_io.commit(path, tmp, name, {**meta, "compression_state": any(c for _, c in written)},
+                                     digests)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
                 error = exc
-        if dist.is_initialized():
-            # Every rank learns whether rank 0's commit succeeded, so none waits forever.
-            ok = torch.tensor([0.0 if error else 1.0], device=self.device)
-            comm.broadcast(ok, src=0)
-            if ok.item() == 0.0 and error is None:
-                raise RuntimeError(f"save_checkpoint: rank 0 failed to write {path}; see its error")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            said = [None] * dist.get_world_size()
+            dist.all_gather_object(said, None if error is None else str(error), group=group)
+            if said[0] is not None and error is None:
+                raise CheckpointError(f"save_checkpoint: rank 0 failed to commit {path}: {said[0]}")
         if error is not None:
             raise error
 
@@ -519,11 +556,17 @@ class Engine:
         checkpoint holds another optimizer's state, other parameter names or shapes. The new
         config wins over the saved one: hyperparameters (lr, weight decay, betas, ...) are this
         engine's, and rank 0 logs what changed."""
+        self.wait_checkpoint()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         error = version = meta = metadata = None
         try:
-            version = checkpoint_io.live_version(path)
-            meta = checkpoint_io.read_meta(version)
+            version = Path(path)
+            if (version / ".metadata").is_file() and not (version / "meta.json").is_file():
+                # a plain DCP checkpoint (torch's FSDP2, torchtitan): no checksums, step or random state
+                meta = {"format_version": checkpoint_io.FORMAT_VERSION, "sha256": {}, "step": 0, "world_size": None}
+            else:
+                version = checkpoint_io.live_version(path)
+                meta = checkpoint_io.read_meta(version)
             if meta["format_version"] < checkpoint_io.FORMAT_VERSION:
                 raise CheckpointError(f"load_checkpoint: {version} is an older tinyscale's single-file checkpoint "
                                       f"(format {meta['format_version']}): convert it with `tinyscale checkpoint "
@@ -551,7 +594,7 @@ class Engine:
         ours = [g["params"] for g in dcp_checkpoint._group_table(self, dcp_checkpoint.held(self))]
         theirs = [objects[k] for k in sorted((k for k in objects if k.startswith(dcp_checkpoint.GROUPS)),
                                              key=lambda k: int(k[len(dcp_checkpoint.GROUPS):].split(".")[0]))]
-        if ours != theirs:
+        if theirs and ours != theirs:  # none: a model-only checkpoint (imported): the optimizer starts fresh
             error = CheckpointError(
                 f"load_checkpoint: {path}: the checkpoint's optimizer covers different parameters than this "
                 f"engine's (saved groups {theirs}, here {ours}); was it written for another model, or "

@@ -1,23 +1,28 @@
 """What a training checkpoint holds, in a layout-free form, and the checks on loading it.
 
 A checkpoint's live version (`tinyscale.engine.checkpoint_io`: versions, fsync, an atomic
-pointer; checksums on load) holds:
+pointer; checksums on load) is a torch.distributed.checkpoint directory of the
+single-process model (`tinyscale.engine.dcp_checkpoint`: who writes which piece, and the
+key layout), plus meta.json:
 
-    model.pt       full parameters and buffers, keyed like model.state_dict()
-    optimizer.pt   per-parameter optimizer state keyed by parameter NAME, hyperparameters,
-                   mixed precision's fp32 masters and the loss scaler's state
-    rng.pt         every rank's random number generators (torch CPU, CUDA where present,
-                   Python's `random`, numpy's, and under tensor parallelism the dropout
-                   tracker's stream, `tp_tracker`), keyed by rank: dropout draws resume exactly
-    meta.json      step, skipped steps (the LR schedule's position), the config, the
-                   optimizer's class, the caller's `client_state` (the CLI's data position),
-                   the world it was written from, and the files' SHA-256
+    model.<name>              full parameters, keyed like model.named_parameters() (fp32
+                              masters under mixed precision), each written in pieces by the
+                              ranks that own them
+    optim.state.<name>.<key>  per-parameter optimizer state keyed by parameter NAME
+    optim.param_groups.<i>.*  hyperparameters and parameter names of each group
+    tinyscale.rank.<r>        rank r's random number generators (torch CPU, CUDA where present,
+                              Python's `random`, numpy's, and under tensor parallelism the
+                              dropout tracker's stream, `tp_tracker`) and compression state
+    tinyscale.loss_scaler     fp16's loss scaler
+    meta.json                 step, skipped steps (the LR schedule's position), the config, the
+                              optimizer's class, the caller's `client_state` (the CLI's data
+                              position), the world it was written from, and the files' SHA-256
 
-Keys are parameter names, never positions or shard indices, so a checkpoint written by one
-layout (2 data-parallel ranks) loads into another (3 ranks, or one process): the format
-knows nothing of how the state was split. Strategies that shard state gather it into this
-form on save and cut their own shards from it on load. Random states are per rank, so they
-are the one part that depends on the layout: see `restore_rng`.
+Keys are parameter names and global offsets, never positions or shard indices, so a
+checkpoint written by one layout (2 data-parallel ranks) loads into another (3 ranks, or one
+process): the format knows nothing of how the state was split. Random states are per rank,
+so they are the one part that depends on the layout: see `restore_rng`. `read` gives the
+whole of it in one process (what `tinyscale checkpoint export` writes to one file).
 """
 
 from __future__ import annotations

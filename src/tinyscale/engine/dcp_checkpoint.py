@@ -320,10 +320,11 @@ def save_items(engine) -> tuple[list[Piece], dict[str, object]]:
         first = holds_first_element(h.placement, h.start)
         for k, v in state.items():
             key = f"{STATE}{name}.{k}"
-            if torch.is_tensor(v) and v.dim() > 0:
+            if torch.is_tensor(v) and v.dim() > 0 and v.numel() == h.target.numel():  # shaped like it
                 tensors += pieces(h.placement, key, h.start, h.end, v.detach().view(-1))
-            elif first and torch.is_tensor(v):
-                tensors.append(Piece(key, (), (), (), v.detach()))
+            elif first and torch.is_tensor(v):  # a scalar (step), or another shape (factored): whole, once
+                shape = tuple(v.shape)
+                tensors.append(Piece(key, (0,) * len(shape), shape, shape, v.detach()))
             elif first:
                 objects[key] = v
     groups = _group_table(engine, items)
@@ -485,8 +486,8 @@ def _load(engine, directory: Path, metadata) -> None:
             if isinstance(entry, BytesStorageMetadata):
                 objects.add(key)
                 state[k] = key
-            elif len(entry.size) == 0:
-                state[k] = torch.zeros((), dtype=entry.properties.dtype)
+            elif tuple(entry.size) != tuple(pl.global_shape):  # a scalar, or another shape: whole
+                state[k] = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype, device=h.flat.device)
                 scalars.setdefault(key, []).append(state[k])
             else:  # shaped like the parameter, master or fragment; in place where it exists (the disk tier keeps it)
                 now = old.get(k)
@@ -495,7 +496,8 @@ def _load(engine, directory: Path, metadata) -> None:
                 tensors += pieces(pl, key, h.start, h.end, state[k].view(-1))
         new_states.append((h.target, state))
     for key, targets in scalars.items():  # one read each; copied into every range's state below
-        tensors.append(Piece(key, (), (), (), targets[0]))
+        shape = tuple(targets[0].shape)
+        tensors.append(Piece(key, (0,) * len(shape), shape, shape, targets[0]))
     planner = _LoadPlanner(tensors, sorted(objects))
     with _dcp("load", directory):
         dcp.load({}, storage_reader=dcp.FileSystemReader(directory), planner=planner)

@@ -42,7 +42,7 @@ refusing further steps, since parameters may be partly updated.
 
 Every rank ends the step with identical parameters (stage 3: identical shards of them;
 tensor parallel: the ranks of a dp group hold the same TP shard), which is what
-`full_state_dict` returns (stage 3 gathers them for it, tensor parallelism over its group).
+`full_state_dict` returns (each rank's pieces placed by the placements: `engine/dcp_checkpoint.py`).
 With `parallel.tensor` = t the "dp ranks" above are world / t: every rank of a TP group
 gets the same rows, and all reductions above run over the dp axis only. With
 `parallel.context` = c every rank of a cp group gets the same rows too, cuts its sequence

@@ -28,7 +28,9 @@ writes a piece only if it counts it: `tp_counted` and `pp_counted` (a replicated
 rank 0, a replicated K/V head on its first copy, a tied table on the first stage), and over
 dp x cp either its ZeRO fragment or, unsharded, on reduce rank 0. Vocab padding rows (they end
 a TP shard) and ZeRO padding (past the last parameter) are never in a range, so never written;
-DCP's global plan validation then checks that the chunks of every tensor tile it exactly.
+DCP's global plan validation then checks that the chunks of every tensor cover it without
+overlap (it drops identical chunks from two ranks silently, so `-k dcp_checkpoint` counts what
+each rank's file holds against the elements that rank counts).
 Scalars (Adam's step) and hyperparameters are written by the rank holding element 0.
 
 Loading asks DCP only for the boxes this rank's layout needs (all of its TP shard, or under

@@ -33,11 +33,12 @@ from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run
 
 VOCAB, SEQ, ROWS = 61, 10, 4
 RTOL = 1e-10  # see the module docstring
+DROPOUT = 0.1
 
 
-def gpt(seed: int = 7, vocab: int = VOCAB) -> GPT:
+def gpt(seed: int = 7, vocab: int = VOCAB, dropout: float = 0.0) -> GPT:
     cfg = GPTConfig(vocab_size=vocab, max_seq_len=SEQ, n_layer=3, n_head=6, n_kv_head=2, d_model=12,
-                    ffn_hidden=20, tie_embeddings=True)
+                    ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter")
     return GPT(cfg, seed=seed, dtype=torch.float64)
 
 
@@ -54,8 +55,8 @@ def config(dp: int = 1, pp: int = 1, tp: int = 1, stage: int = 0, sp: bool = Fal
 BATCHES = synthetic_token_batches(num_batches=6, batch_size=ROWS, seq_len=SEQ, vocab_size=VOCAB, seed=9)
 
 
-def _uninterrupted(steps: int) -> tuple[list[float], dict]:
-    engine = ts.initialize(gpt(), config())
+def _uninterrupted(steps: int, dropout: float = 0.0) -> tuple[list[float], dict]:
+    engine = ts.initialize(gpt(dropout=dropout), config())
     return [engine.train_batch(b) for b in BATCHES[:steps]], engine.full_state_dict()
 
 
@@ -149,7 +150,8 @@ CHAIN = [  # (world, layout, steps before its save): 4 -> 2 -> 1 -> 4, tp, pp an
 
 def _segment(path: str, index: int) -> tuple[list[float], dict]:
     _, layout, steps = CHAIN[index]
-    engine = ts.initialize(gpt(seed=7 if index == 0 else index), config(**layout))  # later: other weights
+    # later segments: other weights; counter dropout masks, a function of (seed, step, layer, position)
+    engine = ts.initialize(gpt(seed=7 if index == 0 else index, dropout=DROPOUT), config(**layout))
     if index:
         engine.load_checkpoint(f"{path}/{index - 1}")
     start = engine.step
@@ -162,13 +164,16 @@ def _segment(path: str, index: int) -> tuple[list[float], dict]:
 def test_dcp_reshard_save_and_load_across_layouts_continues_exactly(tmp_path):
     """dp 2 x tp 2 (ZeRO 1, SP) -> pp 2 (tied table on two stages) -> one process (ZeRO 3) ->
     dp 2 x pp 2 (ZeRO 3): each segment loads the previous one's checkpoint into other weights,
-    and the losses and final parameters equal the uninterrupted run's."""
+    and the losses and final parameters equal the uninterrupted run's, dropout included: counter
+    masks (GPTConfig.dropout_masks="counter") need only the step, which the checkpoint holds.
+    Stream masks (torch's generator) resume exactly only on the same world size, and
+    `checkpoint.restore_rng` warns otherwise (`pytest -k resume_exact` tests that)."""
     losses = []
     for i, (world, _, _) in enumerate(CHAIN):
         got = run_on_ranks(_segment, world, str(tmp_path), i) if world > 1 else [_segment(str(tmp_path), i)]
         losses += got[0][0]
         final = got[0][1]
-    expected, state = _uninterrupted(len(losses))
+    expected, state = _uninterrupted(len(losses), DROPOUT)
     assert_losses_close(losses, expected, rtol=RTOL)
     assert_state_dicts_close(final, state, rtol=RTOL)
 

@@ -43,7 +43,21 @@ bigger); `pytest -k dcp_checkpoint_memory` measures that.
 
 The directory is a version of `engine/checkpoint_io.py`'s (``latest`` pointer, atomic
 commit): DCP's files (``__<rank>_0.distcp``, ``.metadata``) plus meta.json, whose SHA-256
-table lists every file; every rank verifies a share of the files before anything is read.
+table lists every file; every rank verifies a share of the files before anything is read, and
+a problem found by any rank is raised on every rank, naming the file and the rank that found it.
+Every rank writes into the same directory: on several machines it must be a shared file system
+(as for DCP's own FileSystemWriter).
+
+Async save (`Engine.save_checkpoint(..., blocking=False)`): `snapshot` copies this rank's pieces
+to host memory (its own shards: pinned when there is a GPU), then a background thread writes them
+and commits over a gloo group of its own; `latest` moves only once every rank's write succeeded.
+
+Interop (`pytest -k dcp_interop`): a checkpoint written by torch's FSDP2 + DCP with torch's
+recipe loads (a plain DCP directory: no meta.json, so no checksums, step 0, no random state), and
+torch's `dcp.load` + `set_state_dict` reads tinyscale's. A tied table is one key here; torch's
+state_dict names it twice (embed.weight, head.weight), so a tied model's torch checkpoint is
+refused by `check_compatible` with the extra name. `export` / `import_file` convert to and from
+one torch.save file in one process (the whole model in memory, as in the file).
 """
 
 from __future__ import annotations

@@ -363,3 +363,33 @@ def test_dcp_async_save_failing_on_one_rank_does_not_move_latest(tmp_path):
         assert not committed
         assert step == 3  # the next, synchronous save's state
         assert_state_dicts_close(loaded, final, rtol=0, atol=0)
+
+
+WIDE = [  # --thorough: every axis at once on 8 ranks, then 2 ranks of another layout
+    (8, {"dp": 2, "pp": 2, "tp": 2, "stage": 1, "sp": True}, 2),
+    (2, {"tp": 2, "stage": 2}, 2),
+]
+
+
+def _wide_segment(path: str, index: int) -> tuple[list[float], dict]:
+    _, layout, steps = WIDE[index]
+    engine = ts.initialize(gpt(seed=7 if index == 0 else 5, dropout=DROPOUT), config(**layout))
+    if index:
+        engine.load_checkpoint(f"{path}/0")
+    losses = [engine.train_batch(b) for b in BATCHES[engine.step:engine.step + steps]]
+    if index == 0:
+        engine.save_checkpoint(f"{path}/0")
+    return losses, engine.full_state_dict()
+
+
+@pytest.mark.thorough
+def test_dcp_reshard_eight_ranks_dp_pp_tp_to_two_ranks_thorough(tmp_path):
+    """dp 2 x pp 2 x tp 2 (ZeRO 1, SP, the tied table on two stages of two TP shards each) saves;
+    tp 2 at ZeRO 2 on 2 ranks continues exactly like the uninterrupted run."""
+    losses = []
+    for i, (world, _, _) in enumerate(WIDE):
+        got = run_on_ranks(_wide_segment, world, str(tmp_path), i)
+        losses += got[0][0]
+    expected, state = _uninterrupted(len(losses), DROPOUT)
+    assert_losses_close(losses, expected, rtol=RTOL)
+    assert_state_dicts_close(got[0][1], state, rtol=RTOL)

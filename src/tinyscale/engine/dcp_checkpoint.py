@@ -139,16 +139,25 @@ def real_shape(pl: Placement) -> tuple[int, ...]:
 
 def pieces(pl: Placement, key: str, start: int, end: int, flat: torch.Tensor) -> list[Piece]:
     """The boxes of the flat range [start, end) of `pl`'s TP shard, padding cut off, each with
-    its view of `flat` (a 1-d tensor holding exactly that range)."""
+    its view of `flat` (a 1-d tensor holding exactly that range); a shard's box is cut again
+    where its rows stop being consecutive in the original tensor (`Placement.tp_runs`)."""
     shape = real_shape(pl)
+    split = pl.tp in ("shard", "kv_copy")
+    runs = pl.tp_runs or (((0, shape[pl.tp_dim], pl.tp_range[0]),) if split else ())
     out = []
     for offsets, sizes in boxes(shape, start, min(end, math.prod(shape))):
         first = sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offsets)) - start
         view = flat[first:first + math.prod(sizes)].view(sizes)
-        offsets = list(offsets)
-        if pl.tp in ("shard", "kv_copy"):
-            offsets[pl.tp_dim] += pl.tp_range[0]
-        out.append(Piece(key, tuple(offsets), tuple(sizes), pl.global_shape, view))
+        if not split:
+            out.append(Piece(key, tuple(offsets), tuple(sizes), pl.global_shape, view))
+            continue
+        d, lo = pl.tp_dim, offsets[pl.tp_dim]
+        for a, b, g in runs:
+            s0, s1 = max(lo, a), min(lo + sizes[d], b)
+            if s0 < s1:
+                o, n = list(offsets), list(sizes)
+                o[d], n[d] = g + s0 - a, s1 - s0
+                out.append(Piece(key, tuple(o), tuple(n), pl.global_shape, view.narrow(d, s0 - lo, s1 - s0)))
     return out
 
 

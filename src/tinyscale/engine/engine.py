@@ -4,7 +4,8 @@
     loss = engine.train_batch(batch)        # the global batch's mean loss, same on every rank
 
 Set-up, in this order (each step needs the one before; `engine/parallelize.py` states it):
-tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`), the
+tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`; another model's
+layers, found by name: AutoTP, `tinyscale.tensor_parallel.auto`), the
 activation-checkpointing policy rebuilds its blocks (`tinyscale.checkpointing.apply_policy`);
 the optimizer takes fp32 masters from the parameters before mixed precision rounds them to fp16/bf16
 (`tinyscale.precision`); then the data-parallel wrapper or ZeRO stage hooks into the model.
@@ -37,8 +38,13 @@ ride in the loss all-reduce, or in DDP's last bucket). If a forward or backward 
 rank, that rank makes the collectives the others make in the rest of the step, the loss
 all-reduce tells every rank, and all drop the step (gradients, usage, random draws): the
 rank that raised re-raises, the others raise `StepFailed`, and the engine is as before the
-step (tests: `pytest -k failed_step`). An error inside the optimizer step leaves the engine
-refusing further steps, since parameters may be partly updated.
+step (tests: `pytest -k failed_step`). Under tensor or context parallelism a rank raising
+mid-forward leaves its peers inside the model's collectives: they give up on it (they poll a
+flag it posts in the store) and every rank agrees over a gloo group of its own; if any rank
+gave up a collective, the model's groups are out of step and the engine stops on every rank,
+naming the rank that raised (engine/step_failure.py; `pytest -k failure_agreement`). An error
+inside the optimizer step leaves the engine refusing further steps, since parameters may be
+partly updated.
 
 Every rank ends the step with identical parameters (stage 3: identical shards of them;
 tensor parallel: the ranks of a dp group hold the same TP shard), which is what
@@ -84,6 +90,7 @@ from tinyscale.engine.grad_norm import GradNorm
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.models.dropout import set_dropout_clock
+from tinyscale.moe import moe_stats
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
@@ -237,6 +244,10 @@ class Engine:
         self._checkpoint_group = None  # its gloo group, made at the first async save
         self.step = 0
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
+        # tp or cp: a rank raising mid-forward leaves its peers inside the model's collectives;
+        # they give up and every rank agrees over a group of its own (engine/step_failure.py)
+        self._failure_watch = step_failure.FailureWatch([mesh.group("tp"), mesh.group("cp")]) if (
+            self.tp_size > 1 or self.cp_size > 1) else None
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
                                      num_devices=self.reduce_size * self.tp_size * config.parallel.pipeline
@@ -263,6 +274,8 @@ class Engine:
             mean_loss, skipped = self._step(batch)
         self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
                           **self.throughput.record(batch, self._clock() - start)}
+        if self.plan.moe:  # an MoE GPT: this rank's last micro-batch's routing (load, dropped, aux losses)
+            self.last_step["moe"] = moe_stats(self.model)
         if self.profiler.enabled:
             self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
             if self.pipeline is not None:  # the schedule's seconds and this rank's bubble in them
@@ -299,8 +312,9 @@ class Engine:
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                parallelize.rng_state(self.model))
         hooked = compression.snapshot(self.ddp)  # a compression hook's residuals, memories, streams
-        error, i = None, 0
-        with comm.record(self.comm_ledger):
+        error, i, skip_reduce = None, 0, False
+        watch = self._failure_watch
+        with comm.record(self.comm_ledger), watch.attempt_step() if watch else contextlib.nullcontext():
             try:
                 parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_rank)  # exact TP dropout
                 # --8<-- [start:accumulate]
@@ -321,24 +335,38 @@ class Engine:
                 parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_size - 1 - self.dp_rank)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then it is re-raised
                 error = exc
-                self._complete_abandoned(len(micro) - i)
+                if watch is not None:
+                    watch.post()  # peers waiting for this rank in the model's collectives give up
+                # dp ops over a watched group (cp): its peers give up on this rank instead
+                skip_reduce = watch is not None and watch.covers(self.reduce_group)
+                if not skip_reduce:
+                    self._complete_abandoned(len(micro) - i)
             # ZeRO: which parameters got a gradient on this rank rides along with the loss, so
             # that those no rank used are not stepped (as in one process) at no extra collective;
             # so does whether this rank's forward or backward raised.
             used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
             failed = torch.zeros(self.reduce_size, dtype=torch.float64, device=self.device)
             failed[self.reduce_rank] = float(error is not None)
-            if self.reduce_size > 1:  # cp ranks report the same loss (their rows'): / (dp cp) below
-                sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))
-                comm.all_reduce(sent, group=self.reduce_group)
+            if self.reduce_size > 1 and not (error is not None and skip_reduce):  # cp ranks report
+                sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))  # the same loss
+                try:
+                    comm.all_reduce(sent, group=self.reduce_group)
+                except step_failure.PeerFailed as exc:  # only on a watched group: the step is dropped
+                    error = exc
                 total, failed = sent[0], sent[1:1 + self.reduce_size]
                 used = None if used is None else sent[1 + self.reduce_size:]
         used = None if used is None else used.cpu() > 0
         mean_loss = total.item() / (len(micro) * self.reduce_size)
         failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
-        if self.tp_size > 1:  # a TP peer's failure too: the whole world drops the step together
-            with comm.record(self.comm_ledger):
-                failed_ranks, where = step_failure.failed_ranks(error is not None, self.device), "rank(s)"
+        if watch is not None:  # a TP or cp peer's failure too: the whole world drops the step together
+            failed_ranks, abandoned = watch.agree(error)
+            where = "rank(s)"
+            if abandoned:  # the model's groups are out of step: no later step can be trusted
+                self._roll_back(rng)
+                self._broken = step_failure.broken_message(self.step, failed_ranks, abandoned)
+                if error is not None and not isinstance(error, step_failure.PeerFailed):
+                    raise error
+                raise StepFailed(self._broken)
         # The same value on every rank, so all raise together. fp16: an overflow is the
         # scaler's business (the step is skipped below), not divergence.
         diverged = not math.isfinite(mean_loss) and self.loss_scaler is None

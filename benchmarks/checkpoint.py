@@ -3,11 +3,13 @@
 Answers DS-33 (lesson 03, "What a training checkpoint must hold"): a GPT in float32 with
 AdamW, trained one step on N CPU ranks at ZeRO stages 0-3, then saved with
 `engine.save_checkpoint` several times. Per stage: the bytes of each file of the live
-version, and the median seconds of a save (rank 0's wall time: gathering the shards,
-serialising, writing) with fsync and with `os.fsync` replaced by a no-op (what a writer that
-does not care about power cuts would pay). The same number of parameters Ψ gives model.pt ~
-4Ψ bytes and AdamW's optimizer.pt ~ 8Ψ bytes (two moments) at every stage: the file is
-layout-free, gathered by parameter name.
+version (DCP's: rank r's shard file ``__r_0.distcp``, ``.metadata``; and meta.json), and the
+median seconds of a save (rank 0's wall time: planning, serialising, writing its pieces,
+committing) with fsync and with `os.fsync` replaced by a no-op (what a writer that does not
+care about power cuts would pay). The checkpoint holds ~12Ψ bytes at every stage (4Ψ of
+parameters, 8Ψ of AdamW's two moments), split over the rank files by who owns what
+(`engine/dcp_checkpoint.py`): at stage 0 rank 0 writes everything, at stages 1-3 each rank
+its ZeRO shard, ~12Ψ/N.
 
     .venv/bin/python benchmarks/checkpoint.py [--world-size 2] [--model small] [--saves 5] [--dir /tmp]
 """

@@ -48,7 +48,7 @@ partly updated.
 
 Every rank ends the step with identical parameters (stage 3: identical shards of them;
 tensor parallel: the ranks of a dp group hold the same TP shard), which is what
-`full_state_dict` returns (stage 3 gathers them for it, tensor parallelism over its group).
+`full_state_dict` returns (each rank's pieces placed by the placements: `engine/dcp_checkpoint.py`).
 With `parallel.tensor` = t the "dp ranks" above are world / t: every rank of a TP group
 gets the same rows, and all reductions above run over the dp axis only. With
 `parallel.context` = c every rank of a cp group gets the same rows too, cuts its sequence
@@ -67,12 +67,14 @@ monitor (`engine/monitor.py`: tensorboard, csv_monitor, per-rank times, health) 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -83,11 +85,11 @@ from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
-from tinyscale.engine import checkpoint, compression, context, parallelize, step_failure, tp_state
+from tinyscale.engine import checkpoint, checkpoint_io, compression, context, dcp_checkpoint, parallelize, step_failure
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.monitor import Monitor
-from tinyscale.engine.plan import plan_layout
+from tinyscale.engine.plan import placements, plan_layout
 from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.engine.engine.StepFailed
 from tinyscale.engine.grad_norm import GradNorm
 from tinyscale.engine.throughput import Throughput
@@ -96,17 +98,9 @@ from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.moe import moe_stats
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
-from tinyscale.tensor_parallel import full_state_dict_from_tp
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 from tinyscale.zero.optimizer import COMM_DTYPES
 from tinyscale.zero.stage3 import Wrap
-from tinyscale.zero.state_dict import (
-    gather_masters,
-    gather_optimizer_state,
-    load_master_from_params,
-    load_masters,
-    load_optimizer_state,
-)
 
 
 ParamGroups = Callable[[torch.nn.Module], list[dict]]
@@ -252,6 +246,8 @@ class Engine:
                                 p.data = p.data.to(self.compute_dtype)
         self._grad_norm: GradNorm | None = None
         self.last_grad_norm: float | None = None  # stage 0 fp32: the last clipping norm (monitor.grad_norm_of)
+        self._pending: concurrent.futures.Future | None = None  # an async save in flight
+        self._checkpoint_group = None  # its gloo group, made at the first async save
         self.step = 0
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # tp or cp: a rank raising mid-forward leaves its peers inside the model's collectives;
@@ -493,164 +489,185 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict().
 
-        With stage 3 every unit is all-gathered for the copy, with pipeline parallelism every
-        stage's tensors are broadcast over the pp group (call it on every rank)."""
-        gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
-        with gathered:  # ZeRO-3's dp gather first, then tensor parallelism's over the TP group (then pp's)
-            if self.pipeline is not None:
-                return self.pipeline.full_state_dict(self.model)
-            state = full_state_dict_from_tp(self.model) if self.tp_size > 1 else self.model.state_dict()
-            return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        Each rank contributes the pieces of the single-process model it owns (the placements, as
+        for a checkpoint), and every rank places all of them by their global offsets (call it on
+        every rank; `engine/dcp_checkpoint.py`)."""
+        return dcp_checkpoint.full_state_dict(self)
 
-    def save_checkpoint(self, path, client_state: dict | None = None) -> None:
+    def save_checkpoint(self, path, client_state: dict | None = None, *, blocking: bool = True):
         """Write everything an exact resume needs to directory `path` (call on every rank).
 
         Parameters, optimizer state, loss scaler, step and schedule position, every rank's
         random state, and `client_state` (JSON: e.g. the data position) returned by
-        `load_checkpoint`. ZeRO: every rank takes part in gathering the state by parameter
-        name (the format is the same for every stage and world size;
-        `tinyscale.zero.state_dict`); rank 0 writes, crash-safe (`tinyscale.engine.checkpoint_io`)."""
+        `load_checkpoint`. Every rank writes only the pieces of the single-process model it
+        owns, through torch.distributed.checkpoint (`engine/dcp_checkpoint.py`: the format is
+        the same for every layout); rank 0 commits the version, crash-safe
+        (`tinyscale.engine.checkpoint_io`), once every rank's files are written.
+
+        `blocking=False` (async save, DCP's `async_save` idea): this rank's pieces are copied to
+        host memory, then written and committed by a background thread over a gloo group of
+        its own while training goes on; returns a future (`.result()` waits, and raises what
+        the save raised). `latest` moves only once every rank's write succeeded. The next
+        save or load waits for it first; `wait_checkpoint()` does too."""
+        self.wait_checkpoint()
         client_state = {} if client_state is None else client_state
         try:
             json.dumps(client_state)
         except TypeError as exc:
             raise ValueError(f"save_checkpoint: client_state must be JSON (numbers, strings, lists, dicts): {exc}") \
                 from None
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        model_state = self.full_state_dict()
-        optimizer_state = self._optimizer_state_by_name(names)
-        masters = optimizer_state.pop("masters", None)  # mixed precision: gathered as the states are
-        if masters is not None:
-            optimizer_state["state"] = checkpoint.fold_masters(optimizer_state["state"], masters)
-        if self.tp_size > 1:  # this rank's TP shards of the states -> full tensors (this rank's stages')
-            optimizer_state["state"] = tp_state.gather_state(self.model, self._tp_shapes, optimizer_state["state"],
-                                                             self.device)
-        if self.pipeline is not None:  # every stage's states, under the original names
-            optimizer_state = self.pipeline.gather_optimizer_state(optimizer_state)
-        if masters is not None:  # whole, under the original names
-            optimizer_state["state"], optimizer_state["masters"] = checkpoint.unfold_masters(optimizer_state["state"])
-        if self.loss_scaler is not None:
-            optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = {**checkpoint.rng_state(self.device), **parallelize.rng_state(self.model)}  # + TP's tracker
         local = compression.local_state(self)  # per-rank residuals and errors travel with the random state
         if local is not None:
             mine["compression"] = local
-        rng = [mine]
-        # every rank's generators (a few KB) and compression state (error feedback: ~ a model), to rank 0
-        if world > 1:
-            rng = [None] * world
-            dist.all_gather_object(rng, mine)
+        started: list = [None]
         error = None
         if rank == 0:
             try:
-                meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": world, "dp": self.dp_size,
-                        "optimizer_class": type(self._torch_optimizer()).__name__,
-                        "config": self.config.model_dump(mode="json"), "client_state": client_state}
-                checkpoint.write(path, model_state, optimizer_state, meta,
-                                 rng={"world_size": world, "ranks": dict(enumerate(rng))})
+                tmp, name = checkpoint_io.begin(path)
+                started = [(str(tmp), name)]
             except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
                 error = exc
-        if dist.is_initialized():
-            # Every rank learns whether rank 0's write succeeded, so none waits forever.
-            ok = torch.tensor([0.0 if error else 1.0], device=self.device)
-            comm.broadcast(ok, src=0)
-            if ok.item() == 0.0 and error is None:
-                raise RuntimeError(f"save_checkpoint: rank 0 failed to write {path}; see its error")
+        if world > 1:
+            dist.broadcast_object_list(started, src=0)
+        if started[0] is None:
+            raise error if error is not None else CheckpointError(
+                f"save_checkpoint: rank 0 could not start a version in {path}; see its error")
+        tmp, name = Path(started[0][0]), started[0][1]
+        meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": world, "dp": self.dp_size,
+                "optimizer_class": type(self._torch_optimizer()).__name__,
+                "config": self.config.model_dump(mode="json"), "client_state": client_state}
+        if blocking:
+            files = dcp_checkpoint.save(self, tmp, mine)  # DCP raises on every rank if one fails
+            self._commit(path, tmp, name, meta, files, local is not None)
+            return None
+        tensors, objects = dcp_checkpoint.snapshot(self, mine)
+        if self._checkpoint_group is None and world > 1:  # its own group: the training's collectives go on
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        group = self._checkpoint_group
+
+        def background() -> None:
+            files = dcp_checkpoint.write(tmp, tensors, objects, group)
+            self._commit(path, tmp, name, meta, files, local is not None, group)
+
+        self._pending = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint").submit(background)
+        return self._pending
+
+    def wait_checkpoint(self) -> None:
+        """Wait for an async save in flight (`save_checkpoint(..., blocking=False)`); raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _commit(self, path, tmp: Path, name: str, meta: dict, files: list[str], compressed: bool,
+                group=None) -> None:
+        """Every rank's files written: their checksums to rank 0, which commits; every rank learns
+        whether that succeeded (over `group`), so none waits forever."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        here = (dcp_checkpoint.file_digests(tmp, files), compressed)
+        written = [here]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            written = [None] * dist.get_world_size()
+            dist.all_gather_object(written, here, group=group)
+        error = None
+        if rank == 0:
+            try:
+                checkpoint_io._reach("files_written")
+                digests = {k: v for d, _ in written for k, v in d.items()}
+                digests.update(dcp_checkpoint.file_digests(tmp, [".metadata"]))
+                checkpoint_io.commit(path, tmp, name, {**meta, "compression_state": any(c for _, c in written)},
+                                     digests)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                error = exc
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            said = [None] * dist.get_world_size()
+            dist.all_gather_object(said, None if error is None else str(error), group=group)
+            if said[0] is not None and error is None:
+                raise CheckpointError(f"save_checkpoint: rank 0 failed to commit {path}: {said[0]}")
         if error is not None:
             raise error
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizer) else self.optimizer
 
-    def _optimizer_state_by_name(self, names: dict[int, str]) -> dict:
-        if self.zero is not None:
-            optimizer_state = gather_optimizer_state(self.zero.sharded, names)
-            if self.compute_dtype is not None:
-                optimizer_state["masters"] = gather_masters(self.zero.sharded, names)
-        elif isinstance(self.optimizer, MixedPrecisionOptimizer):
-            mp = self.optimizer
-            optimizer_state = checkpoint.optimizer_state_by_name(
-                mp.optimizer, {m: names[id(p)] for p, m in zip(mp.params, mp.masters)})
-            optimizer_state["masters"] = {names[id(p)]: m.detach().cpu().clone() for p, m in zip(mp.params, mp.masters)}
-        else:
-            optimizer_state = checkpoint.optimizer_state_by_name(self.optimizer, {p: names[id(p)] for p in self.params})
-        return optimizer_state
+    def _agree(self, error: Exception | None, path) -> None:
+        """Every rank raises if any rank failed, naming that rank's problem (none waits in a collective)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            said = [None] * dist.get_world_size()
+            dist.all_gather_object(said, None if error is None else str(error))
+            failed = [(r, m) for r, m in enumerate(said) if m is not None]
+            if failed and error is None:
+                r, m = failed[0]
+                raise CheckpointError(f"load_checkpoint: rank {r} could not load {path}: {m}")
+        if error is not None:
+            raise error
 
     def load_checkpoint(self, path) -> dict:
         """Resume from directory `path`, written by any layout (call on every rank); returns the
         `client_state` it was saved with.
 
-        In the same world size it continues bit-for-bit, random draws included; in another,
-        all but the random draws do (`checkpoint.restore_rng`). Refused with the differences
-        named (`CheckpointError`) if the file is damaged, or holds another optimizer's
-        state, other parameter names or shapes. The new config wins over the saved one:
-        hyperparameters (lr, weight decay, betas, ...) are this engine's, and rank 0 logs what
-        changed."""
+        Each rank reads only the pieces its layout needs (`engine/dcp_checkpoint.py`). In the
+        same world size it continues bit-for-bit, random draws included; in another, all but
+        the stream random draws do (`checkpoint.restore_rng`). Refused with the differences
+        named (`CheckpointError`, on every rank) if a file is missing or damaged, or the
+        checkpoint holds another optimizer's state, other parameter names or shapes. The new
+        config wins over the saved one: hyperparameters (lr, weight decay, betas, ...) are this
+        engine's, and rank 0 logs what changed."""
+        self.wait_checkpoint()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        stage3 = isinstance(self.zero, ZeroStage3)
-        with self.zero.gathered() if stage3 else contextlib.nullcontext():  # full shapes
-            shapes = {k: v.shape for k, v in self.model.state_dict().items()}
-        if self.tp_size > 1:  # the checkpoint holds the original tensors, not TP shards
-            shapes = tp_state.full_shapes(self.model, self._tp_shapes)
-        if self.pipeline is not None:  # nor only this rank's stages
-            shapes = self.pipeline.full_shapes()
-        error = None
+        error = version = meta = metadata = None
         try:
-            model_state, optimizer_state, meta = checkpoint.read(path)
-            checkpoint.check_compatible(path, meta, model_state, shapes, type(self._torch_optimizer()).__name__)
-            if meta["rng"] is not None and self.config.compression.type != "none":
-                compression.check_resume(meta["rng"]["world_size"], world, meta["rng"]["ranks"])
-        except Exception as exc:  # noqa: BLE001 - every rank hears of it below: none waits in a gather
+            version = Path(path)
+            if (version / ".metadata").is_file() and not (version / "meta.json").is_file():
+                # a plain DCP checkpoint (torch's FSDP2, torchtitan): no checksums, step or random state
+                meta = {"format_version": checkpoint_io.FORMAT_VERSION, "sha256": {}, "step": 0, "world_size": None}
+            else:
+                version = checkpoint_io.live_version(path)
+                meta = checkpoint_io.read_meta(version)
+            if meta["format_version"] < checkpoint_io.FORMAT_VERSION:
+                raise CheckpointError(f"load_checkpoint: {version} is an older tinyscale's single-file checkpoint "
+                                      f"(format {meta['format_version']}): convert it with `tinyscale checkpoint "
+                                      "import` (or load it with the version that wrote it)")
+            problem = dcp_checkpoint.check_files(version, meta["sha256"], rank, world)
+            if problem is not None:
+                raise CheckpointError(f"load_checkpoint: {problem}")
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it: none waits in a collective
             error = exc
-        if dist.is_initialized():
-            bad = torch.tensor([float(error is not None)], device=self.device)
-            comm.all_reduce(bad)
-            if bad.item() and error is None:
-                raise CheckpointError(f"load_checkpoint: another rank could not load {path}; see its error")
-        if error is not None:
-            raise error
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        masters = optimizer_state.pop("masters", None)  # mixed precision's fp32 values: cut as the states are
-        scaler_state = optimizer_state.pop("loss_scaler", None)
-        if masters is not None:
-            optimizer_state["state"] = checkpoint.fold_masters(optimizer_state["state"], masters)
-        if self.pipeline is not None:  # the whole model's state -> this rank's stages' share (before TP's cut)
-            model_state, optimizer_state = self.pipeline.local_state(self.model, model_state, optimizer_state)
-        if self.tp_size > 1:  # full tensors -> this rank's TP shards (every rank read the whole file)
-            model_state = tp_state.shard_model_state(self.model, model_state)
-            optimizer_state["state"] = tp_state.shard_state(self.model, self._tp_shapes, optimizer_state["state"])
-        if masters is not None:
-            optimizer_state["state"], masters = checkpoint.unfold_masters(optimizer_state["state"])
-        with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
-            self.model.load_state_dict(model_state)
-            if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters
-                load_master_from_params(self.zero.sharded, self.zero.publish_shard if stage3 else None)
-        # The new config's hyperparameters win over the saved param_groups.
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self._torch_optimizer().param_groups]
-        if self.zero is not None:
-            load_optimizer_state(self.zero.sharded, optimizer_state, names)
-            if self.compute_dtype is not None and masters is not None:
-                load_masters(self.zero.sharded, masters, names)
-        elif isinstance(self.optimizer, MixedPrecisionOptimizer):
-            mp = self.optimizer
-            checkpoint.load_optimizer_state_by_name(mp.optimizer, optimizer_state,
-                                                    {names[id(p)]: m for p, m in zip(mp.params, mp.masters)})
-            with torch.no_grad():
-                for p, m in zip(mp.params, mp.masters):
-                    m.copy_(masters[names[id(p)]] if masters is not None else p)  # else: from the rounded values
-        else:
-            checkpoint.load_optimizer_state_by_name(self.optimizer, optimizer_state,
-                                                    {names[id(p)]: p for p in self.params})
-        for group, ours in zip(self._torch_optimizer().param_groups, hyper):
-            group.update(ours)
-        if self.loss_scaler is not None and scaler_state is not None:
-            self.loss_scaler.load_state_dict(scaler_state)
+        self._agree(error, path)
+        try:
+            metadata = dcp_checkpoint.read_metadata(version)
+            checkpoint.check_compatible(path, meta, dcp_checkpoint.saved_shapes(metadata), self._global_shapes(),
+                                        type(self._torch_optimizer()).__name__)
+            if self.config.compression.type != "none":
+                compression.check_resume(meta["world_size"], world, {0: {"compression": meta.get("compression_state")}})
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        self._agree(error, path)
+        keys = set(metadata.state_dict_metadata)
+        wanted = [k for k in keys if k.startswith(dcp_checkpoint.GROUPS) and k.endswith(".params")]
+        wanted += [k for k in (dcp_checkpoint.SCALER, f"{dcp_checkpoint.RANK}{rank}", f"{dcp_checkpoint.RANK}0")
+                   if k in keys]
+        objects = dcp_checkpoint.read_objects(version, sorted(set(wanted)))
+        ours = [g["params"] for g in dcp_checkpoint._group_table(self, dcp_checkpoint.held(self))]
+        theirs = [objects[k] for k in sorted((k for k in objects if k.startswith(dcp_checkpoint.GROUPS)),
+                                             key=lambda k: int(k[len(dcp_checkpoint.GROUPS):].split(".")[0]))]
+        if theirs and ours != theirs:  # none: a model-only checkpoint (imported): the optimizer starts fresh
+            error = CheckpointError(
+                f"load_checkpoint: {path}: the checkpoint's optimizer covers different parameters than this "
+                f"engine's (saved groups {theirs}, here {ours}); was it written for another model, or "
+                "with other parameters frozen or grouped differently?")
+        self._agree(error, path)
+        dcp_checkpoint.load(self, version, metadata)
+        if self.loss_scaler is not None and dcp_checkpoint.SCALER in objects:
+            self.loss_scaler.load_state_dict(objects[dcp_checkpoint.SCALER])
         self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
-        warning = checkpoint.restore_rng(meta["rng"], rank, world, self.device)
-        if meta["rng"] is not None:  # tensor parallelism's tracker stream (same world: exact)
-            parallelize.restore_rng(self.model, meta["rng"]["ranks"].get(rank))
-            compression.load_local_state(self, meta["rng"]["ranks"].get(rank, {}).get("compression"))
+        ranks = {r: objects[f"{dcp_checkpoint.RANK}{r}"] for r in (0, rank) if f"{dcp_checkpoint.RANK}{r}" in objects}
+        saved_rng = {"world_size": meta["world_size"], "ranks": ranks} if ranks else None
+        warning = checkpoint.restore_rng(saved_rng, rank, world, self.device)
+        if saved_rng is not None:  # tensor parallelism's tracker stream (same world: exact)
+            parallelize.restore_rng(self.model, ranks.get(rank))
+            compression.load_local_state(self, ranks.get(rank, {}).get("compression"))
         changes = checkpoint.config_changes(meta.get("config"), self.config.model_dump(mode="json"))
         if rank == 0 and (changes or warning):
             log = get_logger("tinyscale.checkpoint")
@@ -660,6 +677,15 @@ class Engine:
             if warning:
                 log.warning("load_checkpoint %s: %s", path, warning)
         return meta.get("client_state", {})
+
+    def _global_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter of the original model (all stages): name -> shape (a small all-gather)."""
+        mine = {k: tuple(pl.global_shape) for k, pl in placements(self, include_frozen=True).items()}
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return {k: v for part in parts for k, v in part.items()}
 
     def memory_report(self, when: str = "now") -> MemoryReport:
         """Bytes this rank holds, by category, counted from the tensors it holds.

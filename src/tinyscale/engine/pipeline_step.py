@@ -78,7 +78,7 @@ import torch.distributed as dist
 from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
-from tinyscale.engine import compression, context, expert, pipeline_checkpoint
+from tinyscale.engine import compression, context, expert
 from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
@@ -87,9 +87,8 @@ from tinyscale.pipeline import (
 )
 from tinyscale.engine import pipeline_tp, step_failure
 from tinyscale.engine.step_failure import StepFailed, failed_ranks
-from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
+from tinyscale.pipeline.apply import apply_pipeline
 from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
-from tinyscale.tensor_parallel import full_state_dict_from_tp
 from tinyscale.context_parallel import shard_batch
 from tinyscale.pipeline.schedules import BW, F, W
 from tinyscale.zero import ZeroStage2
@@ -112,7 +111,6 @@ class PipelineStep:
         m = config.batch(mesh.size("dp")).gradient_accumulation_steps
         self.group, self.ranks, self.rank = mesh.group("pp"), mesh.group_ranks("pp"), mesh.rank("pp")
         self.shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}  # the original keys
-        self.dtypes: dict | None = None  # each entry's dtype as the stages hold it (full_state_dict)
         self.order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # a tied table once
         self.gpt_config = model.config
         self.plan = partition_gpt(model.config, p, virtual_stages=v)
@@ -163,28 +161,8 @@ class PipelineStep:
         self.stage3 = driver
         return zero
 
-    def full_state_dict(self, model: GPT) -> dict:
-        """Every stage's parameters, original keys and order, on every rank (a collective over tp, then pp)."""
-        local = full_state_dict_from_tp(model) if self.tp_group is not None else None  # unsharded, unpadded
-        if self.dtypes is None:  # as the stages hold them now: mixed precision rounded them after `shapes`
-            held = [None] * len(self.ranks)
-            dist.all_gather_object(held, {k: v.dtype for k, v in model.state_dict().items()}, group=self.group)
-            self.dtypes = {k: d for part in held for k, d in part.items()}
-        like = {k: (shape, self.dtypes.get(k, dtype)) for k, (shape, dtype) in self.shapes.items()}
-        return gather_full_state(model, like, self.plan, self.rank, self.ranks, self.group, local=local)
-
-    def gather_optimizer_state(self, local: dict) -> dict:
-        """Every stage's by-name optimizer state, for save_checkpoint (`engine/pipeline_checkpoint.py`)."""
-        return pipeline_checkpoint.gather_optimizer_state(local, self.order, self.aliases, self.group)
-
     def full_shapes(self) -> dict:
         return {k: shape for k, (shape, _) in self.shapes.items()}
-
-    def local_state(self, model: GPT, model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
-        """This rank's stages' share of a checkpoint's whole-model state, for load_checkpoint."""
-        local_names = [n for n, q in model.named_parameters() if q.requires_grad]
-        return ({k: model_state[k] for k in model.state_dict()},
-                pipeline_checkpoint.local_optimizer_state(optimizer_state, local_names, self.aliases))
 
     def train_step(self, engine, batch: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
         """One optimizer step of `engine` over the global batch; returns (mean loss, skipped=False)."""

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.data import sample_batches, stdlib_corpus
 from tinyscale.engine import checkpoint_io
 from tinyscale.models import GPT, GPTConfig
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default="small", choices=["tiny", "small"])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write (a real disk, not tmpfs)")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         rows = ts.dist.launch(run_rank, args.world_size, args.model, args.saves, directory, timeout_s=1800)[0]
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"{r['stage']:5d} " + " ".join(f"{r['files'].get(n, 0):14,d}" for n in names)
               + f" {r['save_fsync_s'] * 1e3:9.1f} ms {r['save_no_fsync_s'] * 1e3:6.1f} ms")
+    write_json(args.json, {}, rows=rows)
     return rows
 
 

@@ -2,6 +2,8 @@
 
     tinyscale train --preset ddp --world-size 4 [--steps 20] [--config FILE] [--dtype float64]
     tinyscale estimate --params 7.5e9 [--dp 1 4 16 64] [--zero 3] [--offload cpu]
+    tinyscale plan --model llama2-70b --gpus 512 [--global-batch 1024 --seq-len 4096] [--json]
+    tinyscale autotune --config ds.json [--world-size 2] [--trials 4] [--out autotune_best.json]
     tinyscale info
     tinyscale exercise list | start TOPIC | check TOPIC
     tinyscale quiz [--topic T] [--count N] [--seed S]
@@ -315,7 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--offload-params", choices=OFFLOAD_TARGETS, default="none",
                    help="the parameter shard to host memory or disk: ZeRO-Infinity, stage 3")
     from tinyscale.course import exercise, quiz
+    from tinyscale.planner import autotune as plan_autotune
+    from tinyscale.planner import report as plan_report
 
+    plan_report.add_parser(sub)
+    plan_autotune.add_parser(sub)
     exercise.add_parser(sub)
     quiz.add_parser(sub)
     return parser
@@ -328,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         from tinyscale.course.exercise import cmd_exercise
         from tinyscale.course.quiz import cmd_quiz
 
+        from tinyscale.planner.autotune import cmd_autotune
+        from tinyscale.planner.report import cmd_plan
+
         commands = {"train": cmd_train, "info": cmd_info, "estimate": cmd_estimate, "exercise": cmd_exercise,
-                    "quiz": cmd_quiz}
+                    "quiz": cmd_quiz, "plan": cmd_plan, "autotune": cmd_autotune}
         return commands[args.command](args, console)
     except ValueError as err:  # bad input: say what and how to fix it, no traceback
         console.print(f"[red]error:[/red] {err}")

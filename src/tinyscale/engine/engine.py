@@ -4,7 +4,8 @@
     loss = engine.train_batch(batch)        # the global batch's mean loss, same on every rank
 
 Set-up, in this order (each step needs the one before; `engine/parallelize.py` states it):
-tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`), the
+tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`; another model's
+layers, found by name: AutoTP, `tinyscale.tensor_parallel.auto`), the
 activation-checkpointing policy rebuilds its blocks (`tinyscale.checkpointing.apply_policy`);
 the optimizer takes fp32 masters from the parameters before mixed precision rounds them to fp16/bf16
 (`tinyscale.precision`); then the data-parallel wrapper or ZeRO stage hooks into the model.
@@ -37,8 +38,13 @@ ride in the loss all-reduce, or in DDP's last bucket). If a forward or backward 
 rank, that rank makes the collectives the others make in the rest of the step, the loss
 all-reduce tells every rank, and all drop the step (gradients, usage, random draws): the
 rank that raised re-raises, the others raise `StepFailed`, and the engine is as before the
-step (tests: `pytest -k failed_step`). An error inside the optimizer step leaves the engine
-refusing further steps, since parameters may be partly updated.
+step (tests: `pytest -k failed_step`). Under tensor or context parallelism a rank raising
+mid-forward leaves its peers inside the model's collectives: they give up on it (they poll a
+flag it posts in the store) and every rank agrees over a gloo group of its own; if any rank
+gave up a collective, the model's groups are out of step and the engine stops on every rank,
+naming the rank that raised (engine/step_failure.py; `pytest -k failure_agreement`). An error
+inside the optimizer step leaves the engine refusing further steps, since parameters may be
+partly updated.
 
 Every rank ends the step with identical parameters (stage 3: identical shards of them;
 tensor parallel: the ranks of a dp group hold the same TP shard), which is what
@@ -53,6 +59,10 @@ micro-batches instead of the loop above, then DDP or ZeRO over dp (x cp), once; 
 units are then this rank's stages, gathered around the schedule's actions
 (`engine/pipeline_step.py`). fp16 and bf16 work in every one of these layouts
 (`pytest -k layout_mixed_precision`).
+
+A script's own forward/backward/step loop (`tinyscale.deepspeed`, DeepSpeed's API) runs the
+micro-batches itself and ends each step in the same `_agree_step` and `_finish_step`. After every step the
+monitor (`engine/monitor.py`: tensorboard, csv_monitor, per-rank times, health) records it.
 """
 
 from __future__ import annotations
@@ -76,12 +86,14 @@ from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint, compression, context, parallelize, step_failure, tp_state
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
+from tinyscale.engine.monitor import Monitor
 from tinyscale.engine.plan import plan_layout
 from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.engine.engine.StepFailed
 from tinyscale.engine.grad_norm import GradNorm
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.models.dropout import set_dropout_clock
+from tinyscale.moe import moe_stats
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.tensor_parallel import full_state_dict_from_tp
@@ -239,8 +251,13 @@ class Engine:
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
         self._grad_norm: GradNorm | None = None
+        self.last_grad_norm: float | None = None  # stage 0 fp32: the last clipping norm (monitor.grad_norm_of)
         self.step = 0
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
+        # tp or cp: a rank raising mid-forward leaves its peers inside the model's collectives;
+        # they give up and every rank agrees over a group of its own (engine/step_failure.py)
+        self._failure_watch = step_failure.FailureWatch([mesh.group("tp"), mesh.group("cp")]) if (
+            self.tp_size > 1 or self.cp_size > 1) else None
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
                                      num_devices=self.reduce_size * self.tp_size * config.parallel.pipeline
@@ -250,6 +267,8 @@ class Engine:
         # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed
         # communication per step, `engine.profiler.records` (tinyscale.mfu.StepProfiler).
         self.profiler = StepProfiler(enabled=config.wall_clock_breakdown, device=self.device)
+        # tensorboard, csv_monitor, per-rank times, stragglers, health (engine/monitor.py)
+        self.monitor = Monitor(config, self.device)
 
     # --8<-- [start:train-batch]
     def train_batch(self, batch: Sequence[torch.Tensor]) -> float:
@@ -265,15 +284,23 @@ class Engine:
             )
         with self.profiler.step(tokens=batch[0].numel()):  # wall_clock_breakdown: else a no-op
             mean_loss, skipped = self._step(batch)
+        self._after_step(batch, start, mean_loss, skipped)
+        return mean_loss
+
+    def _after_step(self, batch: Sequence[torch.Tensor], start: float, mean_loss: float, skipped: bool) -> None:
+        """The step's record (`last_step`), the monitor, the progress line; `batch`: the global
+        batch or a tensor of its shape (the loop of `tinyscale.deepspeed` passes a meta tensor)."""
         self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
                           **self.throughput.record(batch, self._clock() - start)}
+        if self.plan.moe:  # an MoE GPT: this rank's last micro-batch's routing (load, dropped, aux losses)
+            self.last_step["moe"] = moe_stats(self.model)
         if self.profiler.enabled:
             self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
             if self.pipeline is not None:  # the schedule's seconds and this rank's bubble in them
                 self.last_step["profile"] |= self.pipeline.profile(self.last_step["profile"])
+        self.monitor.record(self)  # every rank: with wall_clock_breakdown it gathers the ranks' times
         if self.step % self.config.steps_per_print == 0:  # DeepSpeed's progress line
             self._print_progress(mean_loss, skipped)
-        return mean_loss
 
     def _print_progress(self, mean_loss: float, skipped: bool) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -303,8 +330,9 @@ class Engine:
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                parallelize.rng_state(self.model))
         hooked = compression.snapshot(self.ddp)  # a compression hook's residuals, memories, streams
-        error, i = None, 0
-        with comm.record(self.comm_ledger):
+        error, i, skip_reduce = None, 0, False
+        watch = self._failure_watch
+        with comm.record(self.comm_ledger), watch.attempt_step() if watch else contextlib.nullcontext():
             try:
                 parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_rank)  # exact TP dropout
                 # --8<-- [start:accumulate]
@@ -325,24 +353,51 @@ class Engine:
                 parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_size - 1 - self.dp_rank)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then it is re-raised
                 error = exc
-                self._complete_abandoned(len(micro) - i)
-            # ZeRO: which parameters got a gradient on this rank rides along with the loss, so
-            # that those no rank used are not stepped (as in one process) at no extra collective;
-            # so does whether this rank's forward or backward raised.
-            used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
-            failed = torch.zeros(self.reduce_size, dtype=torch.float64, device=self.device)
-            failed[self.reduce_rank] = float(error is not None)
-            if self.reduce_size > 1:  # cp ranks report the same loss (their rows'): / (dp cp) below
-                sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))
+                if watch is not None:
+                    watch.post()  # peers waiting for this rank in the model's collectives give up
+                # dp ops over a watched group (cp): its peers give up on this rank instead
+                skip_reduce = watch is not None and watch.covers(self.reduce_group)
+                if not skip_reduce:
+                    self._complete_abandoned(len(micro) - i)
+            total, failed, used, error = self._agree_step(total, error, skip_reduce)
+        return self._finish_step(total, failed, used, len(micro), error, rng, hooked)
+
+    def _agree_step(self, total: torch.Tensor, error: Exception | None, skip_reduce: bool = False) -> tuple:
+        """(summed loss, failed flags, used flags, error) over the reduce group, in one all-reduce.
+        ZeRO: which parameters got a gradient on this rank rides along with the loss, so that those
+        no rank used are not stepped (as in one process) at no extra collective; so does whether
+        this rank's forward or backward raised."""
+        used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
+        failed = torch.zeros(self.reduce_size, dtype=torch.float64, device=self.device)
+        failed[self.reduce_rank] = float(error is not None)
+        if self.reduce_size > 1 and not (error is not None and skip_reduce):  # cp ranks report
+            sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))  # the same loss
+            try:
                 comm.all_reduce(sent, group=self.reduce_group)
-                total, failed = sent[0], sent[1:1 + self.reduce_size]
-                used = None if used is None else sent[1 + self.reduce_size:]
+            except step_failure.PeerFailed as exc:  # only on a watched group: the step is dropped
+                error = exc
+            total, failed = sent[0], sent[1:1 + self.reduce_size]
+            used = None if used is None else sent[1 + self.reduce_size:]
+        return total, failed, used, error
+
+    def _finish_step(self, total: torch.Tensor, failed: torch.Tensor, used: torch.Tensor | None, num_micro: int,
+                     error: Exception | None, rng: tuple, hooked) -> tuple[float, bool]:
+        """The rest of a step once every micro-batch's backward ran and `_agree_step` agreed
+        (train_batch's loop above, or a script's loop: `tinyscale.deepspeed`): drop or clip and step."""
+        watch = self._failure_watch
         used = None if used is None else used.cpu() > 0
-        mean_loss = total.item() / (len(micro) * self.reduce_size)
+        mean_loss = total.item() / (num_micro * self.reduce_size)
         failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
-        if self.tp_size > 1:  # a TP peer's failure too: the whole world drops the step together
+        if watch is not None:  # a TP or cp peer's failure too: the whole world drops the step together
             with comm.record(self.comm_ledger):
-                failed_ranks, where = step_failure.failed_ranks(error is not None, self.device), "rank(s)"
+                failed_ranks, abandoned = watch.agree(error)
+            where = "rank(s)"
+            if abandoned:  # the model's groups are out of step: no later step can be trusted
+                self._roll_back(rng)
+                self._broken = step_failure.broken_message(self.step, failed_ranks, abandoned)
+                if error is not None and not isinstance(error, step_failure.PeerFailed):
+                    raise error
+                raise StepFailed(self._broken)
         # The same value on every rank, so all raise together. fp16: an overflow is the
         # scaler's business (the step is skipped below), not divergence.
         diverged = not math.isfinite(mean_loss) and self.loss_scaler is None
@@ -368,7 +423,8 @@ class Engine:
         lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None
         skipped = False
         try:
-            with phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
+            # ZeRO's gathers, fp16's overflow flag
+            with self.profiler.phase("optimizer"), comm.record(self.comm_ledger):
                 if self.zero is not None:
                     if lr is not None:
                         self.zero.set_lr(lr)
@@ -382,9 +438,11 @@ class Engine:
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
                     if self.config.gradient_clipping > 0 and self.tp_size > 1:  # the full model's norm
-                        self.grad_norm().clip_(self.config.gradient_clipping, [(p, p.grad) for p in self.params])
-                    elif self.config.gradient_clipping > 0:
-                        torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
+                        self.last_grad_norm = self.grad_norm().clip_(self.config.gradient_clipping,
+                                                                     [(p, p.grad) for p in self.params])
+                    elif self.config.gradient_clipping > 0:  # the norm kept for the monitor (engine/monitor.py)
+                        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                                                                                   self.config.gradient_clipping))
                     if lr is not None:
                         set_lr(self.optimizer, lr)
                     self.optimizer.step()

@@ -65,6 +65,7 @@ multiple of N and the counters added (`pytest -k layout_memory_reduces`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -75,6 +76,12 @@ from tinyscale.pipeline.partition import partition_gpt
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states")
 DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default (elements)
 DEFAULT_SUB_GROUP = 1_000_000_000  # zero_optimization.sub_group_size's default (elements)
+
+
+@functools.lru_cache(maxsize=256)
+def _partition(cfg: GPTConfig, pp: int, virtual_stages: int) -> tuple:
+    """`partition_gpt`, once per shape (a search asks for the same stages on every rank)."""
+    return tuple(partition_gpt(cfg, pp, virtual_stages=virtual_stages))
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,7 @@ def rank_tensors(cfg: GPTConfig, plan, rank: int) -> list[LocalTensor]:
     t, r = plan.tp, where["tp"]
     C, D, F, K, V, L = cfg.d_model, cfg.head_dim, cfg.ffn_dim, cfg.kv_heads, cfg.vocab_size, cfg.n_layer
     if plan.pp > 1:
-        stages = partition_gpt(cfg, plan.pp, virtual_stages=plan.virtual_stages)
+        stages = _partition(cfg, plan.pp, plan.virtual_stages)
         mine = sorted((s for s in stages if s.rank == where["pp"]), key=lambda s: s.stage)
         unit_of = {i: u for u, s in enumerate(mine) for i in s.layers}  # block -> its stage's position
         first, last = stages[0].rank == where["pp"], stages[-1].rank == where["pp"]
@@ -183,18 +190,20 @@ def shard_share(units: list[list[int]], n: int, r: int, sub_group: int = DEFAULT
 def rank_model_state_bytes(cfg: GPTConfig, plan, *, dtype_bytes: int = 4, compute_bytes: int | None = None,
                            states_per_element: int = 2, step_bytes: int = 4,
                            reduce_bucket_size: int = DEFAULT_BUCKET, sub_group_size: int = DEFAULT_SUB_GROUP,
-                           stage3_param_persistence_threshold: int = 0) -> dict[int, dict[str, int]]:
+                           stage3_param_persistence_threshold: int = 0,
+                           ranks=None) -> dict[int, dict[str, int]]:
     """{rank: {category: bytes}} of the model states each rank holds before the optimizer step
     (see the module doc for the rules). `dtype_bytes`: the model's parameter dtype (masters and
     optimizer states are in it); `compute_bytes`: 2 under fp16/bf16 (parameters and gradients),
     None without; Adam defaults (`states_per_element` 2, a 4-byte `step` per stepped tensor);
-    `reduce_bucket_size`, `sub_group_size`, `stage3_param_persistence_threshold`: zero_optimization's."""
+    `reduce_bucket_size`, `sub_group_size`, `stage3_param_persistence_threshold`: zero_optimization's.
+    `ranks`: only these ranks (default: every rank; the planner asks for a few of a large world)."""
     B, M, stage = compute_bytes or dtype_bytes, dtype_bytes, plan.zero_stage
     n_group = plan.dp * plan.cp
     layout = MeshLayout(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp)
     groups = layout.flat_groups(("dp", "cp"))
     out = {}
-    for rank in range(_world(plan)):
+    for rank in range(_world(plan)) if ranks is None else ranks:
         tensors = rank_tensors(cfg, plan, rank)
         n = sum(x.numel for x in tensors)
         if stage == 0:

@@ -56,6 +56,8 @@ class LayoutPlan:
     sequence_parallel: bool = False
     context_algorithm: str = "ring"
     zero_stage: int = 0
+    ep: int = 1  # expert parallelism: runs of ep dp ranks split the experts (engine/expert.py)
+    moe: bool = False  # the model is an MoE GPT (its routing is logged in engine.last_step["moe"])
 
     @property
     def layout(self) -> MeshLayout:
@@ -75,11 +77,12 @@ class LayoutPlan:
                   f"{self.schedule}: activations sent forward, their gradients back",
             "dp": f"rows of the batch; {zero} over {' x '.join(self.reduce_axes)}",
             "cp": f"the sequence ({self.context_algorithm} attention); parameters replicated, gradients summed",
+            "ep": f"experts, split over runs of {self.ep} dp ranks; tokens exchanged by all-to-all",
             "tp": "heads, MLP width and vocab (Megatron's f/g); "
                   + ("activations split along the sequence between them (SP)" if self.sequence_parallel
                      else "activations replicated between them"),
         }
-        return {axis: jobs[axis] for axis in AXES if getattr(self, axis) > 1}
+        return {axis: jobs[axis] for axis in (*AXES, "ep") if getattr(self, axis) > 1}
 
     def describe(self) -> str:
         degrees = " x ".join(f"{a} {getattr(self, a)}" for a in AXES)
@@ -91,12 +94,13 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     """Validate `config` for `model` on `world_size` ranks in one pass; raise one `ConfigError`
     naming every problem (each with its field and fix), or return the plan. No collectives."""
     # Imported here: these modules build on the engine's pieces, which import this module's users.
-    from tinyscale.engine import compression, context, parallelize, pipeline_layout  # noqa: PLC0415
+    from tinyscale.engine import compression, context, expert, parallelize, pipeline_layout  # noqa: PLC0415
 
     problems = parallelize.check_config(config) + compression.check_config(config)
     if problems:  # the config alone: the "not supported" list, as check_supported words it
         problems = ["not supported by this engine yet:\n  " + "\n  ".join(problems)]
-    for check in (context.check_layout, pipeline_layout.check_layout, parallelize.check_tensor_layout):
+    for check in (context.check_layout, pipeline_layout.check_layout, parallelize.check_tensor_layout,
+                  expert.check_layout):
         try:
             check(config, model, world_size, mesh)
         except ConfigError as exc:
@@ -110,7 +114,8 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     return LayoutPlan(world_size=world_size, dp=world_size // (tp * cp * pp), pp=pp, cp=cp, tp=tp,
                       virtual_stages=par.virtual_stages, schedule=par.pipeline_schedule,
                       sequence_parallel=par.sequence_parallel, context_algorithm=par.context_algorithm,
-                      zero_stage=config.zero_optimization.stage)
+                      zero_stage=config.zero_optimization.stage, ep=par.expert,
+                      moe=bool(getattr(getattr(model, "config", None), "moe_experts", 0)))
 
 
 # --8<-- [start:placement]
@@ -155,6 +160,13 @@ def tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int,
     """The tp fields of `param`, a parameter of `module` (a TP layer, or a replicated module),
     on the tensor-parallel process group `group`."""
     tp_rank = dist.get_rank(group)
+    if hasattr(module, "tp_split_dim"):  # a layer that says it (tensor_parallel/fused.py): no padding
+        name = next(n for n, p in module.named_parameters(recurse=False) if p is param)
+        dim = module.tp_split_dim(name)
+        if dim is None:
+            return {"tp": "replicate", "tp_counted": tp_rank == 0}
+        rows = local_shape[dim] if len(local_shape) > dim else 0
+        return {"tp": "shard", "tp_dim": dim, "tp_range": (tp_rank * rows, (tp_rank + 1) * rows)}
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or \
             (isinstance(module, RowParallelLinear) and param is module.weight):
         dim = 1 if isinstance(module, RowParallelLinear) else 0

@@ -37,6 +37,8 @@ def _rows(full: torch.Tensor, rows: int, group) -> torch.Tensor:
 
 def shard(owner: nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's shard of the full tensor `full` of `owner`'s parameter `leaf` (or a state of its shape)."""
+    if hasattr(owner, "shard_tensor"):  # a layer that cuts its own (tensor_parallel/fused.py)
+        return owner.shard_tensor(leaf, full)
     if isinstance(owner, ColumnParallelLinear):
         return _rows(full, owner.local_out, owner.group)  # (O, C) -> (O/t, C)
     if isinstance(owner, VocabParallelEmbedding):
@@ -44,21 +46,23 @@ def shard(owner: nn.Module, leaf: str, full: torch.Tensor) -> torch.Tensor:
     if isinstance(owner, RowParallelLinear) and leaf == "weight":
         cols = owner.in_features // dist.get_world_size(owner.group)
         return _rows(full.t(), cols, owner.group).t().contiguous()  # (O, C) -> (O, C/t)
-    if isinstance(owner, ReplicatedKVLinear):  # (K*D, C) -> (D, C): the K/V head this rank reads
+    if isinstance(owner, ReplicatedKVLinear):  # (K*D, C) -> (D, C): the K/V head this rank reads (a bias too)
         return full[owner.head * owner.head_dim:(owner.head + 1) * owner.head_dim].clone()
     return full.clone()  # replicated: norms, a row layer's bias
 
 
 def full_shape(owner: nn.Module, leaf: str, local: torch.Size) -> torch.Size:
     """The original tensor's shape (no communication)."""
+    if hasattr(owner, "full_shape"):
+        return owner.full_shape(leaf, local)
     if isinstance(owner, ColumnParallelLinear):
         return torch.Size((owner.out_features, *local[1:]))
     if isinstance(owner, VocabParallelEmbedding):
         return torch.Size((owner.num_embeddings, *local[1:]))
     if isinstance(owner, RowParallelLinear) and leaf == "weight":
         return torch.Size((owner.out_features, owner.in_features))
-    if isinstance(owner, ReplicatedKVLinear):
-        return torch.Size((owner.n_kv_head * owner.head_dim, owner.in_features))
+    if isinstance(owner, ReplicatedKVLinear):  # (K*D, C), or a bias's (K*D,)
+        return torch.Size((owner.n_kv_head * owner.head_dim, *local[1:]))
     return local
 
 

@@ -1,0 +1,339 @@
+"""One layout on one cluster: bytes per GPU and seconds per step, each from the code's own parts.
+
+    est = estimate(cfg, Layout(dp=32, tp=8, pp=4, zero_stage=1, policy="selective"), cluster,
+                   global_batch=1024, seq_len=4096)
+    est.memory   # worst GPU's device bytes: states, activations, buffers, total (+ host bytes)
+    est.time     # seconds: compute, recompute, tp, cp, dp, optimizer, bubble, total; est.mfu
+
+Memory per GPU (the largest over the pipeline ranks, both ends of the tp and ZeRO groups):
+- model states: `engine.layout_memory.rank_model_state_bytes` of the layout's `LayoutPlan`, the
+  function that equals `engine.memory_report` byte for byte (bf16 parameters and gradients, fp32
+  masters and Adam states unless `dtype_bytes` says otherwise); offload moves masters and Adam
+  states to the host.
+- activations: `layer_activation_bytes` (`checkpointing.formula.block_saved_bytes` split into the
+  tensors tp shards and those it replicates unless SP shards them; cp divides the tokens) x the
+  layers of the rank's fullest model stage x the rank's peak in-flight (micro-batch, stage)
+  pairs, simulated (`pipeline.simulator`); the last stage adds the final norm and the logits' softmax
+  (`extra_activation_bytes`); a checkpointed block's backward brings its activations back once.
+- buffers: the gradient bucket (ZeRO 0-2) or stage 3's gathered unit and its prefetch.
+A layout fits when the total is at most `USABLE` of the GPU's memory (the rest: CUDA context,
+NCCL buffers, allocator fragmentation).
+
+Time per step: FLOPs from `tinyscale.mfu.forward_flops` (causal attention, as a fused kernel
+computes it) at `peak_flops x efficiency`, per model stage; tp's collectives (4 per layer per
+micro-batch, 6 with full recomputation: all-reduces, or all-gathers and reduce-scatters under SP,
+the same ring time) on the critical path; cp's ring passes overlapped with the attention they
+feed; the pipeline's makespan from the simulator on those per-stage costs with the activation send
+as latency (the bubble is what it adds over the slowest rank's busy time); dp's gradient reduction
+overlapped with the last micro-batch's backward (stage 3: gathers per micro-batch, overlapped with
+it), stage 1-2's parameter all-gather after the step exposed; the optimizer at HBM speed, or over
+PCIe and the host's Adam when offloaded. Every collective costs its alpha-beta time on the link
+its group crosses (`cluster.py`). Not modelled: kernel launch and framework overhead, stragglers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from tinyscale.checkpointing.formula import block_saved_bytes
+from tinyscale.dist.mesh import MeshLayout
+from tinyscale.engine.layout_memory import _partition, rank_model_state_bytes, rank_tensors
+from tinyscale.engine.plan import LayoutPlan
+from tinyscale.mfu import forward_flops, model_flops_per_token
+from tinyscale.models.config import GPTConfig
+from tinyscale.pipeline.schedules import B, BW, F, W, add_communication, afab, interleaved_1f1b, one_f_one_b, zb_h1
+from tinyscale.pipeline.simulator import simulate
+from tinyscale.planner.cluster import Cluster
+
+USABLE = 0.9  # of a GPU's memory; the rest is the CUDA context, NCCL's buffers, fragmentation
+ADAM_BYTES = 28  # per element of a step on the device: read master, grad, m, v (16), write master, m, v (12)
+DDP_BUCKET = 25 * 2**20  # torch DDP's bucket; ZeRO 1-2's reduce bucket is zero_optimization's
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One candidate: mesh degrees, schedule, ZeRO stage, offload, checkpointing, micro-batch."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    zero_stage: int = 0
+    offload: str = "none"
+    policy: str = "none"
+    micro_batch: int = 1
+    sequence_parallel: bool | None = None  # None: on whenever tp > 1 (it only saves memory)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+    def plan(self) -> LayoutPlan:
+        return LayoutPlan(world_size=self.world, dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp,
+                          virtual_stages=self.virtual_stages, schedule=self.schedule,
+                          sequence_parallel=self.sp, zero_stage=self.zero_stage)
+
+    def num_microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def config(self, global_batch: int) -> dict:
+        """The engine config (DeepSpeed's keys, tinyscale's `parallel`) that runs this layout."""
+        zero: dict = {"stage": self.zero_stage}
+        if self.offload != "none":
+            zero["offload_optimizer"] = {"device": self.offload}
+        parallel: dict = {"tensor": self.tp, "pipeline": self.pp, "context": self.cp}
+        if self.sp:
+            parallel["sequence_parallel"] = True
+        if self.pp > 1:
+            parallel |= {"pipeline_schedule": self.schedule, "virtual_stages": self.virtual_stages}
+        return {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": self.micro_batch,
+                "gradient_accumulation_steps": self.num_microbatches(global_batch),
+                "zero_optimization": zero, "activation_checkpointing": {"policy": self.policy},
+                "parallel": parallel}
+
+    def describe(self) -> str:
+        parts = [f"tp {self.tp}" + (" sp" if self.sp else "")] if self.tp > 1 else []
+        parts += [f"cp {self.cp}"] if self.cp > 1 else []
+        if self.pp > 1:
+            v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"pp {self.pp} {self.schedule}{v}")
+        parts.append(f"dp {self.dp}")
+        off = f" +{self.offload}" if self.offload != "none" else ""
+        return " x ".join(parts) + f", ZeRO {self.zero_stage}{off}, AC {self.policy}, b {self.micro_batch}"
+
+
+# --8<-- [start:layer-activations]
+def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, *, tp: int = 1,
+                           sp: bool = False, cp: int = 1) -> float:
+    """Bytes one block keeps for backward per micro-batch on one rank: `block_saved_bytes`'s
+    tensors, those tp splits (q, k, v, wo's input, the MLP's, attention's log-sum-exp) over tp,
+    the norms' insides (input, normalised input, 1/rms) over tp only under SP (Korthikanti et al.
+    2022, sec. 4.2.2); the norms' outputs stay whole: they are the all-gathered inputs the
+    column-parallel wq/wk/wv and w_gate/w_up save (Megatron gathers them again in backward
+    instead). cp splits the tokens. ("sdpa" attention, no dropout.)"""
+    s, h, F, kv, a = s / cp, cfg.d_model, cfg.ffn_dim, cfg.kv_dim, cfg.n_head
+    norms = 4 * s * b * h + 2 * s * b  # two RMSNorms: input, normalised input, 1/rms
+    gathered = 2 * s * b * h  # their outputs, as the column-parallel layers save them
+    if policy == "full":
+        return p * s * b * h / (tp if sp else 1)  # the block's input
+    if policy == "offload":
+        return 0.0
+    if policy == "selective":  # q and wo's input, k and v before the GQA repeat, the MLP's four
+        split = 2 * s * b * h + 2 * s * b * kv + 4 * s * b * F
+    elif policy == "none":  # q, repeated k and v, wo's input, the MLP's four, the log-sum-exp
+        split = 4 * s * b * h + 4 * s * b * F + a * s * b
+    else:
+        raise ValueError(f"policy {policy!r}: the planner knows none, selective, full, offload")
+    return p * (norms / (tp if sp else 1) + gathered + split / tp)
+# --8<-- [end:layer-activations]
+
+
+def extra_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, *, tp: int = 1, sp: bool = False,
+                           cp: int = 1, first: bool, last: bool) -> float:
+    """What the embedding (its int64 token ids) and the head keep per micro-batch: the final
+    norm (input, normalised input, 1/rms, output) and the softmax over this rank's vocab shard."""
+    s = s / cp
+    out = 8 * s * b if first else 0.0
+    if last:
+        out += p * ((2 * s * b * cfg.d_model + s * b) / (tp if sp else 1) + s * b * cfg.d_model)  # its output: gathered
+        out += p * s * b * -(-cfg.vocab_size // tp)  # the softmax over this rank's vocab rows
+    return out
+
+
+def check_layout(cfg: GPTConfig, lay: Layout, global_batch: int, seq_len: int) -> str | None:
+    """Why the engine (or arithmetic) cannot run `lay`, or None."""
+    K = cfg.kv_heads
+    if cfg.n_head % lay.tp or (K % lay.tp and lay.tp % K):
+        return f"tp {lay.tp} splits neither {cfg.n_head} heads nor {K} K/V heads"
+    if global_batch % (lay.dp * lay.micro_batch):
+        return f"global batch {global_batch} is not a multiple of dp {lay.dp} x b {lay.micro_batch}"
+    if seq_len % (2 * lay.cp * (lay.tp if lay.sp else 1)) and lay.cp > 1:
+        return f"seq {seq_len} does not split into 2 cp {lay.cp} zigzag chunks of whole tp shards"
+    if lay.pp * lay.virtual_stages > cfg.n_layer:
+        return f"pp {lay.pp} x v {lay.virtual_stages} stages > {cfg.n_layer} layers"
+    return None
+
+
+def model_state_bytes(cfg: GPTConfig, lay: Layout, *, ranks=None, dtype_bytes: int = 4,
+                      compute_bytes: int | None = 2) -> dict[int, dict[str, int]]:
+    """{rank: {parameters, gradients, master_weights, optimizer_states}} as the engine holds them
+    (`engine.layout_memory.rank_model_state_bytes` of the layout's plan; AdamW, default buckets)."""
+    return rank_model_state_bytes(cfg, lay.plan(), dtype_bytes=dtype_bytes, compute_bytes=compute_bytes, ranks=ranks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _states(cfg: GPTConfig, plan: LayoutPlan, dtype_bytes: int, compute_bytes: int | None) -> tuple[int, ...]:
+    """(parameters, gradients, masters, optimizer states) of the rank with the most, over every
+    pipeline rank at both ends of its tp group and of its ZeRO group (dp x cp)."""
+    layout = MeshLayout(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp)
+    ranks = sorted({layout.rank_of(pp=i, dp=d, cp=c, tp=t) for i in range(plan.pp)
+                    for d, c in ((0, 0), (plan.dp - 1, plan.cp - 1)) for t in (0, plan.tp - 1)})
+    states = rank_model_state_bytes(cfg, plan, dtype_bytes=dtype_bytes, compute_bytes=compute_bytes, ranks=ranks)
+    worst = max(states, key=lambda r: sum(states[r].values()))
+    row = states[worst]
+    return row["parameters"], row["gradients"], row["master_weights"], row["optimizer_states"], worst
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_elements(cfg: GPTConfig, plan: LayoutPlan, rank: int) -> tuple[int, int]:
+    """(elements `rank` holds before ZeRO, those of its largest block)."""
+    tensors = rank_tensors(cfg, plan, rank)
+    blocks: dict[str, int] = {}
+    for x in tensors:
+        if x.name.startswith("blocks."):
+            key = x.name.split(".")[1]
+            blocks[key] = blocks.get(key, 0) + x.numel
+    return sum(x.numel for x in tensors), max(blocks.values(), default=0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule(name: str, p: int, m: int, v: int):
+    make = {"afab": lambda: afab(p, m), "1f1b": lambda: one_f_one_b(p, m), "zb_h1": lambda: zb_h1(p, m),
+            "interleaved_1f1b": lambda: interleaved_1f1b(p, m, v)}[name]
+    return add_communication(make())
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight(name: str, p: int, m: int, v: int, simulated: bool) -> tuple[int, ...]:
+    """Peak in-flight (micro-batch, chunk) pairs per pipeline rank, all its chunks at once:
+    simulated (unit costs), or the schedules' closed forms (afab m; 1f1b and ZB-H1 min(p - r, m)
+    and min(p, m); interleaved: rank r's warm-up 2(p - r - 1) + (v - 1)p forwards + 1, at most v m)."""
+    if simulated:
+        return tuple(simulate(_schedule(name, p, m, v)).peak_in_flight_per_rank)
+    per_rank = {"afab": lambda r: m, "1f1b": lambda r: min(p - r, m), "zb_h1": lambda r: min(p, m),
+                "interleaved_1f1b": lambda r: min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)}[name]
+    return tuple(per_rank(r) for r in range(p))
+
+
+@dataclasses.dataclass
+class Estimate:
+    layout: Layout
+    memory: dict
+    time: dict
+    mfu: float
+    fits: bool
+    problem: str | None = None
+
+
+def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int, seq_len: int,
+             dtype_bytes: int = 4, compute_bytes: int | None = 2, simulate_pipeline: bool = True) -> Estimate:
+    """Memory per GPU and time per step of `lay` (see the module doc). `simulate_pipeline=False`
+    costs the pipeline by the closed form (p-1)/(v m + p-1) instead (the search's first pass)."""
+    problem = check_layout(cfg, lay, global_batch, seq_len)
+    if problem:
+        return Estimate(lay, {}, {}, 0.0, False, problem)
+    p, b, s, tp, cp, sp = compute_bytes or dtype_bytes, lay.micro_batch, seq_len, lay.tp, lay.cp, lay.sp
+    m = lay.num_microbatches(global_batch)
+    plan = lay.plan()
+    params, grads, masters, states, worst = _states(cfg, plan, dtype_bytes, compute_bytes)
+    host = 0
+    if lay.offload != "none":
+        host, masters, states = masters + states, 0, 0
+    stages = _partition(cfg, lay.pp, lay.virtual_stages) if lay.pp > 1 else None
+    try:
+        sched = _schedule(lay.schedule, lay.pp, m, lay.virtual_stages) if lay.pp > 1 else None
+    except ValueError as exc:
+        return Estimate(lay, {}, {}, 0.0, False, str(exc))
+    in_flight = _in_flight(lay.schedule, lay.pp, m, lay.virtual_stages, simulate_pipeline) if stages else None
+    layer = layer_activation_bytes(cfg, b, s, p, lay.policy, tp=tp, sp=sp, cp=cp)
+    whole = layer_activation_bytes(cfg, b, s, p, "none", tp=tp, sp=sp, cp=cp)
+    acts = []
+    for rank in range(lay.pp):
+        mine = [st for st in stages if st.rank == rank] if stages else None
+        if mine is None:
+            a = cfg.n_layer * layer + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=True, last=True)
+        else:
+            a = in_flight[rank] * max(len(st.layers) * layer + extra_activation_bytes(
+                cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=st.embedding, last=st.head) for st in mine)
+        acts.append(a + (whole - layer))  # one checkpointed block's backward brings its tensors back
+    # buffers: the gradient bucket, or stage 3's largest gathered unit (a block) and its prefetch
+    n_rank, block = _rank_elements(cfg, plan, worst)
+    buffers = {0: min(DDP_BUCKET, p * n_rank), 1: p * min(n_rank, 5e8), 2: p * min(n_rank, 5e8),
+               3: 2 * p * max(block, 1)}[lay.zero_stage]
+    memory = {"parameters": params, "gradients": grads, "master_weights": masters, "optimizer_states": states,
+              "activations": max(acts), "buffers": buffers, "host": host}
+    memory["total"] = params + grads + masters + states + max(acts) + buffers
+    fits = memory["total"] <= USABLE * cluster.gpu_mem
+    time = _step_time(cfg, lay, cluster, m, s, p, stages, sched, simulate_pipeline, n_rank)
+    tokens = global_batch * seq_len
+    mfu = model_flops_per_token(cfg, seq_len) * tokens / (time["total"] * lay.world * cluster.peak_flops)
+    problem = None if fits else f"needs {memory['total'] / 1e9:.1f} GB > {USABLE * cluster.gpu_mem / 1e9:.1f} GB usable"
+    return Estimate(lay, memory, time, mfu, fits, problem)
+
+
+def _step_time(cfg, lay, cluster, m, s, p, stages, sched, simulate_pipeline, n_rank) -> dict:
+    """Seconds per step by part (see the module doc); parts sum to `total`."""
+    degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+    rate = cluster.peak_flops * cluster.efficiency
+    fl = forward_flops(cfg, s, causal=True)
+    per_layer = (fl.qkvo + fl.attention + fl.mlp) / cfg.n_layer * lay.micro_batch / (lay.tp * lay.cp)
+    attn_layer = fl.attention / cfg.n_layer * lay.micro_batch / (lay.tp * lay.cp)
+    head = fl.head * lay.micro_batch / (lay.tp * lay.cp)
+    recompute = {"none": 0.0, "offload": 0.0, "selective": attn_layer, "full": per_layer}[lay.policy]
+    act = lay.micro_batch * s / lay.cp * cfg.d_model * p  # one (b, s/cp, h) activation
+    tp_link, cp_link = cluster.link("tp", degrees), cluster.link("cp", degrees)
+    tp_one = tp_link.all_reduce(act, lay.tp)  # = all-gather + reduce-scatter under SP
+    tp_fwd, tp_bwd = 2 * tp_one, (4 if lay.policy == "full" else 2) * tp_one
+    kv_chunk = 2 * lay.micro_batch * s / lay.cp * cfg.kv_dim / lay.tp * p  # K and V of one cp shard
+    hide = 1.0 if cluster.overlap else 0.0  # share of the compute beside it that hides communication
+    cp_fwd = max(0.0, (lay.cp - 1) * cp_link.send(kv_chunk) - hide * attn_layer / rate) if lay.cp > 1 else 0.0
+    cp_bwd = max(0.0, (lay.cp - 1) * cp_link.send(2 * kv_chunk) - 2 * hide * attn_layer / rate) if lay.cp > 1 else 0.0
+    launch = cluster.launch_overhead
+
+    def stage_cost(layers: int, last: bool) -> tuple[dict, float]:
+        """(parts of one micro-batch's forward + backward on a stage, its forward alone)."""
+        forward = (layers * per_layer + head * last) / rate + (layers + last) * launch
+        fwd = forward + layers * (tp_fwd + cp_fwd)
+        return {"compute": 3 * forward, "recompute": layers * recompute / rate,
+                "tp": layers * (tp_fwd + tp_bwd), "cp": layers * (cp_fwd + cp_bwd)}, fwd
+
+    if stages is None:
+        one, fwd_one = stage_cost(cfg.n_layer, True)
+        parts = {k: m * v for k, v in one.items()}
+        parts["bubble"] = 0.0
+        t_bwd_last = sum(one.values()) - fwd_one
+    else:
+        costs = {st.stage: stage_cost(len(st.layers), st.head) for st in stages}
+        fwd = {k: f for k, (_, f) in costs.items()}
+        bwd = {k: sum(c.values()) - fwd[k] for k, (c, _) in costs.items()}
+        ranks = {r: [st.stage for st in stages if st.rank == r] for r in range(lay.pp)}
+        busy = {r: m * sum(fwd[k] + bwd[k] for k in ks) for r, ks in ranks.items()}
+        slow = max(busy, key=busy.get)
+        parts = {k: m * sum(costs[st][0][k] for st in ranks[slow]) for k in ("compute", "recompute", "tp", "cp")}
+        send = cluster.link("pp", degrees).send(act / (lay.tp if lay.sp else 1))
+        if simulate_pipeline:
+            kinds = {F: lambda a: fwd[a.stage], BW: lambda a: bwd[a.stage], B: lambda a: bwd[a.stage] / 2,
+                     W: lambda a: bwd[a.stage] / 2}  # zero bubble's split: B and W half the backward each
+            makespan = simulate(sched, lambda a: kinds[a.kind](a), latency=send).makespan
+        else:  # closed form for equal stages at the slowest one's costs
+            v, pp = lay.virtual_stages, lay.pp
+            makespan = busy[slow] * (1 + (pp - 1) / (v * m) / (3 if lay.schedule == "zb_h1" else 1)) \
+                + 2 * (pp - 1) * send
+        parts["bubble"] = makespan - busy[slow]
+        t_bwd_last = bwd[stages[-1].stage]
+    grad_bytes = p * n_rank
+    n = lay.dp * lay.cp
+    dp_link = cluster.link("dp", degrees)
+    if lay.zero_stage == 3:  # per micro-batch: gather for forward, again for backward, reduce-scatter
+        per_mb = 2 * dp_link.all_gather(grad_bytes, n) + dp_link.reduce_scatter(grad_bytes, n)
+        compute_mb = (parts["compute"] + parts["recompute"]) / m
+        parts["dp"] = m * max(0.0, per_mb - hide * compute_mb)
+    else:
+        reduce = dp_link.all_reduce(grad_bytes, n)  # = reduce-scatter + all-gather's halves
+        after = dp_link.all_gather(grad_bytes, n) if lay.zero_stage in (1, 2) else 0.0
+        reduce = dp_link.reduce_scatter(grad_bytes, n) if lay.zero_stage in (1, 2) else reduce
+        parts["dp"] = max(0.0, reduce - hide * t_bwd_last) + after
+    shard = n_rank / (n if lay.zero_stage else 1)
+    if lay.offload != "none":
+        parts["optimizer"] = 2 * p * shard / cluster.host_bw + shard / cluster.host_adam
+    else:
+        parts["optimizer"] = ADAM_BYTES * shard / cluster.hbm_bw
+    parts["total"] = sum(parts.values())
+    return parts

@@ -1,0 +1,56 @@
+"""The models a plan can be for: tinyscale's GPT presets plus published shapes, or sizes given.
+
+Every model is a `GPTConfig` (Llama-style block: RMSNorm, GQA, SwiGLU), so FLOPs
+(`tinyscale.mfu`) and exact model states (`engine.layout_memory`) apply. A GPT-3-style model's
+4h GeLU MLP (2 matrices of h x 4h) is written as a SwiGLU of width 8h/3 (3 matrices), the same
+parameters and FLOPs; its learned positions and biases are left out.
+
+    llama2-7b / 13b / 70b   Touvron et al. 2023 (Llama 2), table of shapes; 70B with 8 K/V heads
+    gpt3-175b               Brown et al. 2020, table 2.1 (96 layers, h 12288, 96 heads)
+    megatron-1t             Narayanan et al. 2021, table 1 (128 layers, h 25600, 160 heads)
+    custom sizes            "layers=80,d_model=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000"
+"""
+
+from __future__ import annotations
+
+from tinyscale.models.config import PRESETS, GPTConfig
+
+PLANNER_PRESETS: dict[str, GPTConfig] = {
+    "gpt2-124m": PRESETS["gpt2-124m"],
+    "llama-1b": PRESETS["llama-1b"],
+    "llama2-7b": GPTConfig(vocab_size=32000, max_seq_len=4096, n_layer=32, n_head=32, d_model=4096,
+                           ffn_hidden=11008),
+    "llama2-13b": GPTConfig(vocab_size=32000, max_seq_len=4096, n_layer=40, n_head=40, d_model=5120,
+                            ffn_hidden=13824),
+    "llama2-70b": GPTConfig(vocab_size=32000, max_seq_len=4096, n_layer=80, n_head=64, n_kv_head=8,
+                            d_model=8192, ffn_hidden=28672),
+    "gpt3-175b": GPTConfig(vocab_size=51200, max_seq_len=2048, n_layer=96, n_head=96, d_model=12288,
+                           ffn_hidden=32768),
+    "megatron-1t": GPTConfig(vocab_size=51200, max_seq_len=2048, n_layer=128, n_head=160, d_model=25600,
+                             ffn_hidden=68266),
+}
+_KEYS = {"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "kv_heads": "n_kv_head",
+         "ffn": "ffn_hidden", "vocab": "vocab_size", "tied": "tie_embeddings"}
+
+
+def resolve_model(spec: str | GPTConfig) -> GPTConfig:
+    """A preset's name, "key=value,..." sizes (keys: layers, d_model, heads, kv_heads, ffn, vocab,
+    tied), or a GPTConfig as is."""
+    if isinstance(spec, GPTConfig):
+        return spec
+    if spec in PLANNER_PRESETS:
+        return PLANNER_PRESETS[spec]
+    if "=" not in spec:
+        raise ValueError(f"--model {spec!r}: use a preset ({', '.join(PLANNER_PRESETS)}) or sizes like "
+                         "layers=32,d_model=4096,heads=32,ffn=11008,vocab=32000")
+    fields: dict = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in _KEYS:
+            raise ValueError(f"--model: unknown size {key!r}: use {', '.join(_KEYS)}")
+        name = _KEYS[key.strip()]
+        fields[name] = value.strip().lower() in ("1", "true", "yes") if name == "tie_embeddings" else int(value)
+    missing = [k for k in ("layers", "d_model", "heads", "vocab") if _KEYS[k] not in fields]
+    if missing:
+        raise ValueError(f"--model {spec!r}: give {', '.join(missing)} too")
+    return GPTConfig(max_seq_len=1, **fields)

@@ -1,0 +1,80 @@
+"""`tinyscale autotune`: short trials of the planner's candidates, the fastest config written (key: autotune).
+
+Small and fast: the tiny GPT on 2 pooled ranks (the tests' runner instead of a launch per trial),
+one timed step per trial. A trial over the memory limit, or over the time limit, is stopped and
+marked, and the next trial still runs.
+Run: `pytest tests/planner -k autotune`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tinyscale.cli import main
+from tinyscale.config import EngineConfig
+from tinyscale.models.config import PRESETS
+from tinyscale.planner import Layout
+from tinyscale.planner.autotune import autotune, layout_of_config, trial_config
+from tinyscale.testing import run_on_ranks
+
+BASE = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 1}}
+
+
+def _runner(fn, world, *args):
+    return run_on_ranks(fn, world, *args, timeout_s=300)
+
+
+def test_autotune_trial_configs_keep_the_user_s_keys_and_validate():
+    own = layout_of_config(BASE, 2)
+    assert own == Layout(dp=2, zero_stage=1, micro_batch=1)
+    cfg = trial_config(BASE, Layout(tp=2, micro_batch=2, zero_stage=3, policy="full"))
+    assert cfg["optimizer"] == BASE["optimizer"] and cfg["zero_optimization"]["stage"] == 3
+    assert cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] == 4
+    EngineConfig.load(cfg)  # a config the engine takes
+
+
+def test_autotune_runs_trials_and_picks_the_fastest():
+    done, best = autotune(PRESETS["tiny"], BASE, 2, seq_len=16, trials=3, steps=1, runner=_runner)
+    assert len(done) == 3 and done[0].layout == layout_of_config(BASE, 2)  # the user's own first
+    assert all(t.status == "ok" and t.tokens_per_s > 0 for t in done)
+    assert best is max(done, key=lambda t: t.tokens_per_s)
+    assert len({t.layout for t in done}) == 3
+
+
+def test_autotune_stops_a_trial_out_of_memory_or_time_and_goes_on():
+    # a limit below the states of any layout: every trial stops after its warm-up, none is best
+    done, best = autotune(PRESETS["tiny"], BASE, 2, seq_len=16, trials=2, steps=1, memory_limit=1000, runner=_runner)
+    assert [t.status for t in done] == ["out of memory"] * 2 and best is None
+    done, best = autotune(PRESETS["tiny"], BASE, 2, seq_len=16, trials=2, steps=2, time_limit_s=0.0, runner=_runner)
+    assert [t.status for t in done] == ["out of time"] * 2 and best is None
+
+
+def test_autotune_a_failing_trial_does_not_stop_the_next(monkeypatch):
+    calls = []
+
+    def flaky(fn, world, *args):
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return _runner(fn, world, *args)
+
+    done, best = autotune(PRESETS["tiny"], BASE, 2, seq_len=16, trials=2, steps=1, runner=flaky)
+    assert [t.status for t in done] == ["out of memory", "ok"] and best is done[1]
+
+
+def test_autotune_cli_writes_the_best_config(tmp_path, monkeypatch, capsys):
+    import tinyscale.dist
+
+    monkeypatch.setattr(tinyscale.dist, "launch", lambda fn, n, *a, timeout_s=None: _runner(fn, n, *a))
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(BASE))
+    out = tmp_path / "best.json"
+    assert main(["autotune", "--config", str(cfg), "--world-size", "2", "--model", "tiny", "--seq-len", "16",
+                 "--trials", "2", "--steps", "1", "--out", str(out)]) == 0
+    best = json.loads(out.read_text())
+    assert best["train_batch_size"] == 4 and best["optimizer"]["params"]["lr"] == pytest.approx(3e-3)
+    assert "wrote" in capsys.readouterr().out

@@ -208,3 +208,22 @@ def test_moe_flops_count_the_active_experts_not_all_of_them():
         counts.append(forward_flops(cfg, 16).mlp)
     C = TINY.d_model
     assert counts[1] - counts[0] == 16 * 2 * C * 4, "doubling E adds only the router's columns"
+
+
+def test_moe_dispatch_then_combine_is_each_tokens_weighted_sum():
+    """One process: dispatch gathers the kept assignments' rows in expert order, combine scatters
+    w * row back onto each token (index_add_ over the dispatch permutation); a token whose every
+    assignment was dropped gets zeros."""
+    from tinyscale.moe import combine, dispatch
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    r = route(logits, top_k=2, capacity_factor=0.5)  # capacity 2 of 12 assignments per expert: drops
+    rows, plan = dispatch(x, r.token_index, r.counts)
+    assert torch.equal(rows, x[r.token_index]) and plan.local_counts == r.counts.tolist()
+    scale = torch.arange(1.0, 1.0 + rows.shape[0], dtype=torch.float64)[:, None]  # a different "expert" per row
+    y = combine(rows * scale, r.token_index, r.weight, plan, 6)
+    want = torch.zeros_like(x)
+    for a in range(rows.shape[0]):
+        want[r.token_index[a]] += r.weight[a] * scale[a] * x[r.token_index[a]]
+    torch.testing.assert_close(y, want, rtol=1e-14, atol=0)
+    assert r.dropped == 6

@@ -54,7 +54,7 @@ class MoEStats:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, stacked: expert e computes w_down[e](silu(x w_gate[e]) * (x w_up[e]))."""
+    """E SwiGLU experts, stacked by expert along dim 0: expert e computes (silu(x Wg_e) * (x Wu_e)) Wd_e."""
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, *, device=None, dtype=None) -> None:
         super().__init__()

@@ -9,7 +9,9 @@ GQA, clipping, weight decay, 2 micro-batches per rank. Each layout's losses and
 sent to the wrong expert, a missed reduction or an aux loss without its gradient is off by
 1e-3 or more). Layouts: ep 2 (world 2); ep 4, dp 2 x ep 2 (ZeRO 1 and 3), tp 2 x ep 2 and
 pp 2 x ep 2 (world 4, one pooled call); under --thorough also ZeRO 2, full and selective
-activation checkpointing, the zb_h1 and AFAB schedules. Refusals: `-k moe_engine_refuses`.
+activation checkpointing, the zb_h1 and AFAB schedules. A checkpoint saved at one ep degree
+(and ZeRO stage) resumes at another and continues like one process (`-k moe_engine_checkpoint`).
+Refusals: `-k moe_engine_refuses`.
 Run: `pytest tests/moe/test_moe_engine.py` (keys moe, expert_parallel).
 """
 
@@ -152,3 +154,24 @@ def test_moe_engine_refuses_layouts_that_cannot_equal_one_process(parallel, mode
         {"activation_checkpointing": {"policy": "full", "use_reentrant": True}} if reentrant else {}))
     with pytest.raises(ConfigError, match=match):
         plan_layout(config, model, 4)
+
+
+def _save_then_load(path: str, save: tuple, load: tuple):
+    """Train one step in layout `save`, save, load into layout `load` (same world), train the second step."""
+    first, second = batches(dict(save))
+    engine = ts.initialize(gpt(dict(save)), engine_config(dict(save)))
+    engine.train_batch(first)
+    engine.save_checkpoint(path)
+    engine = ts.initialize(gpt(dict(load) | {"k": dict(save)["k"]}), engine_config(dict(load)))
+    engine.load_checkpoint(path)
+    return engine.train_batch(second), engine.full_state_dict()
+
+
+@pytest.mark.parametrize("save_ep,load_ep", [(4, 2), (1, 4)])
+def test_moe_engine_checkpoint_reshards_across_expert_parallel_degrees(tmp_path, save_ep, load_ep):
+    save = layout(world=4, dp=4, ep=save_ep, k=2, cf=0.8, stage=1)
+    load = layout(world=4, dp=4, ep=load_ep, k=2, cf=0.8, stage=0)
+    losses, state, _ = reference(dict(save))
+    out = run_on_ranks(_save_then_load, 4, str(tmp_path / "ckpt"), save, load, timeout_s=300)
+    assert_every_rank_trained_like([([losses[0], r[0]], r[1]) for r in out], losses, state,
+                                   what=f"saved at ep {save_ep}, resumed at ep {load_ep}")

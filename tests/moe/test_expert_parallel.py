@@ -40,7 +40,7 @@ def _tokens(rank: int) -> torch.Tensor:
 
 
 def _ep_body(E: int, k: int, cf):
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     layer = _layer(E, k, cf)
     apply_expert_parallel(layer, dist.group.WORLD)
     x = _tokens(rank).requires_grad_(True)

@@ -23,7 +23,9 @@ Under a pipeline the loss is computed on the last stage only, so each MoE layer 
 loss's gradient itself (`tinyscale.moe.AddAuxLoss`, scaled as the executor scales the loss:
 S / m) and the aux losses' values join the reported loss (`take_aux` after each forward action).
 
-Refused, with the reason (`check_config`, `check_layout`): `parallel.expert` > 1 without an MoE
+ZeRO 0-3, tensor parallelism (without SP), every pipeline schedule and non-re-entrant activation
+checkpointing (a full checkpoint runs the forward's all-to-alls again in backward) compose with it.
+Refused, with the reason (`check_layout`, run by `plan_layout`): `parallel.expert` > 1 without an MoE
 GPT, or with an ep that divides neither dp nor the expert count; an MoE GPT with context
 parallelism or sequence parallelism (each rank would route a slice of the sequence: capacity
 and the aux loss are functions of the whole micro-batch's routing, so they would differ from one

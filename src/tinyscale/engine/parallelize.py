@@ -1,7 +1,7 @@
 # --8<-- [start:order]
 """Layouts composed in one place, in one order (DESIGN.md, "Composing layouts").
 
-    pipeline partition -> tensor / sequence parallel -> context parallel
+    pipeline partition -> tensor / sequence parallel -> context parallel -> expert parallel
         -> activation checkpointing -> mixed precision -> data parallel or ZeRO over the dp axis
 
 Why this order: each transform changes the model the next one sees. Tensor parallelism
@@ -28,7 +28,9 @@ rank's stages) composes with every other axis, at the same places in the order: 
 sequence parallelism split this rank's stages (`engine/pipeline_tp.py`), context parallelism
 swaps their attention (`context.apply_to_stages`), and DDP or ZeRO stages 1-3 run over dp
 (x cp), reducing once after the schedule (stage 3's units are this rank's stages).
-Activation checkpointing (every policy of `tinyscale.checkpointing`) composes with all of them: it
+Expert parallelism (`engine/expert.py`, an MoE GPT's experts split over ep groups inside dp, tokens
+by all-to-all) comes after them: it sets which experts the MoE layers of this rank's (TP-split)
+stages compute. Activation checkpointing (every policy of `tinyscale.checkpointing`) composes with all of them: it
 comes after the layers are split, changes each block's class in place over the tensor-parallel one
 (a pipeline stage's blocks are the same objects), and a recomputation replays the TP RNG tracker's
 stream as well as torch's, so the masks are the forward's; under ZeRO-3 the rerun runs inside the

@@ -100,8 +100,9 @@ def all_to_all_bytes(counts_sent: int, rows_sent: int, rows_received: int, width
                      count_size: int = 8) -> dict[str, int]:
     """The ledger's all-to-all bytes for one MoE layer's forward and backward on one rank, from
     the routing counts: the counts matrix (E int64) once; the rows out and back in the forward
-    (sent M, then R), and the gradients the same way reversed in the backward (R, then M).
-    `comm` records an all-to-all's input size."""
+    (sent M, then R), and the gradients the same way reversed in the backward (R, then M; the
+    last only when the layer's input needs a gradient, as in a model). `comm` records an
+    all-to-all's input size."""
     row = width * element_size
     return {"counts": counts_sent * count_size, "forward": (rows_sent + rows_received) * row,
             "backward": (rows_received + rows_sent) * row}

@@ -54,7 +54,7 @@ class MoEStats:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts, stacked: expert e computes w_down[e](silu(x w_gate[e]) * (x w_up[e]))."""
+    """E SwiGLU experts, stacked by expert along dim 0: expert e computes (silu(x Wg_e) * (x Wu_e)) Wd_e."""
 
     def __init__(self, num_experts: int, d_model: int, hidden: int, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -127,8 +127,9 @@ class MoE(nn.Module):
             s = self.shared
             y = y + s["w_down"](F.silu(s["w_gate"](tokens)) * s["w_up"](tokens))  # (N, C)
         self.aux_loss = r.aux_loss + r.z_loss
-        self.stats = MoEStats(load=r.load.detach(), kept=r.counts.detach(), dropped=r.dropped, assignments=B * T * self.top_k,
-                              aux_loss=float(r.aux_loss.detach()), z_loss=float(r.z_loss.detach()))
+        self.stats = MoEStats(load=r.load.detach(), kept=r.counts.detach(), dropped=r.dropped,
+                              assignments=B * T * self.top_k, aux_loss=float(r.aux_loss.detach()),
+                              z_loss=float(r.z_loss.detach()))
         y = y.view(B, T, C)
         if self.aux_grad_scale is not None and self.training:  # pipeline: the loss never sees aux_loss
             y = AddAuxLoss.apply(y, self.aux_loss, self.aux_grad_scale)

@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,docs,notebooks,triton,hf]"  # triton: tinyscale.kernels, run on the CPU by its interpreter; hf: AutoTP's models
+	$(PY) -m pip install --quiet -e ".[dev,docs,notebooks,triton,hf,monitor]"  # triton: tinyscale.kernels, run on the CPU by its interpreter; hf: AutoTP's models
 	# peers: DeepSpeed, for -k deepspeed_agreement. PyPI has only its source; it builds against the
 	# torch in .venv (no build isolation, which would fetch a second, CUDA, torch to build with).
 	$(PY) -m pip install --quiet setuptools wheel

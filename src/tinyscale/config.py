@@ -29,6 +29,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from tinyscale.config_deepspeed import screen
 from tinyscale.config_input import Bool, ConfigError, Float, Int, PositiveInt, Section, explain, read_file
+from tinyscale.config_monitor import HealthConfig, MonitorOutput
 from tinyscale.config_schedule import SchedulerConfig, SchedulerParams
 
 
@@ -222,6 +223,9 @@ class EngineConfig(Section):
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     wall_clock_breakdown: Bool = False  # profile every step (engine.profiler; tinyscale.mfu)
     steps_per_print: PositiveInt = 10  # log progress every this many steps (logger tinyscale.engine, INFO)
+    tensorboard: MonitorOutput = MonitorOutput()  # DeepSpeed's monitors (tinyscale.engine.monitor)
+    csv_monitor: MonitorOutput = MonitorOutput()
+    monitor: HealthConfig = HealthConfig()  # tinyscale's own: straggler and loss-spike warnings
     parallel: ParallelConfig = ParallelConfig()
     compression: CompressionConfig = CompressionConfig()  # tinyscale's own section (not DeepSpeed's)
     _notes: tuple[str, ...] = PrivateAttr(default=())

@@ -59,7 +59,8 @@ def _r(path: str, why: str, same: Same = _never, same_doc: str = "") -> Key:
     return Key(path, "refused", why, same, same_doc)
 
 
-_MONITOR = "DeepSpeed writes training metrics to {}; tinyscale writes no monitor files: read engine.last_step"
+_MONITOR = ("DeepSpeed writes training metrics to {}; tinyscale writes them to TensorBoard and CSV files only "
+            "(tensorboard, csv_monitor), and to engine.last_step")
 _NOT_BUILT = "changes the model, data or update rule; tinyscale does not build it"
 _OFF, _FALSE, _TRUE = "enabled false", "false", "true"
 ZO = "zero_optimization."
@@ -210,9 +211,15 @@ KEYS: tuple[Key, ...] = (
     _h("wall_clock_breakdown", "per-step forward/backward/optimizer/communication times (engine.profiler)"),
     _n("flops_profiler", "DeepSpeed profiles one step's FLOPs per module; tinyscale reports MFU every step "
        "(engine.last_step)", _disabled, _OFF),
-    _n("tensorboard", _MONITOR.format("TensorBoard"), _disabled, _OFF),
+    _h("tensorboard.enabled", "event files of loss, lr, loss scale, grad norm, tokens/s, MFU, memory and health "
+       "counts, every step (tinyscale.engine.monitor)"),
+    _h("tensorboard.output_path", "the event files go to output_path/job_name/ ('': the working directory)"),
+    _h("tensorboard.job_name", "the run's folder under output_path"),
     _n("wandb", _MONITOR.format("Weights & Biases"), _disabled, _OFF),
-    _n("csv_monitor", _MONITOR.format("CSV files"), _disabled, _OFF),
+    _h("csv_monitor.enabled", "one CSV file per metric (rows: step, value), DeepSpeed's layout "
+       "(tinyscale.engine.monitor)"),
+    _h("csv_monitor.output_path", "the CSV files go to output_path/job_name/ ('': the working directory)"),
+    _h("csv_monitor.job_name", "the run's folder under output_path"),
     _n("comet", _MONITOR.format("Comet"), _disabled, _OFF),
     _n("comms_logger", "tinyscale records every collective in engine.comm_ledger", _disabled, _OFF),
     _n("timers", "DeepSpeed's throughput timers; tinyscale's are in engine.last_step", _never),

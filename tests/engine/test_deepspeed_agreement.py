@@ -2,7 +2,15 @@
 
 DeepSpeed runs in a process of its own (`tinyscale.testing.deepspeed_peer`), so importing it
 never touches this one. Each test sends DeepSpeed the whole batch of cases at once (one process
-start) and compares every value.
+start) and compares every value:
+
+- learning-rate schedulers: 320 parameter sets, every step equal;
+- the fp16 loss scaler: 240 overflow scripts through DeepSpeed's ZeRO and stage-0 scalers;
+- a growth step's unscale, on DeepSpeed's engine (which is right, shown with a known gradient);
+- 48 configs accepted or refused alike, or the difference listed in docs/deepspeed-config.md;
+- ZeRO stages 0-3 training the GPT on DeepSpeed's engine and tinyscale's (more under --thorough).
+
+The first run on a machine builds DeepSpeed's shared-memory op (minutes on a busy machine).
 
     pytest -k deepspeed_agreement            # needs the `peers` extra: pip install -e ".[peers]"
 """
@@ -376,3 +384,7 @@ def test_deepspeed_agreement_configs_in_tests_are_accepted_or_refused_alike():
         assert phrase in section, f"{name}: docs/deepspeed-config.md does not list '{phrase}'"
     assert len(cases) >= 45 and len(differ) == len(CONFIG_DIFFERENCES)
     assert sum(ours for ours, _, _ in verdicts.values()) >= 20 and re.search("OneCycle", section)
+    # A default that differs: DeepSpeed 0.19.8 clips at norm 1.0 when the key is left out, tinyscale not at all
+    plain = list(cases).index("edge:warmuplr")
+    assert theirs[plain]["gradient_clipping"] == 1.0 and EngineConfig.load(cases["edge:warmuplr"]).gradient_clipping == 0
+    assert "defaults to 1.0 in DeepSpeed 0.19.8" in section

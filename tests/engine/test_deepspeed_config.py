@@ -97,7 +97,7 @@ def test_deepspeed_config_honoured_keys_are_fields_and_every_field_is_in_the_tab
     honoured = {k.path for k in KEYS if k.kind == "honoured"}
     for path in honoured:
         _field(path)
-    ours = {"parallel", "compression", "activation_checkpointing.policy", "activation_checkpointing.every_k",
+    ours = {"parallel", "compression", "monitor", "activation_checkpointing.policy", "activation_checkpointing.every_k",
             "activation_checkpointing.use_reentrant",
             "fp16.raise_error_at_min_scale"}  # tinyscale's own keys, not DeepSpeed's
 
@@ -287,8 +287,9 @@ def test_deepspeed_config_corpus_has_every_kind():
 
 
 @pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
-def test_deepspeed_config_corpus_loads_and_trains(path, tmp_path, caplog):
+def test_deepspeed_config_corpus_loads_and_trains(path, tmp_path, caplog, monkeypatch):
     raw = json.loads(path.read_text().replace("/local_nvme", str(tmp_path)))
+    monkeypatch.chdir(tmp_path)  # a monitor's relative output_path (csv_monitor: "logs/") lands here
     cfg = EngineConfig.load(raw)
     with caplog.at_level(logging.WARNING, logger="tinyscale.config"):
         engine = ts.initialize(_gpt(), cfg)
@@ -297,6 +298,9 @@ def test_deepspeed_config_corpus_loads_and_trains(path, tmp_path, caplog):
     rows = engine.batch.train_batch_size
     for batch in synthetic_token_batches(num_batches=2, batch_size=rows, seq_len=16, seed=0):
         assert math.isfinite(engine.train_batch(batch))
+    if raw.get("csv_monitor", {}).get("enabled"):  # honoured: DeepSpeed's file layout
+        section = raw["csv_monitor"]
+        assert (tmp_path / section["output_path"] / section["job_name"] / "Train_Samples_train_loss.csv").is_file()
 
 
 # --- zero_optimization.reduce_scatter: false all-reduces, same training, twice the bytes

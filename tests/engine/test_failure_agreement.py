@@ -78,3 +78,33 @@ def test_failure_agreement_mid_forward_ends_in_bounded_time_naming_the_rank(worl
             else:
                 assert name == "StepFailed", (parallel, rank, name, message)
                 assert f"raised on rank(s) [{failing}]" in message and "cannot continue" in message, message
+
+
+def _slow_peer_messages(ops: str) -> list[float]:
+    """Rank 1 sends 3 messages, each 0.3 s late (6 poll intervals); rank 0 receives them watched."""
+    from tinyscale.dist import comm
+
+    w = comm.Watch(frozenset({id(dist.group.WORLD)}), poll=lambda group: None)
+    got = []
+    with comm.watch(w):
+        for i in range(3):
+            t = torch.full((64,), float(i))
+            if dist.get_rank() == 1:
+                time.sleep(0.3)
+                comm.send(t, 0) if ops == "blocking" else comm.isend(t, 0).wait()
+            else:
+                t.zero_()
+                comm.recv(t, 1) if ops == "blocking" else comm.irecv(t, 1).wait()
+                got.append(float(t[0]))
+            comm.all_reduce(t)  # a watched collective after each message, waiting on the sleeper too
+    return got
+
+
+@pytest.mark.parametrize("ops", ["blocking", "async"])
+def test_failure_agreement_watched_p2p_survives_a_slow_peer(ops):
+    """A gloo send/recv whose wait(timeout) expires closes its connection, so polling them that
+    way broke every later message between the two ranks whenever one was merely slow (a loaded
+    machine): ring attention failed with 'Connection closed by peer' with no rank at fault. The
+    watch waits for them in a thread instead; three late messages in a row all arrive."""
+    results = run_on_ranks(_slow_peer_messages, 2, ops, timeout_s=DEADLINE_S)
+    assert results[0] == [0.0, 1.0, 2.0]

@@ -58,3 +58,46 @@ def test_memory_timeline_lesson_table_is_the_measured_one():
     text = (ROOT / "lessons/06-mfu.md").read_text()
     for row in lesson_rows():
         assert row in text, f"lesson 06 lacks the row\n{row}"
+
+
+def _lever(lever: str):
+    """(the step's bytes at the end of the forward and at the peak, by category; the loss's
+    gradient) for one micro-batch of a steady-state step with one lever applied."""
+    from tinyscale.checkpointing import apply_policy
+
+    cfg = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=2, n_head=2, d_model=32, ffn_hidden=64)
+    model = GPT(cfg, seed=0, dtype=torch.float64)
+    if lever == "checkpointing":
+        apply_policy(model, "full")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (x, y), = synthetic_token_batches(num_batches=1, batch_size=8, seq_len=32, vocab_size=64, seed=0)
+    rows = 4 if lever == "accumulation" else 8  # two micro-batches of 4 rows make the same global batch
+
+    def forward():
+        return torch.nn.functional.cross_entropy(model(x[:rows]).flatten(0, 1), y[:rows].flatten()) * rows / 8
+    memory_timeline(model, opt, forward)
+    timeline = memory_timeline(model, opt, forward)
+    return timeline.at_end_of("forward"), timeline.peaks
+
+
+def test_memory_timeline_each_lever_cuts_its_own_term():
+    """DS-38's claim, measured: accumulation (half the rows per micro-batch) and checkpointing
+    cut the activations; neither touches the parameters, gradients or optimizer states (what
+    ZeRO and offload cut: lesson 03's stacking table)."""
+    base_end, base_peak = _lever("none")
+    measured = {}
+    for lever in ("accumulation", "checkpointing"):
+        end, peak = _lever(lever)
+        assert end["activations"] < 0.6 * base_end["activations"], lever
+        assert all(peak[c] == base_peak[c] for c in ("parameters", "gradients", "optimizer")), lever
+        measured[lever] = (end["activations"], peak["temporaries"])
+    # half the rows, half the activations, but for the scalars every micro-batch saves (8 bytes here)
+    assert abs(2 * measured["accumulation"][0] - base_end["activations"]) <= 16
+    # the recomputation brings a block's activations back inside the backward, as temporaries
+    assert measured["checkpointing"][1] > base_peak["temporaries"]
+    text = " ".join((ROOT / "lessons/03-zero.md").read_text().split())
+    claim = (f"activations at the end of the forward go from {base_end['activations']:,} bytes to "
+             f"{measured['accumulation'][0]:,} with accumulation and to {measured['checkpointing'][0]:,} with "
+             f"checkpointing, whose recomputation raises the peak of temporaries in the backward from "
+             f"{base_peak['temporaries']:,} to {measured['checkpointing'][1]:,}")
+    assert claim in text, f"lesson 03 lacks: {claim}"

@@ -127,7 +127,8 @@ def test_autotp_checkpoint_from_one_process_resumes_at_tp2(tmp_path):
 
 @pytest.mark.thorough  # a pool of 4 ranks, each importing transformers: ~20 s on 2 cores
 def test_autotp_hf_llama_dp2_tp2_trains_like_single_process():
-    runs = [("llama_kv2", run_config(tp=2, dp=2, stage=1)), ("llama_kv2", run_config(tp=2, dp=2, stage=3, optimizer="adamw"))]
+    runs = [("llama_kv2", run_config(tp=2, dp=2, stage=1)),
+            ("llama_kv2", run_config(tp=2, dp=2, stage=3, optimizer="adamw"))]
     _check(run_on_ranks(_train_body, 4, runs), runs)
 
 
@@ -168,6 +169,10 @@ def test_autotp_refuses_fused_qkv_heads_tp_does_not_split():
     ("tied", "share a weight but are placed ['vocab', 'replicate']"),
     ("sequence_parallel", "parallel.sequence_parallel with a CausalLMLoss"),
     ("region", "lm.model.layers.0.mlp.down_proj: rowwise with no colwise layer beside it"),
+    ("wrong_style", "lm.model.layers.0.self_attn.q_proj: style 'vocab' (from '*.q_proj') needs a layer of type "
+                    "Embedding; it is a Linear"),
+    ("no_config", "lm.model.layers.0.self_attn.q_proj: inside an attention module (head_dim=4), but the model "
+                  "has no config with num_attention_heads"),
 ])
 def test_autotp_refuses_what_it_cannot_split(case, expected):
     model, kw = llama(layers=1), {}
@@ -188,6 +193,12 @@ def test_autotp_refuses_what_it_cannot_split(case, expected):
         kw = {"tp_plan": {"*lm_head": "replicate"}}
     elif case == "sequence_parallel":
         kw = {"sequence_parallel": True}
+    elif case == "wrong_style":
+        kw = {"tp_plan": {"*.q_proj": "vocab"}}
+    elif case == "no_config":  # the heads' count is nowhere to be read
+        for m in model.modules():
+            if hasattr(m, "config"):
+                object.__setattr__(m, "config", None)
     elif case == "region":
         kw = {"tp_plan": {"*.gate_proj": "replicate", "*.up_proj": "replicate"}}
     assert expected in _refusal(model, **kw)

@@ -63,6 +63,7 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
+# --8<-- [start:attend]
 def attend(q, k, v, *, causal_mask_kind: str, scale: float, key_valid=None, dropout_scale=None):
     """One block: out (B, H, Tq, D) in q's dtype, lse (B, H, Tq) in at least float32."""
     if dropout_scale is None and kernel_ok(q):
@@ -80,6 +81,7 @@ def attend(q, k, v, *, causal_mask_kind: str, scale: float, key_valid=None, drop
     if blind is not None:  # the kernel says lse 0 there; the merge needs -inf (weight 0)
         lse = lse.masked_fill(blind, float("-inf"))
     return out, lse.to(_lse_dtype(q))
+# --8<-- [end:attend]
 
 
 def attend_backward(dout, q, k, v, out, lse, *, causal_mask_kind: str, scale: float, key_valid=None,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -192,36 +193,66 @@ def _watch_of(group) -> Watch | None:
     return next((w for w in reversed(_watches) if key in w.groups), None)
 
 
-def _wait_watched(work, w: Watch, group) -> None:
+_P2P = frozenset({"send", "recv", "isend", "irecv"})
+
+
+def _wait_watched(work, w: Watch, group, op: str) -> None:
     """`work.wait()`, giving up when `w.poll()` raises (the op is left pending: its group is
-    out of step with its peers' from here on)."""
+    out of step with its peers' from here on).
+
+    A collective's wait takes a timeout and can be retried. A point-to-point op's cannot: a gloo
+    send or recv whose `wait(timeout)` expires closes the connection to its peer, so the next
+    message between them fails ("Connection closed by peer") even though nobody raised. Those
+    wait, blocking, in a thread of their own while this one polls."""
+    if op in _P2P:
+        done, errors = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name=f"tinyscale-{op}-wait", daemon=True).start()
+        while not done.wait(w.interval.total_seconds()):
+            _poll(w, group)
+        if errors:
+            raise errors[0]
+        return
     while True:
         try:
             work.wait(timeout=w.interval)
             return
         except RuntimeError as exc:
-            if "timed out" not in str(exc).lower():  # gloo: "Operation timed out!", p2p "Timed out waiting"
+            if "timed out" not in str(exc).lower():  # gloo: "Operation timed out!"
                 raise
-        try:
-            w.poll(group)
-        except BaseException:
-            w.abandoned = True
-            raise
+        _poll(w, group)
+
+
+def _poll(w: Watch, group) -> None:
+    try:
+        w.poll(group)
+    except BaseException:
+        w.abandoned = True
+        raise
 # --8<-- [end:watch]
 
 
 class Work:
     """Handle of an async op: ``wait()`` blocks until it is done and stamps its ledger row."""
 
-    def __init__(self, work, row: Row | None, watched: Watch | None = None, group=None):
+    def __init__(self, work, row: Row | None, watched: Watch | None = None, group=None, op: str = ""):
         self._work = work
+        self._op = op
         self._row = row
         self._watched = watched
         self._group = group
 
     def wait(self) -> None:
         if self._watched is not None:
-            _wait_watched(self._work, self._watched, self._group)
+            _wait_watched(self._work, self._watched, self._group, self._op)
         else:
             self._work.wait()
         if self._row is not None and self._row.end is None:
@@ -251,7 +282,7 @@ def _issue(op: str, nbytes: int, tensor: torch.Tensor, group, async_op: bool, ca
     start = time.perf_counter()
     work = call(async_op or watched is not None)
     if watched is not None and not async_op:
-        _wait_watched(work, watched, group)
+        _wait_watched(work, watched, group, op)
     row = None
     if _active:
         end = None if async_op else time.perf_counter()
@@ -269,7 +300,7 @@ def _issue(op: str, nbytes: int, tensor: torch.Tensor, group, async_op: bool, ca
         )
         for ledger in _active:
             ledger.rows.append(row)
-    return Work(work, row, watched, group) if async_op else None
+    return Work(work, row, watched, group, op) if async_op else None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -395,8 +426,8 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
     # torch returns one Work per op on gloo, and a single coalesced Work on NCCL.
     watched = [_watch_of(p.group) for p in ops]
     if len(works) == len(ops):
-        return [Work(w, r, v, p.group) for w, r, v, p in zip(works, rows, watched, ops)]
-    return [Work(works[0], r, v, p.group) for r, v, p in zip(rows, watched, ops)] if works else []
+        return [Work(w, r, v, p.group, p.op) for w, r, v, p in zip(works, rows, watched, ops)]
+    return [Work(works[0], r, v, p.group, p.op) for r, v, p in zip(rows, watched, ops)] if works else []
 
 
 def barrier(group=None) -> None:

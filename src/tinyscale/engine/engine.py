@@ -59,6 +59,10 @@ micro-batches instead of the loop above, then DDP or ZeRO over dp (x cp), once; 
 units are then this rank's stages, gathered around the schedule's actions
 (`engine/pipeline_step.py`). fp16 and bf16 work in every one of these layouts
 (`pytest -k layout_mixed_precision`).
+
+A script's own forward/backward/step loop (`tinyscale.deepspeed`, DeepSpeed's API) runs the
+micro-batches itself and ends each step in the same `_agree_step` and `_finish_step`. After every step the
+monitor (`engine/monitor.py`: tensorboard, csv_monitor, per-rank times, health) records it.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint, checkpoint_io, compression, context, dcp_checkpoint, parallelize, step_failure
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
+from tinyscale.engine.monitor import Monitor
 from tinyscale.engine.plan import placements, plan_layout
 from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.engine.engine.StepFailed
 from tinyscale.engine.grad_norm import GradNorm
@@ -240,6 +245,7 @@ class Engine:
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
         self._grad_norm: GradNorm | None = None
+        self.last_grad_norm: float | None = None  # stage 0 fp32: the last clipping norm (monitor.grad_norm_of)
         self._pending: concurrent.futures.Future | None = None  # an async save in flight
         self._checkpoint_group = None  # its gloo group, made at the first async save
         self.step = 0
@@ -257,6 +263,8 @@ class Engine:
         # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed
         # communication per step, `engine.profiler.records` (tinyscale.mfu.StepProfiler).
         self.profiler = StepProfiler(enabled=config.wall_clock_breakdown, device=self.device)
+        # tensorboard, csv_monitor, per-rank times, stragglers, health (engine/monitor.py)
+        self.monitor = Monitor(config, self.device)
 
     # --8<-- [start:train-batch]
     def train_batch(self, batch: Sequence[torch.Tensor]) -> float:
@@ -272,6 +280,12 @@ class Engine:
             )
         with self.profiler.step(tokens=batch[0].numel()):  # wall_clock_breakdown: else a no-op
             mean_loss, skipped = self._step(batch)
+        self._after_step(batch, start, mean_loss, skipped)
+        return mean_loss
+
+    def _after_step(self, batch: Sequence[torch.Tensor], start: float, mean_loss: float, skipped: bool) -> None:
+        """The step's record (`last_step`), the monitor, the progress line; `batch`: the global
+        batch or a tensor of its shape (the loop of `tinyscale.deepspeed` passes a meta tensor)."""
         self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
                           **self.throughput.record(batch, self._clock() - start)}
         if self.plan.moe:  # an MoE GPT: this rank's last micro-batch's routing (load, dropped, aux losses)
@@ -280,9 +294,9 @@ class Engine:
             self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
             if self.pipeline is not None:  # the schedule's seconds and this rank's bubble in them
                 self.last_step["profile"] |= self.pipeline.profile(self.last_step["profile"])
+        self.monitor.record(self)  # every rank: with wall_clock_breakdown it gathers the ranks' times
         if self.step % self.config.steps_per_print == 0:  # DeepSpeed's progress line
             self._print_progress(mean_loss, skipped)
-        return mean_loss
 
     def _print_progress(self, mean_loss: float, skipped: bool) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -341,25 +355,38 @@ class Engine:
                 skip_reduce = watch is not None and watch.covers(self.reduce_group)
                 if not skip_reduce:
                     self._complete_abandoned(len(micro) - i)
-            # ZeRO: which parameters got a gradient on this rank rides along with the loss, so
-            # that those no rank used are not stepped (as in one process) at no extra collective;
-            # so does whether this rank's forward or backward raised.
-            used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
-            failed = torch.zeros(self.reduce_size, dtype=torch.float64, device=self.device)
-            failed[self.reduce_rank] = float(error is not None)
-            if self.reduce_size > 1 and not (error is not None and skip_reduce):  # cp ranks report
-                sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))  # the same loss
-                try:
-                    comm.all_reduce(sent, group=self.reduce_group)
-                except step_failure.PeerFailed as exc:  # only on a watched group: the step is dropped
-                    error = exc
-                total, failed = sent[0], sent[1:1 + self.reduce_size]
-                used = None if used is None else sent[1 + self.reduce_size:]
+            total, failed, used, error = self._agree_step(total, error, skip_reduce)
+        return self._finish_step(total, failed, used, len(micro), error, rng, hooked)
+
+    def _agree_step(self, total: torch.Tensor, error: Exception | None, skip_reduce: bool = False) -> tuple:
+        """(summed loss, failed flags, used flags, error) over the reduce group, in one all-reduce.
+        ZeRO: which parameters got a gradient on this rank rides along with the loss, so that those
+        no rank used are not stepped (as in one process) at no extra collective; so does whether
+        this rank's forward or backward raised."""
+        used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
+        failed = torch.zeros(self.reduce_size, dtype=torch.float64, device=self.device)
+        failed[self.reduce_rank] = float(error is not None)
+        if self.reduce_size > 1 and not (error is not None and skip_reduce):  # cp ranks report
+            sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))  # the same loss
+            try:
+                comm.all_reduce(sent, group=self.reduce_group)
+            except step_failure.PeerFailed as exc:  # only on a watched group: the step is dropped
+                error = exc
+            total, failed = sent[0], sent[1:1 + self.reduce_size]
+            used = None if used is None else sent[1 + self.reduce_size:]
+        return total, failed, used, error
+
+    def _finish_step(self, total: torch.Tensor, failed: torch.Tensor, used: torch.Tensor | None, num_micro: int,
+                     error: Exception | None, rng: tuple, hooked) -> tuple[float, bool]:
+        """The rest of a step once every micro-batch's backward ran and `_agree_step` agreed
+        (train_batch's loop above, or a script's loop: `tinyscale.deepspeed`): drop or clip and step."""
+        watch = self._failure_watch
         used = None if used is None else used.cpu() > 0
-        mean_loss = total.item() / (len(micro) * self.reduce_size)
+        mean_loss = total.item() / (num_micro * self.reduce_size)
         failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
         if watch is not None:  # a TP or cp peer's failure too: the whole world drops the step together
-            failed_ranks, abandoned = watch.agree(error)
+            with comm.record(self.comm_ledger):
+                failed_ranks, abandoned = watch.agree(error)
             where = "rank(s)"
             if abandoned:  # the model's groups are out of step: no later step can be trusted
                 self._roll_back(rng)
@@ -392,7 +419,8 @@ class Engine:
         lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None
         skipped = False
         try:
-            with phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
+            # ZeRO's gathers, fp16's overflow flag
+            with self.profiler.phase("optimizer"), comm.record(self.comm_ledger):
                 if self.zero is not None:
                     if lr is not None:
                         self.zero.set_lr(lr)
@@ -406,9 +434,11 @@ class Engine:
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
                     if self.config.gradient_clipping > 0 and self.tp_size > 1:  # the full model's norm
-                        self.grad_norm().clip_(self.config.gradient_clipping, [(p, p.grad) for p in self.params])
-                    elif self.config.gradient_clipping > 0:
-                        torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
+                        self.last_grad_norm = self.grad_norm().clip_(self.config.gradient_clipping,
+                                                                     [(p, p.grad) for p in self.params])
+                    elif self.config.gradient_clipping > 0:  # the norm kept for the monitor (engine/monitor.py)
+                        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                                                                                   self.config.gradient_clipping))
                     if lr is not None:
                         set_lr(self.optimizer, lr)
                     self.optimizer.step()

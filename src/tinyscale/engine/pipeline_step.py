@@ -55,7 +55,9 @@ A forward, backward or loss that raises on some stages: the executor runs the sc
 messages to the end anyway (a failed stage sends messages saying so), every rank agrees on who
 failed (one all-reduce of a flag per rank, `step_failure.failed_ranks`) and drops the step, as
 the data-parallel engine does: that rank re-raises its error, the others raise `StepFailed`
-naming it. A failure in the messages themselves still stops the engine. Tests:
+naming it. With tp, a rank that stops computing posts so at once (the executor's
+`on_failure`), its TP peers waiting in a collective give up, and the agreement runs over a
+gloo group of its own (`step_failure.FailureWatch`); if a peer gave up, the engine stops. A failure in the messages themselves still stops the engine. Tests:
 `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
 pp_interleaved, pp_zero_bubble), `pytest tests/engine/test_engine_pipeline_compose.py` (with
 the other axes and ZeRO: keys engine_pipeline, layout_pp); fp16/bf16: `pytest -k layout_mixed_precision`;
@@ -306,7 +308,8 @@ class PipelineStep:
             engine.optimizer.zero_grad(set_to_none=True)
             return skipped
         if engine.config.gradient_clipping > 0:  # the whole model's norm (engine/grad_norm.py)
-            engine.grad_norm().clip_(engine.config.gradient_clipping, [(q, q.grad) for q in engine.params])
+            engine.last_grad_norm = engine.grad_norm().clip_(engine.config.gradient_clipping,
+                                                             [(q, q.grad) for q in engine.params])
         if lr is not None:
             set_lr(engine.optimizer, lr)
         engine.optimizer.step()

@@ -95,12 +95,14 @@ class FailureWatch:
             self.store.set(f"{self.prefix}/{self.attempt}/{dist.get_rank()}", "1")
 
     def agree(self, error: BaseException | None) -> tuple[list[int], list[int]]:
-        """(ranks that raised, ranks that gave up a collective), the same on every rank."""
-        flags = torch.zeros(2, dist.get_world_size(), dtype=torch.float64)
-        flags[0, dist.get_rank()] = float(error is not None and not isinstance(error, PeerFailed))
-        flags[1, dist.get_rank()] = float(self.current is not None and self.current.abandoned)
-        dist.all_reduce(flags, group=self.side)
-        return [[r for r, f in enumerate(row.tolist()) if f] for row in flags]
+        """(ranks that raised, ranks that gave up a collective), the same on every rank: one
+        all-reduce of a flag per rank (1: raised, 2: gave up, 3: both) over the side group."""
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+        flags[dist.get_rank()] = (float(error is not None and not isinstance(error, PeerFailed))
+                                  + 2.0 * float(self.current is not None and self.current.abandoned))
+        comm.all_reduce(flags, group=self.side)  # not a watched group: never given up
+        codes = [int(f) for f in flags.tolist()]
+        return [r for r, c in enumerate(codes) if c & 1], [r for r, c in enumerate(codes) if c & 2]
 # --8<-- [end:failure-watch]
 
 

@@ -40,7 +40,8 @@ one ConfigError before any process group exists):
 - a style on the wrong kind of module (colwise on an Embedding, vocab on a Linear, ...);
 - a colwise layer whose parent has no rowwise layer (its sharded output would leave the region
   unsummed), and rowwise without colwise;
-- head counts that t does not split (above), and feature counts it does not divide;
+- head counts that t does not split (above), or that no config gives, and feature counts it
+  does not divide;
 - a shared (tied) weight split two different ways (a tied embedding and head are both split by
   vocab rows, `vocab` and `colwise_gather_output`: one shard, one Parameter, as in one process);
 - dropout with p > 0 (an `nn.Dropout`, or an attention module's `attention_dropout`): such a model
@@ -143,8 +144,12 @@ def _attention_problems(model: nn.Module, name: str, layer: nn.Linear, style: st
     """A colwise or rowwise layer inside an attention module is split by whole heads."""
     parent = model.get_submodule(_parent(name))
     head_dim, counts = getattr(parent, "head_dim", None), head_counts(model)
-    if not isinstance(head_dim, int) or counts is None:
+    if not isinstance(head_dim, int):
         return []
+    if counts is None:
+        return [f"{name}: inside an attention module (head_dim={head_dim}), but the model has no config with "
+                "num_attention_heads, so its heads cannot be kept whole: give the model its config, or place "
+                "the attention's layers 'replicate' in parallel.tp_plan"]
     heads, kv_heads = counts
     width = _features(layer)[1 if style == "colwise" else 0]
     if style == "colwise" and qkv_chunks(model, name, layer) is not None:  # fused: every chunk split by heads
@@ -190,8 +195,9 @@ def find_plan(model: nn.Module, tp: int, tp_plan: dict[str, str] | None = None) 
             style, (nn.Linear, "Conv1D"))
         if not any(isinstance(module, w) if isinstance(w, type) else type(module).__name__ == w for w in wants):
             names = " or ".join(w if isinstance(w, str) else w.__name__ for w in wants)
-            problems.append(f"{name}: style {style!r} (from {pattern!r}) needs an {names}, not a "
-                            f"{type(module).__name__}; place it 'replicate' in parallel.tp_plan")
+            problems.append(f"{name}: style {style!r} (from {pattern!r}) needs a layer of type {names}; it is "
+                            f"a {type(module).__name__}: place it with another style, or 'replicate', in "
+                            "parallel.tp_plan")
             continue
         if style in ("colwise", "rowwise"):
             problems += _attention_problems(model, name, module, style, tp)

@@ -168,13 +168,13 @@ def configs(cases: list[dict]) -> list[dict]:
         # process group): answer as rank 0 of `dp` ranks, so the batch identity is checked at dp.
         ds_config.dist = SimpleNamespace(get_rank=lambda: 0, get_world_size=lambda *a, dp=dp: dp)
         try:
-            ds_config.DeepSpeedConfig(raw)
+            parsed = ds_config.DeepSpeedConfig(raw)
             sched = raw.get("scheduler")
             if sched:
                 opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))],
                                       lr=raw.get("optimizer", {}).get("params", {}).get("lr", 1e-3))
                 getattr(lr_schedules, sched["type"])(opt, **sched.get("params", {}))
-            out.append({"accepted": True, "message": ""})
+            out.append({"accepted": True, "message": "", "gradient_clipping": parsed.gradient_clipping})
         except Exception as exc:  # noqa: BLE001 - any refusal, whatever DeepSpeed raises
             out.append({"accepted": False, "message": f"{type(exc).__name__}: {exc}"[:300]})
     return out

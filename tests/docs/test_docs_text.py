@@ -27,6 +27,9 @@ STALE = {
     "needs a conversion step (\"universal checkpointing\") to change the data-parallel degree":
         "DeepSpeed's ZeRO 1/2 elastic_checkpoint changed the dp degree without one",
     'tinyscale refuses `"auto"` by field name': "train_batch_size \"auto\" is derived (config_deepspeed.py)",
+    "gathers every shard into one full tensor per parameter name":
+        "each rank writes the pieces it owns through DCP (engine/dcp_checkpoint.py, issue 26)",
+    "a checkpoint stores full tensors": "pieces of the global tensors, written by the ranks that own them",
 }
 
 

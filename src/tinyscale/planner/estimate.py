@@ -237,10 +237,9 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
     if lay.offload != "none":
         host, masters, states = masters + states, 0, 0
     stages = _partition(cfg, lay.pp, lay.virtual_stages) if lay.pp > 1 else None
-    try:
-        sched = _schedule(lay.schedule, lay.pp, m, lay.virtual_stages) if lay.pp > 1 else None
-    except ValueError as exc:
-        return Estimate(lay, {}, {}, 0.0, False, str(exc))
+    if lay.schedule == "interleaved_1f1b" and m % lay.pp:
+        return Estimate(lay, {}, {}, 0.0, False, f"interleaved 1F1B needs {m} micro-batches to be a multiple of pp {lay.pp}")
+    sched = _schedule(lay.schedule, lay.pp, m, lay.virtual_stages) if lay.pp > 1 and simulate_pipeline else None
     in_flight = _in_flight(lay.schedule, lay.pp, m, lay.virtual_stages, simulate_pipeline) if stages else None
     layer = layer_activation_bytes(cfg, b, s, p, lay.policy, tp=tp, sp=sp, cp=cp)
     whole = layer_activation_bytes(cfg, b, s, p, "none", tp=tp, sp=sp, cp=cp)

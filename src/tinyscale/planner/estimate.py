@@ -28,7 +28,9 @@ as latency (the bubble is what it adds over the slowest rank's busy time); dp's 
 overlapped with the last micro-batch's backward (stage 3: gathers per micro-batch, overlapped with
 it), stage 1-2's parameter all-gather after the step exposed; the optimizer at HBM speed, or over
 PCIe and the host's Adam when offloaded. Every collective costs its alpha-beta time on the link
-its group crosses (`cluster.py`). Not modelled: kernel launch and framework overhead, stragglers.
+its group crosses (`cluster.py`), plus the host's overhead per layer per micro-batch
+(`Cluster.launch_overhead`). Not modelled: matmul efficiency falling for small shapes, overlap
+inside tp, stragglers. A cluster without overlap (`Cluster.overlap=False`, CPU ranks) hides nothing.
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ overlapped with the last micro-batch's backward (stage 3: gathers per micro-batc
 it), stage 1-2's parameter all-gather after the step exposed; the optimizer at HBM speed, or over
 PCIe and the host's Adam when offloaded. Every collective costs its alpha-beta time on the link
 its group crosses (`cluster.py`), plus the host's overhead per layer per micro-batch
-(`Cluster.launch_overhead`). Not modelled: matmul efficiency falling for small shapes, overlap
+(`Cluster.launch_overhead`). MFU counts attention's full T x T square (PaLM's and Megatron-LM's
+convention, `tinyscale.mfu`'s default) while the time counts the causal half a fused kernel
+computes, so at long sequences MFU can exceed `efficiency`. Not modelled: matmul efficiency falling for small shapes, overlap
 inside tp, stragglers. A cluster without overlap (`Cluster.overlap=False`, CPU ranks) hides nothing.
 """
 

@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tinyscale-installed
 
-.PHONY: setup demo test test-thorough docs notebooks bench clean help
+.PHONY: setup demo test test-thorough docs notebooks bench figures clean help
 
 help:
 	@echo "make demo           set up .venv and train the GPT on 4 CPU ranks, compared with 1 process"
@@ -20,6 +20,8 @@ help:
 	@echo "make test-thorough  the suite with many more hypothesis examples (slow)"
 	@echo "make docs           build the lesson site into site/ (mkdocs build --strict)"
 	@echo "make notebooks      execute every notebook in notebooks/"
+	@echo "make bench          run every benchmark; their ratios merged into runs/bench.json"
+	@echo "make figures        refresh the lessons' figures that benchmarks draw"
 
 setup: $(STAMP)
 
@@ -27,7 +29,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,docs,notebooks,triton]"  # triton: tinyscale.kernels, run on the CPU by its interpreter
+	$(PY) -m pip install --quiet -e ".[dev,docs,notebooks,triton,hf,monitor]"  # triton: tinyscale.kernels, run on the CPU by its interpreter; hf: AutoTP's models
+	# peers: DeepSpeed, for -k deepspeed_agreement. PyPI has only its source; it builds against the
+	# torch in .venv (no build isolation, which would fetch a second, CUDA, torch to build with).
+	$(PY) -m pip install --quiet setuptools wheel
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[peers]"
 	touch $(STAMP)
 
 demo: setup
@@ -46,8 +52,16 @@ docs: setup
 notebooks: setup
 	$(PY) scripts/run_notebooks.py
 
+# Every benchmark, each writing its ratios to runs/bench/NAME.json, merged into runs/bench.json.
+# Outputs go to runs/ only; `make figures` refreshes the lessons' figures, on purpose.
 bench: setup
-	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@mkdir -p runs/bench
+	@for b in benchmarks/*.py; do n=$$(basename $$b .py); echo "== $$b"; \
+	  $(PY) $$b --json runs/bench/$$n.json || exit 1; done
+	$(PY) -m tinyscale.bench merge runs/bench.json runs/bench/*.json
+
+figures: setup
+	$(PY) benchmarks/lr_schedules.py --out lessons/figures/02-lr-schedules.svg
 
 clean:
 	rm -rf site runs .pytest_cache .hypothesis

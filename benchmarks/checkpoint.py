@@ -3,11 +3,13 @@
 Answers DS-33 (lesson 03, "What a training checkpoint must hold"): a GPT in float32 with
 AdamW, trained one step on N CPU ranks at ZeRO stages 0-3, then saved with
 `engine.save_checkpoint` several times. Per stage: the bytes of each file of the live
-version, and the median seconds of a save (rank 0's wall time: gathering the shards,
-serialising, writing) with fsync and with `os.fsync` replaced by a no-op (what a writer that
-does not care about power cuts would pay). The same number of parameters Ψ gives model.pt ~
-4Ψ bytes and AdamW's optimizer.pt ~ 8Ψ bytes (two moments) at every stage: the file is
-layout-free, gathered by parameter name.
+version (DCP's: rank r's shard file ``__r_0.distcp``, ``.metadata``; and meta.json), and the
+median seconds of a save (rank 0's wall time: planning, serialising, writing its pieces,
+committing) with fsync and with `os.fsync` replaced by a no-op (what a writer that does not
+care about power cuts would pay). The checkpoint holds ~12Ψ bytes at every stage (4Ψ of
+parameters, 8Ψ of AdamW's two moments), split over the rank files by who owns what
+(`engine/dcp_checkpoint.py`): at stage 0 rank 0 writes everything, at stages 1-3 each rank
+its ZeRO shard, ~12Ψ/N.
 
     .venv/bin/python benchmarks/checkpoint.py [--world-size 2] [--model small] [--saves 5] [--dir /tmp]
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.data import sample_batches, stdlib_corpus
 from tinyscale.engine import checkpoint_io
 from tinyscale.models import GPT, GPTConfig
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", default="small", choices=["tiny", "small"])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write (a real disk, not tmpfs)")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         rows = ts.dist.launch(run_rank, args.world_size, args.model, args.saves, directory, timeout_s=1800)[0]
@@ -86,6 +90,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"{r['stage']:5d} " + " ".join(f"{r['files'].get(n, 0):14,d}" for n in names)
               + f" {r['save_fsync_s'] * 1e3:9.1f} ms {r['save_no_fsync_s'] * 1e3:6.1f} ms")
+    write_json(args.json, {}, rows=rows)
     return rows
 
 

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.collectives import ALL_REDUCE, profile
 
 TORCH = "tinyscale.dist.comm:all_reduce"
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--max-size", type=_size, default=_size("16M"))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown to FILE")
+    add_json_argument(parser)
     args = parser.parse_args()
     sizes, size = [], args.min_size
     while size <= args.max_size:
@@ -104,6 +106,7 @@ def main() -> None:
         with open(args.markdown, "w") as f:
             f.write("\n".join(markdown))
         console.print(f"wrote {args.markdown}")
+    write_json(args.json, {}, tables=markdown)
 
 
 if __name__ == "__main__":

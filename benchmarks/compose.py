@@ -1,6 +1,6 @@
 """The engine's composed dp x tp (or dp x pp) step against the same layout from PyTorch's own pieces.
 
-    python benchmarks/compose.py [--dp 2] [--tp 2] [--steps 8] [--d-model 128] [--json]
+    python benchmarks/compose.py [--dp 2] [--tp 2] [--steps 8] [--d-model 128] [--json PATH]
     python benchmarks/compose.py --pp 2 [--dp 2] [--tp 1] [--microbatches 4] [--layers 4]   # the pipeline
 
 On the same rank processes (CPU, gloo) and the same batches, it times one full training step
@@ -25,7 +25,6 @@ same two layouts agree in float64 (`pytest -k layout_torch`). Lesson: lessons/12
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -35,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.data import synthetic_token_batches
 from tinyscale.dist import ParallelMesh
 from tinyscale.engine.torch_compose import pipelined_step, torch_composed_gpt, torch_pipelined_gpt
@@ -103,7 +103,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    add_json_argument(parser)
     args = parser.parse_args()
     if args.tp is None:
         args.tp = 1 if args.pp > 1 else 2
@@ -121,10 +121,8 @@ def main() -> None:
         res = ts.dist.launch(_bench_rank, world, args.dp, args.tp, args.steps, args.rows, args.seq,
                              args.d_model, args.layers, args.pp, args.microbatches, timeout_s=900)[0]
     ratio = res["ms"]["engine"] / res["ms"][name]
-    if args.json:
-        print(json.dumps({"benchmark": "compose", "dp": args.dp, "tp": args.tp, "pp": args.pp,
-                          "microbatches": args.microbatches, **res, "ratio": ratio}))
-        return
+    write_json(args.json, {f"compose_engine_vs_{name.replace(' ', '_')}": ratio}, dp=args.dp, tp=args.tp, pp=args.pp,
+               microbatches=args.microbatches, **res)
     layout = (f"dp {args.dp} x pp {args.pp} x tp {args.tp} (1F1B, m={args.microbatches})" if args.pp > 1
               else f"dp {args.dp} x tp {args.tp}")
     table = Table(title=f"GPT ({args.layers} layers, d_model={args.d_model}, {args.rows} rows x {args.seq} tokens "

@@ -33,7 +33,6 @@ import argparse
 import datetime
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
 from tinyscale.compression import (
     QSGD, CompressionState, OneBitAdam, PowerSGDState, RandomK, TopK, compression_hook, powersgd_hook,
 )
@@ -105,20 +105,18 @@ def _bench_rank(model_name: str, steps: int, micro: int, rank: int) -> dict:
         else:
             (module, state), opt = wrap(model), torch.optim.AdamW(model.parameters(), lr=1e-3)
         runs[name] = {"model": model, "module": module, "state": state, "opt": opt, "times": [], "bytes": 0}
-    # Steps interleaved round-robin, so drift in the machine's load hits every variant alike.
-    # The first two steps are the plain all-reduce of PowerSGD (start_iter 2) and 1-bit Adam's
-    # warm-up: the timed median and the bytes are over the later, compressed steps.
-    for batch in batches:
-        (local,) = local_micro_batches(batch, dp_rank=me, dp_size=world, micro_batch_size=micro)
-        for run in runs.values():
-            dist.barrier()
-            with comm.record() as ledger:
-                start = time.perf_counter()
-                run["module"](*local).backward()
-                run["opt"].step()
-                run["opt"].zero_grad(set_to_none=True)
-                run["times"].append(time.perf_counter() - start)
-            run["bytes"] = sum(r.bytes for r in ledger.rows)
+    # The first two rounds are the plain all-reduce of PowerSGD (start_iter 2) and 1-bit Adam's
+    # warm-up: dropped, so the timed median and the bytes are over the later, compressed steps.
+    def step(run, i):
+        (local,) = local_micro_batches(batches[i], dp_rank=me, dp_size=world, micro_batch_size=micro)
+        with comm.record() as ledger:
+            run["module"](*local).backward()
+            run["opt"].step()
+            run["opt"].zero_grad(set_to_none=True)
+        run["bytes"] = sum(r.bytes for r in ledger.rows)
+
+    times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=2,
+                        before=dist.barrier)
     out = {}
     for name, run in runs.items():
         nbytes = run["bytes"]
@@ -131,7 +129,7 @@ def _bench_rank(model_name: str, steps: int, micro: int, rank: int) -> dict:
                 nbytes = (plain + ps + qs) * itemsize
             else:
                 nbytes = sum(p.numel() for p in params) * itemsize
-        out[name] = {"s": statistics.median(run["times"][2:]), "bytes": nbytes}
+        out[name] = {"times": times[name], "bytes": nbytes}
     return out
 
 
@@ -143,11 +141,15 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD's matrix_approximation_rank")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown to FILE")
+    add_json_argument(parser)
     args = parser.parse_args()
     console = Console()
     with console.status(f"{args.world_size} ranks..."):
-        r = ts.dist.launch(_bench_rank, args.world_size, args.model, args.steps, args.micro, args.rank,
-                           timeout_s=3600)[0]
+        per_rank = ts.dist.launch(_bench_rank, args.world_size, args.model, args.steps, args.micro, args.rank,
+                                  timeout_s=3600)
+    r = per_rank[0]
+    for name, v in r.items():  # a step ends when every rank's does
+        v["s"] = statistics.median(slowest([rank_result[name]["times"] for rank_result in per_rank]))
     base_s, base_bytes = r[TORCH_PSGD]["s"], r["torch DDP"]["bytes"]
     columns = ("variant", "ms/step", "vs torch PowerSGD", "bytes/step", "vs uncompressed", "bytes from")
     rows = [(name, f"{v['s'] * 1e3:.1f}", f"{v['s'] / base_s:.2f}x", f"{v['bytes']:,}",
@@ -172,6 +174,9 @@ def main() -> None:
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")
+    write_json(args.json, {"compression_bucketed_vs_torch_ddp": r["BucketedDDP"]["s"] / r["torch DDP"]["s"],
+                           "compression_our_powersgd_vs_torch_powersgd": r["BucketedDDP + our PowerSGD"]["s"] / base_s},
+               model=args.model, world_size=args.world_size, steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,18 @@ drawn by `F.dropout` (torch's generator; on the CPU a Bernoulli draw per element
 compare), forward only, on this machine's CPU (and on a GPU if one is there). The best of
 `--repeats` runs of `--iters` calls each, so other processes disturb it less.
 
-    .venv/bin/python benchmarks/counter_dropout.py [--elements 1048576] [--threads 1] [--json]
+    .venv/bin/python benchmarks/counter_dropout.py [--elements 1048576] [--threads 1] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.models.dropout import SITE_MLP, DropoutClock, residual_dropout
 
 
@@ -53,15 +53,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
+    add_json_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows = [measure(args.elements, dtype, device, args.iters, args.repeats)
             for device in devices for dtype in (torch.float32, torch.float64)]
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return
+    write_json(args.json, {}, rows=rows)
     print(f"{'device':6} {'dtype':8} {'F.dropout ms/M':>15} {'counter ms/M':>13} {'ratio':>6}")
     for r in rows:
         print(f"{r['device']:6} {r['dtype']:8} {r['stream_ms_per_M']:15.3f} {r['counter_ms_per_M']:13.3f} "

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tinyscale.data import stdlib_corpus
+from tinyscale.bench import add_json_argument, write_json
 
 
 class SlowBytes(Dataset):
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--batches", type=int, default=20)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     data = SlowBytes(args.batch * args.batches, args.io_ms / 1e3)
     print(f"{args.batch} samples per batch, {args.io_ms} ms of I/O per sample "
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows.append(r)
         print(f"workers {setting['num_workers']}, prefetch {setting.get('prefetch_factor', '-')}: "
               f"{r['samples_per_s']:7.0f} samples/s, waiting for data {r['data_wait_fraction']:5.1%} of the time")
+    write_json(args.json, {}, rows=rows)
     return rows
 
 

@@ -1,6 +1,6 @@
 """NaiveDDP and BucketedDDP against torch's DistributedDataParallel: same model, same run.
 
-    python benchmarks/ddp.py [--world-sizes 2 4] [--steps 10] [--model small] [--bucket-mb 0.5]
+    python benchmarks/ddp.py [--world-sizes 2 4] [--steps 10] [--model small] [--bucket-mb 0.5] [--json PATH]
 
 For each world size, on the same rank processes and the same batches, it times one
 training step (forward, backward with gradient synchronisation, AdamW step) of:
@@ -15,14 +15,15 @@ and reports medians, ratios against torch DDP, all-reduce bytes and calls per st
 the comm ledger), and the fraction of communication time that overlap hides:
 
     hidden = (no-overlap step - overlapped step) / (no-overlap step - compute-only step)
+
+Timing: tinyscale.bench (round-robin steps, 2 warm-up rounds dropped, the slowest
+rank's step, median and spread). `--json PATH` writes ddp_bucketed_vs_torch_N per world size N.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, round_robin, slowest, summary, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.data_parallel import BucketedDDP, NaiveDDP
 from tinyscale.dist import comm
@@ -51,33 +53,32 @@ def _bench_rank(model_name: str, steps: int, micro: int, bucket_mb: float) -> di
     world, rank = dist.get_world_size(), dist.get_rank()
     batches = sample_batches(stdlib_corpus("train").tokens, num_batches=steps + 2, batch_size=micro * world,
                              seq_len=cfg.max_seq_len, seed=0)
-    # Every variant gets its own model and optimizer; steps are interleaved round-robin so
-    # that drift in the machine's load (other processes, thermal) hits all variants alike.
+    # Every variant gets its own model and optimizer.
     runs = {}
     for name, make in _variants(bucket_mb).items():
         model = GPT(cfg, seed=0)
         ddp = make(model)
         runs[name] = {"model": model, "ddp": ddp, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3),
                       "context": ddp.no_sync if name.startswith("no sync") else contextlib.nullcontext,
-                      "times": [], "calls": 0, "bytes": 0}
-    for batch in batches:
-        (local,) = local_micro_batches(batch, dp_rank=rank, dp_size=world, micro_batch_size=micro)
-        for run in runs.values():
-            dist.barrier()
-            with comm.record() as ledger:
-                start = time.perf_counter()
-                with run["context"]():
-                    run["ddp"](*local).backward()
-                run["opt"].step()
-                run["opt"].zero_grad(set_to_none=True)
-                run["times"].append(time.perf_counter() - start)
-            run["calls"], run["bytes"] = ledger.calls("all_reduce"), ledger.bytes("all_reduce")
+                      "calls": 0, "bytes": 0}
+
+    def step(run, i):
+        (local,) = local_micro_batches(batches[i], dp_rank=rank, dp_size=world, micro_batch_size=micro)
+        with comm.record() as ledger:
+            with run["context"]():
+                run["ddp"](*local).backward()
+            run["opt"].step()
+            run["opt"].zero_grad(set_to_none=True)
+        run["calls"], run["bytes"] = ledger.calls("all_reduce"), ledger.bytes("all_reduce")
+
+    times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=2,
+                        before=dist.barrier)
     out = {}
     for name, run in runs.items():
         calls, nbytes = run["calls"], run["bytes"]
         if name == "torch DDP":  # its collectives bypass our ledger: count what it must send
             calls, nbytes = None, sum(p.numel() * p.element_size() for p in run["model"].parameters())
-        out[name] = {"s": statistics.median(run["times"][2:]), "calls": calls, "bytes": nbytes}
+        out[name] = {"times": times[name], "calls": calls, "bytes": nbytes}
     return out
 
 
@@ -88,23 +89,29 @@ def main() -> None:
     parser.add_argument("--model", default="small", choices=["tiny", "small"])
     parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
     parser.add_argument("--bucket-mb", type=float, default=0.5, help="BucketedDDP bucket size")
+    add_json_argument(parser)
     args = parser.parse_args()
     console = Console()
+    ratios = {}
     for world in args.world_sizes:
         with console.status(f"{world} ranks..."):
-            r = ts.dist.launch(_bench_rank, world, args.model, args.steps, args.micro, args.bucket_mb,
-                               timeout_s=3600)[0]
-        torch_s = r["torch DDP"]["s"]
+            per_rank = ts.dist.launch(_bench_rank, world, args.model, args.steps, args.micro, args.bucket_mb,
+                                      timeout_s=3600)
+        r = per_rank[0]
+        for name, v in r.items():
+            v["s"] = summary(slowest([rank_result[name]["times"] for rank_result in per_rank]))
+        torch_s = r["torch DDP"]["s"].median
+        ratios[f"ddp_bucketed_vs_torch_{world}"] = r["BucketedDDP"]["s"].median / torch_s
         table = Table(title=f"{world} ranks ({ts.dist.resolve_backend('auto', world)}): {args.model} GPT, "
                             f"{args.micro} rows/rank, median of {args.steps} steps")
-        for col in ("variant", "ms/step", "vs torch DDP", "all-reduce calls/step", "all-reduce bytes/step"):
+        for col in ("variant", "ms/step (min .. max)", "vs torch DDP", "all-reduce calls/step", "all-reduce bytes/step"):
             table.add_column(col, justify="right")
         for name, v in r.items():
             calls = "(not in our ledger)" if v["calls"] is None else str(v["calls"])
-            table.add_row(name, f"{v['s'] * 1e3:.1f}", f"{v['s'] / torch_s:.2f}x", calls, f"{v['bytes']:,}")
+            table.add_row(name, v["s"].ms(), f"{v['s'].median / torch_s:.2f}x", calls, f"{v['bytes']:,}")
         console.print(table)
-        exposed = r["Bucketed, no overlap"]["s"] - r["no sync (compute only)"]["s"]
-        saved = r["Bucketed, no overlap"]["s"] - r["BucketedDDP"]["s"]
+        exposed = r["Bucketed, no overlap"]["s"].median - r["no sync (compute only)"]["s"].median
+        saved = r["Bucketed, no overlap"]["s"].median - r["BucketedDDP"]["s"].median
         if exposed > 0 and 0 <= saved <= exposed:
             console.print(f"communication without overlap: {exposed * 1e3:.1f} ms/step; overlap hides "
                           f"{saved * 1e3:.1f} ms of it ({saved / exposed:.0%})\n")
@@ -115,6 +122,7 @@ def main() -> None:
                   f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}; "
                   "CPU ranks share the same cores for compute and for gloo's communication, so "
                   "overlap can only hide what the cores are not already busy with.")
+    write_json(args.json, ratios, model=args.model, steps=args.steps)
 
 
 if __name__ == "__main__":

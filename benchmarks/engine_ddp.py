@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.models import GPT, GPTConfig
 
@@ -68,21 +69,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--model", default="small", choices=["tiny", "small"])
     parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
+    add_json_argument(parser)
     args = parser.parse_args()
     console = Console()
     table = Table(title=f"engine vs torch DDP: {args.model} GPT, {args.micro} rows/rank, "
                         f"median of {args.steps} steps")
     for col in ("ranks", "backend", "ours ms/step", "torch DDP ms/step", "ours / torch", "all-reduce bytes/step"):
         table.add_column(col, justify="right")
+    ratios = {}
     for world in args.world_sizes:
         with console.status(f"{world} ranks..."):
             r = ts.dist.launch(_bench_rank, world, args.model, args.steps, args.micro, timeout_s=1800)[0]
+        ratios[f"engine_ddp_vs_torch_{world}"] = r["ours_s"] / r["torch_s"]
         table.add_row(str(world), ts.dist.resolve_backend("auto", world), f"{r['ours_s'] * 1e3:.1f}",
                       f"{r['torch_s'] * 1e3:.1f}", f"{r['ours_s'] / r['torch_s']:.2f}x",
                       f"{r['ours_bytes']:,.0f} (torch: {r['torch_bytes']:,})")
     console.print(table)
     console.print(f"machine: {torch.get_num_threads()} threads here, torch {torch.__version__}, "
                   f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}")
+    write_json(args.json, ratios, model=args.model, steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from tinyscale.mfu.peak import PEAK_TFLOPS, device_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "notebooks"))
 import kernels_traffic as kt  # noqa: E402 - the byte and FLOP counts the notebook uses
+from tinyscale.bench import add_json_argument, write_json
 
 # HBM bandwidth, TB/s, from the same NVIDIA datasheets as tinyscale.mfu's peak table.
 PEAK_HBM_TBS = {"H100 SXM": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "H200 SXM": 4.8, "H200 NVL": 4.8,
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                         help="activations' dtype (RMSNorm, attention, cross-entropy); AdamW and quantize stay fp32")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     console = Console()
     if not HAS_TRITON:
@@ -158,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"tinyscale kernels vs PyTorch on {name} ({args.dtype if not args.smoke else 'smoke'})")
     for col in ("kernel", "impl", "ms", "achieved", "of peak", "peak MiB"):
         table.add_column(col, justify="left" if col in ("kernel", "impl") else "right")
+    rows = []
     for case in cases(device, dtype, args.smoke):
         for impl, fn in [("tinyscale", case["fused"]), *case["eager"].items()]:
             seconds = timed(fn, device, args.repeats)
+            rows.append({"kernel": case["name"], "impl": impl, "ms": seconds * 1e3})
             if "bytes" in case:
                 rate = case["bytes"] / seconds / 1e9
                 achieved, frac = f"{rate:,.0f} GB/s", (f"{rate / (hbm * 1e3):.0%}" if hbm else "?")
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print("GB/s: the fused kernel's minimal bytes (notebooks/kernels_traffic.py) over each time, so the "
                   f"eager rows' figure is an effective rate. Peaks: datasheet, {key or 'device not in the table'}"
                   + (f" ({hbm} TB/s HBM, {flops_peak} TFLOP/s dense)" if key else "") + ".")
+    write_json(args.json, {}, device=name, dtype=str(dtype), rows=rows)
     return 0
 
 

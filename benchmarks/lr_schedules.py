@@ -7,7 +7,10 @@ Goyal et al., 2017, sec. 2.1, which is a rule of thumb, not measured here). The 
 calls the same `lr_at(step, config)` before every optimizer step (engine.py), so the
 curves are what a run with these configs uses.
 
-    .venv/bin/python benchmarks/lr_schedules.py [--out lessons/figures/02-lr-schedules.svg]
+    .venv/bin/python benchmarks/lr_schedules.py [--out runs/02-lr-schedules.svg] [--json PATH]
+
+It writes under runs/ by default, so `make bench` leaves the tracked figure alone; `make
+figures` (or `--out lessons/figures/02-lr-schedules.svg`) refreshes the lesson's figure on purpose.
 
 Tests: `pytest -k lr_schedule`.
 """
@@ -15,7 +18,9 @@ Tests: `pytest -k lr_schedule`.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.config import EngineConfig
 from tinyscale.optim import lr_at
 
@@ -50,7 +55,9 @@ CURVES = {
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="lessons/figures/02-lr-schedules.svg")
+    parser.add_argument("--out", default="runs/02-lr-schedules.svg",
+                        help="the figure (make figures: lessons/figures/02-lr-schedules.svg)")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     import matplotlib
 
@@ -76,8 +83,10 @@ def main(argv: list[str] | None = None) -> None:
               title="same tokens, batch B vs 2B (linear scaling rule)")
     right.legend(fontsize=8)
     fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, metadata={"Date": None} if args.out.endswith(".svg") else None)
     print(f"wrote {args.out}")
+    write_json(args.json, {}, figure=args.out)
 
 
 if __name__ == "__main__":

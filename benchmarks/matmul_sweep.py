@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from tinyscale.mfu.peak import PEAK_TFLOPS, device_key
+from tinyscale.bench import add_json_argument, write_json
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--repeats", type=int, default=5)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtypes = ["float64", "float32", "bfloat16"] + (["tf32", "float16"] if device.type == "cuda" else [])
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{'dtype':9s} {'n':>6s} {'aligned':>8s} {'TFLOP/s':>9s}")
     for r in rows:
         print(f"{r['dtype']:9s} {r['n']:6d} {str(r['aligned']):>8s} {r['flops'] / 1e12:9.4f}")
+    write_json(args.json, {}, device=name, rows=rows)
     return rows
 
 

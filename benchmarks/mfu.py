@@ -20,6 +20,7 @@ import contextlib
 import torch
 from rich.console import Console
 
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.checkpointing import apply_policy
 from tinyscale.data import synthetic_token_batches
 from tinyscale.mfu import (
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--recompute", default="none", choices=["none", "full"], help="full: every block")
+    add_json_argument(parser)
     args = parser.parse_args()
     console = Console()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -90,6 +92,8 @@ def main() -> None:
                                                               f"{args.dtype}, recompute={args.recompute}"))
     console.print(f"tokens/s {s['tokens_per_s']:,.0f} | model FLOPs/token {flops:,.0f} | "
                   f"MFU {100 * tracker.mfu:.1f}% | HFU {100 * tracker.hfu:.1f}%")
+    write_json(args.json, {}, device=name, dtype=args.dtype, model=args.model, tokens_per_s=s["tokens_per_s"],
+               mfu=tracker.mfu, hfu=tracker.hfu)
 
 
 if __name__ == "__main__":

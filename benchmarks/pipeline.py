@@ -1,6 +1,6 @@
 """Our pipeline executor's schedules against PyTorch's torch.distributed.pipelining, same run.
 
-    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 4]
+    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 4] [--json PATH]
 
 Two CPU ranks (gloo), one GPT (float32) cut into the same stages by
 `tinyscale.pipeline.partition_gpt`, the same batch of m micro-batches, timed six ways:
@@ -12,8 +12,12 @@ Two CPU ranks (gloo), one GPT (float32) cut into the same stages by
 Steps run round-robin (so load changes hit all variants alike), the first one of each dropped as
 warm-up; the table shows the median step time, ours / torch measured in this run, and for our
 schedules the bubble measured from each compute action's start and end (a clock the ranks
-share) beside the simulator's, run on the median measured cost of each (stage, kind), and the
-closed form (which assumes equal stages and free messages). Lesson: lessons/08-pipeline-parallel.md.
+share) beside the simulator's, run on the median measured cost of each (stage, kind) and the
+per-message latency measured in the same processes (a ping-pong of one activation-sized
+message, half the median round trip), and the closed form (which assumes equal stages and free
+messages). Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
+pp_afab_vs_torch and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points).
+Lesson: lessons/08-pipeline-parallel.md.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
+from tinyscale.pipeline.schedules import SEND_B, SEND_F
+from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.pipeline import (
@@ -49,7 +55,7 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
     p, rank = dist.get_world_size(), dist.get_rank()
     cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=n_layer, n_head=4, d_model=128, ffn_hidden=384)
     (inputs, targets), = synthetic_token_batches(num_batches=1, batch_size=2 * m, seq_len=32, vocab_size=128, seed=1)
-    runs, logs = {}, {name: [] for name in OURS}
+    runs, logs, messages = {}, {name: [] for name in OURS}, {"send": [], "recv": []}
     for name, (make, v) in OURS.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
         stages = {s.stage: GPTStage(model, s) for s in stages_on_rank(partition_gpt(cfg, p, virtual_stages=v), rank)}
@@ -60,6 +66,21 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
                 run(a)
                 log.append((a, start, time.perf_counter()))
             setattr(executor, method, timed)
+
+        def communicate(actions, run=executor._communicate, log=messages):  # what a message holds its rank for
+            start = time.perf_counter()
+            run(actions)
+            kinds = {a.kind for a in actions}
+            if actions and kinds <= {SEND_F, SEND_B}:  # sends alone: posting them (frames built, isend issued)
+                log["send"].append((time.perf_counter() - start) / len(actions))
+
+        def receive(a, run=getattr(executor, "_receive", None), log=messages):
+            start = time.perf_counter()
+            run(a)
+            log["recv"].append(time.perf_counter() - start)
+        executor._communicate = communicate
+        if hasattr(executor, "_receive"):  # (an executor without it: receives are not timed apart)
+            executor._receive = receive
         runs[name] = (model, lambda ex=executor: ex.run(inputs.chunk(m), targets.chunk(m)))
     for name, (cls, _) in TORCH.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
@@ -68,25 +89,48 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         schedule = getattr(pipelining, cls)(stage, m, loss_fn=gpt_loss)
         kwargs = {"target": targets, "losses": []} if rank == p - 1 else {}
         runs[name] = (model, lambda s=schedule, kw=kwargs: s.step(inputs, **kw) if rank == 0 else s.step(**kw))
-    times = {name: [] for name in runs}
     actions = {}
-    for step in range(steps + 1):
-        for name, (model, run) in runs.items():
-            model.zero_grad()
-            if name in logs:
-                logs[name].clear()
-            dist.barrier()
-            t0 = time.perf_counter()
-            run()
-            dist.barrier()
-            times[name].append(time.perf_counter() - t0)
-            if name in logs and step:
-                actions.setdefault(name, []).append([(str(a), s, e) for a, s, e in logs[name]])
-    return {"times": {k: v[1:] for k, v in times.items()}, "actions": actions}
+
+    def step(name, i):
+        model, run = runs[name]
+        model.zero_grad()
+        if name in logs:
+            logs[name].clear()
+        run()
+        dist.barrier()  # the step ends when both ranks are done
+        if name in logs and i:  # round 0 is warm-up
+            actions.setdefault(name, []).append([(str(a), s, e) for a, s, e in logs[name]])
+
+    times = round_robin({name: lambda i, name=name: step(name, i) for name in runs}, steps, warmup=1,
+                        before=dist.barrier)
+    # a receive's own cost: its lower quartile (most receives also wait for their data)
+    return {"times": times, "actions": actions, "latency": _latency(2 * cfg.max_seq_len * cfg.d_model + 1),
+            "send_s": statistics.median(messages["send"]),
+            "recv_s": statistics.quantiles(messages["recv"], n=4)[0] if len(messages["recv"]) > 1 else 0.0}
 
 
-def bubbles(per_rank: list[dict], name: str, m: int) -> tuple[float, float]:
-    """Measured bubble (median over steps) and the simulator's on the measured median costs."""
+def _latency(numel: int, trips: int = 30) -> float:
+    """One-way seconds of a message of `numel` float32 between ranks 0 and 1: half the median
+    round trip of a blocking send and receive (what a frame of one activation costs)."""
+    rank, buffer, trip = dist.get_rank(), torch.zeros(numel), []
+    for _ in range(trips + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        trip.append(time.perf_counter() - start)
+    return statistics.median(trip[2:]) / 2
+
+
+def bubbles(per_rank: list[dict], name: str, m: int, latency: float = 0.0,
+            message_cost: dict | None = None) -> tuple[float, float]:
+    """Measured bubble (median over steps) and the simulator's on the measured median costs,
+    each message arriving `latency` seconds after its send, each send and receive holding its
+    rank for message_cost["send"] / ["recv"] seconds."""
     p = len(per_rank)
     steps = len(per_rank[0]["actions"][name])
     measured, durations = [], {}
@@ -101,7 +145,9 @@ def bubbles(per_rank: list[dict], name: str, m: int) -> tuple[float, float]:
                 durations.setdefault(_kind(a), []).append(e - s)
     cost = {key: statistics.median(d) for key, d in durations.items()}
     make, _ = OURS[name]
-    sim = simulate(add_communication(make(p, m)), lambda a: cost[(a.stage, a.kind)])
+    held = message_cost or {"send": 0.0, "recv": 0.0}
+    sim = simulate(add_communication(make(p, m)), lambda a: cost[(a.stage, a.kind)], latency=latency,
+                   message_cost=lambda a: held["send" if a.kind in (SEND_F, SEND_B) else "recv"])
     return statistics.median(measured), float(sim.bubble_fraction)
 
 
@@ -115,27 +161,38 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
+    add_json_argument(parser)
     args = parser.parse_args()
     m, p = args.microbatches, 2
     start = time.perf_counter()
     per_rank = ts.dist.launch(_bench_rank, p, m, args.layers, args.steps, timeout_s=300)
-    times = {name: statistics.median(max(r["times"][name][k] for r in per_rank) for k in range(args.steps))
-             for name in per_rank[0]["times"]}
+    times = {name: statistics.median(slowest([r["times"][name] for r in per_rank])) for name in per_rank[0]["times"]}
+    latency = statistics.median(r["latency"] for r in per_rank)
+    held = {"send": statistics.median(r["send_s"] for r in per_rank),
+            "recv": statistics.median(r["recv_s"] for r in per_rank)}
     table = Table(title=f"pipeline step on {p} CPU ranks, m = {m}, {args.layers} layers, float32 "
                         f"(median of {args.steps} steps)")
     for col in ("variant", "step ms", "ours / torch", "bubble measured", "simulated (measured costs)",
-                "closed form"):
+                f"simulated (+ messages: {latency * 1e6:.0f} us latency, {held['send'] * 1e6:.0f} us "
+                f"per send, {held['recv'] * 1e6:.0f} us per receive)", "closed form"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     torch_of = {ours: name for name, (_, ours) in TORCH.items()}
+    gaps = {}
     for name in OURS:
         measured, simulated = bubbles(per_rank, name, m)
+        _, with_latency = bubbles(per_rank, name, m, latency, held)
+        gaps[name] = 100 * (measured - with_latency)
         ratio = f"{times[name] / times[torch_of[name]]:.2f}" if name in torch_of else ""
         table.add_row(f"ours {name}", f"{times[name] * 1e3:.1f}", ratio, f"{measured:.1%}", f"{simulated:.1%}",
-                      f"{CLOSED[name](p, m):.1%}")
+                      f"{with_latency:.1%}", f"{CLOSED[name](p, m):.1%}")
     for name in TORCH:
-        table.add_row(name, f"{times[name] * 1e3:.1f}", "", "", "", "")
+        table.add_row(name, f"{times[name] * 1e3:.1f}", "", "", "", "", "")
     Console(width=130).print(table)
     print(f"wall time {time.perf_counter() - start:.0f} s")
+    write_json(args.json, {"pp_1f1b_vs_torch": times["1f1b"] / times["torch 1F1B"],
+                           "pp_afab_vs_torch": times["afab"] / times["torch GPipe"],
+                           "pp_1f1b_bubble_gap_points": gaps["1f1b"]},
+               latency_s=latency, send_s=held["send"], recv_s=held["recv"], microbatches=m, steps=args.steps)
 
 
 if __name__ == "__main__":

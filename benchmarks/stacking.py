@@ -28,6 +28,7 @@ import time
 import torch
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.checkpointing.measure import peak_bytes
 from tinyscale.data import sample_batches, stdlib_corpus
 from tinyscale.models import GPT, GPTConfig
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--model", default="tiny", choices=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=3)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     rows = ts.dist.launch(run_rank, args.world_size, args.model, args.steps, timeout_s=1800)[0]
     print(f"{args.model} GPT, {args.world_size} ranks, {GLOBAL_ROWS_PER_RANK} rows per rank per step; "
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         print(f"{r['accum']:5d} {r['precision']:>9} {r['ckpt']:>5} {r['stage']:5d} {r['model_states'] / 1024:9.1f} "
               f"{r['step_peak'] / 1024:10.1f} {r['step_s'] * 1e3:8.1f} {r['loss']:10.6f}")
+    write_json(args.json, {}, rows=rows)
     return rows
 
 

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.dist import ParallelMesh, comm
 from tinyscale.models import GPTConfig
 from tinyscale.models.gpt import Block, rope_tables
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=256)
+    add_json_argument(parser)
     args = parser.parse_args()
     console = Console(width=150)
     t0 = time.perf_counter()
@@ -128,6 +130,7 @@ def main() -> None:
     console.print(f"formula: 2 all-reduces of B*T*C*4 = {B * T * C * 4 / 1e6:.2f} MB per block each way "
                   f"({4 * args.blocks} per step); with SP as many all-gathers and reduce-scatters of that size. "
                   f"Ran in {time.perf_counter() - t0:.0f} s.")
+    write_json(args.json, {}, ms=res["ms"], spread=res["spread"])
 
 
 if __name__ == "__main__":

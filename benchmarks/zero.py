@@ -1,6 +1,6 @@
 """ZeRO stage 3 against FSDP2 (`fully_shard`), and stages 1 and 2 against DDP: same model, same run.
 
-    python benchmarks/zero.py [--world-size 2] [--model small] [--steps 10] [--micro 4]
+    python benchmarks/zero.py [--world-size 2] [--model small] [--steps 10] [--micro 4] [--json PATH]
 
 On the same rank processes and the same batches, it times one training step (forward,
 backward, AdamW step, gradients zeroed) of each of these, every one on its own float32
@@ -22,7 +22,8 @@ communication), the ratio against the reference (stage 3 against FSDP2,
 the others against torch DDP; the target for stage 3 is at most 1.3x), the spread
 (fastest .. slowest step), and the bytes our implementations put on the wire per step (the
 comm ledger's bus bytes, against the 2 Psi and 3 Psi of ZeRO's section 7). torch's own
-collectives bypass the ledger.
+collectives bypass the ledger. Timing: tinyscale.bench (the slowest rank's step).
+`--json PATH` writes zero1_vs_ddp, zero2_vs_ddp and zero3_vs_fsdp2.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
+from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.dist import comm
 from tinyscale.models import GPT, GPTConfig
@@ -118,23 +120,22 @@ def _bench_rank(model_name: str, steps: int, micro: int) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     batches = sample_batches(stdlib_corpus("train").tokens, num_batches=steps + 2, batch_size=micro * world,
                              seq_len=cfg.max_seq_len, seed=0)
-    runs = {name: {"impl": _build(name, cfg), "times": [], "step_times": [], "bus_bytes": None} for name in VARIANTS}
-    for batch in batches:
-        (local,) = local_micro_batches(batch, dp_rank=rank, dp_size=world, micro_batch_size=micro)
-        for run in runs.values():
-            dist.barrier()
-            with comm.record() as ledger:
-                start = time.perf_counter()
-                run["impl"].forward(*local).backward()
-                backward_done = time.perf_counter()
-                run["impl"].step()
-                end = time.perf_counter()
-            run["times"].append(end - start)
-            run["step_times"].append(end - backward_done)
-            run["bus_bytes"] = ledger.bus_bytes() if ledger.rows else None
+    runs = {name: {"impl": _build(name, cfg), "step_times": [], "bus_bytes": None} for name in VARIANTS}
+
+    def step(run, i):
+        (local,) = local_micro_batches(batches[i], dp_rank=rank, dp_size=world, micro_batch_size=micro)
+        with comm.record() as ledger:
+            run["impl"].forward(*local).backward()
+            backward_done = time.perf_counter()
+            run["impl"].step()
+        run["step_times"].append(time.perf_counter() - backward_done)
+        run["bus_bytes"] = ledger.bus_bytes() if ledger.rows else None
+
+    times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=2,
+                        before=dist.barrier)
     psi = sum(p.numel() for p in GPT(cfg).parameters())
     return {"psi": psi, "world": world,
-            "variants": {name: {"times": run["times"][2:], "step_times": run["step_times"][2:],
+            "variants": {name: {"times": times[name], "step_times": run["step_times"][2:],
                                 "bus_bytes": run["bus_bytes"]}
                          for name, run in runs.items()}}
 
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--model", default="small", choices=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (after 2 warm-up)")
     parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
+    add_json_argument(parser)
     args = parser.parse_args()
     if args.world_size < 2:
         parser.error("--world-size must be at least 2 (sharding over one rank compares nothing)")
@@ -152,7 +154,10 @@ def main() -> None:
     if not console.is_terminal:  # piped into a file: do not squeeze the table into 80 columns
         console = Console(width=150)
     with console.status(f"{args.world_size} ranks, {len(VARIANTS)} variants x {args.steps + 2} steps..."):
-        r = ts.dist.launch(_bench_rank, args.world_size, args.model, args.steps, args.micro, timeout_s=3600)[0]
+        per_rank = ts.dist.launch(_bench_rank, args.world_size, args.model, args.steps, args.micro, timeout_s=3600)
+    r = per_rank[0]
+    for name, v in r["variants"].items():  # a step ends when every rank's does
+        v["times"] = slowest([rank_result["variants"][name]["times"] for rank_result in per_rank])
     n, psi = r["world"], r["psi"]
     median = {name: statistics.median(v["times"]) for name, v in r["variants"].items()}
     table = Table(title=f"{n} ranks ({ts.dist.resolve_backend('auto', n)}): {args.model} GPT ({psi:,} params, "
@@ -182,6 +187,9 @@ def main() -> None:
     console.print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, "
                   f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}, "
                   f"load average {load}; CPU ranks share the cores for compute and for gloo's communication.")
+    write_json(args.json, {"zero1_vs_ddp": median["ZeroStage1"] / median["torch DDP"],
+                           "zero2_vs_ddp": median["ZeroStage2"] / median["torch DDP"],
+                           "zero3_vs_fsdp2": ratio}, model=args.model, world_size=n, steps=args.steps)
 
 
 if __name__ == "__main__":

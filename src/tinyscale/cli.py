@@ -285,6 +285,19 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_checkpoint(args, console: Console) -> int:
+    """`tinyscale checkpoint export DIR OUT.pt` / `import IN.pt DIR` (engine/dcp_checkpoint.py)."""
+    from tinyscale.engine import dcp_checkpoint
+
+    if args.checkpoint_command == "export":
+        meta = dcp_checkpoint.export(args.directory, args.out)
+        console.print(f"wrote {args.out}: the whole model at step {meta.get('step')}")
+    else:
+        version = dcp_checkpoint.import_file(args.file, args.directory)
+        console.print(f"wrote {version}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tinyscale.models import PRESETS as MODEL_PRESETS
     from tinyscale.train import DTYPES, PRESETS
@@ -324,6 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "or disk (nvme): ZeRO-Offload, stages 2 and 3")
     e.add_argument("--offload-params", choices=OFFLOAD_TARGETS, default="none",
                    help="the parameter shard to host memory or disk: ZeRO-Infinity, stage 3")
+    c = sub.add_parser("checkpoint", help="a checkpoint to one torch.save file and back (export / import)")
+    csub = c.add_subparsers(dest="checkpoint_command", required=True)
+    ex = csub.add_parser("export", help="DIR (any layout wrote it) -> one torch.save file of the whole model")
+    ex.add_argument("directory")
+    ex.add_argument("out")
+    im = csub.add_parser("import", help="a torch.save file (export's, or a model state_dict) -> a checkpoint in DIR")
+    im.add_argument("file")
+    im.add_argument("directory")
     from tinyscale.course import exercise, quiz
     from tinyscale.planner import autotune as plan_autotune
     from tinyscale.planner import report as plan_report
@@ -346,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         from tinyscale.planner.report import cmd_plan
 
         commands = {"train": cmd_train, "info": cmd_info, "estimate": cmd_estimate, "exercise": cmd_exercise,
-                    "quiz": cmd_quiz, "plan": cmd_plan, "autotune": cmd_autotune}
+                    "quiz": cmd_quiz, "plan": cmd_plan, "autotune": cmd_autotune, "checkpoint": cmd_checkpoint}
         return commands[args.command](args, console)
     except ValueError as err:  # bad input: say what and how to fix it, no traceback
         console.print(f"[red]error:[/red] {err}")

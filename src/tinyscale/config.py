@@ -29,6 +29,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from tinyscale.config_deepspeed import screen
 from tinyscale.config_input import Bool, ConfigError, Float, Int, PositiveInt, Section, explain, read_file
+from tinyscale.config_monitor import HealthConfig, MonitorOutput
 from tinyscale.config_schedule import SchedulerConfig, SchedulerParams
 
 
@@ -119,10 +120,11 @@ class Fp16Config(Section):
     initial_scale_power: Int = Field(16, ge=0, le=64)
     loss_scale_window: PositiveInt = 1000
     hysteresis: PositiveInt = 2
-    min_loss_scale: Float = Field(1.0, gt=0)
+    min_loss_scale: Int = Field(1, gt=0)  # an integer, as DeepSpeed's (0.5 is refused there too)
     consecutive_hysteresis: Bool = False  # a clean step restores the whole hysteresis (DeepSpeed's meaning)
     # An overflow at min_loss_scale raises (DeepSpeed's ZeRO optimizers do; its stage-0 fp16
     # optimizer skips instead): there the gradients overflow unscaled, so training has diverged.
+    # tinyscale's own key: DeepSpeed 0.19.8's fp16 section has none (its ZeRO path always raises).
     raise_error_at_min_scale: Bool = True
 
 
@@ -162,6 +164,7 @@ class CompressionConfig(Section):
     type: Literal["none", "topk", "randomk", "qsgd", "powersgd", "onebit_adam"] = "none"
     ratio: Float = Field(0.01, gt=0, le=1)  # topk, randomk: the fraction of elements sent
     bits: Literal[8, 4] = 8  # qsgd
+    norm: Literal["max", "l2"] = "max"  # qsgd's scale: "l2" is the paper's QSGD, "max" the max-norm variant
     error_feedback: Bool = True  # topk, randomk, qsgd, powersgd: what is not sent is sent later
     rank: PositiveInt = 1  # powersgd: matrix_approximation_rank
     start_iter: PositiveInt = 2  # powersgd: plain all-reduce before this step (torch's start_powerSGD_iter)
@@ -185,6 +188,11 @@ class ParallelConfig(Section):
     pipeline_reshard_after_forward: Bool = False
     context_algorithm: Literal["ring", "ulysses"] = "ring"
     context_sharding: Literal["zigzag", "contiguous"] = "zigzag"  # tinyscale.context_parallel.sharding
+    expert: PositiveInt = 1  # expert parallelism: an MoE GPT's experts split over this many dp ranks (engine/expert.py)
+    # AutoTP (a model tinyscale did not write, tensor > 1): module-name pattern -> style, read before
+    # the built-in Llama-family names (tinyscale.tensor_parallel.auto)
+    tp_plan: dict[str, Literal["colwise", "rowwise", "colwise_gather_output", "vocab", "replicate"]] = \
+        Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,9 @@ class EngineConfig(Section):
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     wall_clock_breakdown: Bool = False  # profile every step (engine.profiler; tinyscale.mfu)
     steps_per_print: PositiveInt = 10  # log progress every this many steps (logger tinyscale.engine, INFO)
+    tensorboard: MonitorOutput = MonitorOutput()  # DeepSpeed's monitors (tinyscale.engine.monitor)
+    csv_monitor: MonitorOutput = MonitorOutput()
+    monitor: HealthConfig = HealthConfig()  # tinyscale's own: straggler and loss-spike warnings
     parallel: ParallelConfig = ParallelConfig()
     compression: CompressionConfig = CompressionConfig()  # tinyscale's own section (not DeepSpeed's)
     _notes: tuple[str, ...] = PrivateAttr(default=())

@@ -16,16 +16,18 @@ from tinyscale.config_input import Float, Int, PositiveInt, Section
 class SchedulerParams(Section):
     """DeepSpeed's scheduler keys and defaults (`tinyscale.optim.lr_at` has the formulas).
 
-    WarmupLR and WarmupDecayLR warm up from ``warmup_min_lr`` (0) to ``warmup_max_lr`` (0.001,
-    not the optimizer's lr: ``"auto"`` means the optimizer's lr), then hold (WarmupLR) or decay
-    linearly back to ``warmup_min_lr`` at ``total_num_steps`` (WarmupDecayLR). WarmupCosineLR
-    scales the optimizer's lr instead: warm-up from ``warmup_min_ratio`` (0) x lr to lr, then a
-    cosine down to ``cos_min_ratio`` (0.0001) x lr. All three warm up over ``warmup_num_steps``
-    (1000) steps, logarithmically unless ``warmup_type`` is "linear"."""
+    WarmupLR and WarmupDecayLR warm up from ``warmup_min_lr`` (0) to ``warmup_max_lr``, then hold
+    (WarmupLR) or decay linearly back to ``warmup_min_lr`` at ``total_num_steps`` (WarmupDecayLR).
+    ``warmup_max_lr`` defaults, as in DeepSpeed 0.19.8, to the optimizer's lr for WarmupLR (None
+    here, read by `lr_at`) and to 0.001 for WarmupDecayLR; ``"auto"`` means the optimizer's lr.
+    WarmupCosineLR scales the optimizer's lr instead: warm-up from ``warmup_min_ratio`` (0) x lr to
+    lr, then a cosine down to ``cos_min_ratio`` (0.0001) x lr. All three warm up over
+    ``warmup_num_steps`` (1000; at least 1, as DeepSpeed's constructors require) steps,
+    logarithmically unless ``warmup_type`` is "linear"."""
 
     warmup_min_lr: Float | None = Field(None, ge=0)  # None: the type's default (set by SchedulerConfig)
     warmup_max_lr: Float | None = Field(None, gt=0)
-    warmup_num_steps: Int = Field(1000, ge=0)
+    warmup_num_steps: Int = Field(1000, ge=1)  # DeepSpeed raises on 0
     warmup_type: Literal["linear", "log"] = "log"
     total_num_steps: PositiveInt | None = None
     warmup_min_ratio: Float | None = Field(None, ge=0, le=1)
@@ -35,7 +37,7 @@ class SchedulerParams(Section):
 # The keys each DeepSpeed scheduler type takes beyond the warm-up's, with DeepSpeed's defaults;
 # a key of another type is refused, as DeepSpeed's constructor refuses it.
 _SCHEDULER_OWN_KEYS = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001},
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None},  # None: the optimizer's lr
     "WarmupDecayLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001},
     "WarmupCosineLR": {"warmup_min_ratio": 0.0, "cos_min_ratio": 0.0001},
 }
@@ -74,7 +76,7 @@ class SchedulerConfig(Section):
                     f"params.total_num_steps ({p.total_num_steps}) is less than "
                     f"params.warmup_num_steps ({p.warmup_num_steps})"
                 )
-        if self.type != "WarmupCosineLR" and p.warmup_max_lr < p.warmup_min_lr:
+        if self.type != "WarmupCosineLR" and p.warmup_max_lr is not None and p.warmup_max_lr < p.warmup_min_lr:
             raise ValueError(f"params.warmup_max_lr ({p.warmup_max_lr}) is below params.warmup_min_lr "
                              f"({p.warmup_min_lr})")
         return self

@@ -59,7 +59,8 @@ def _r(path: str, why: str, same: Same = _never, same_doc: str = "") -> Key:
     return Key(path, "refused", why, same, same_doc)
 
 
-_MONITOR = "DeepSpeed writes training metrics to {}; tinyscale writes no monitor files: read engine.last_step"
+_MONITOR = ("DeepSpeed writes training metrics to {}; tinyscale writes them to TensorBoard and CSV files only "
+            "(tensorboard, csv_monitor), and to engine.last_step")
 _NOT_BUILT = "changes the model, data or update rule; tinyscale does not build it"
 _OFF, _FALSE, _TRUE = "enabled false", "false", "true"
 ZO = "zero_optimization."
@@ -84,8 +85,10 @@ KEYS: tuple[Key, ...] = (
        "Adam always applies it", _is(True), _TRUE),
     _h("scheduler.type", "WarmupLR, WarmupDecayLR, WarmupCosineLR (LRRangeTest, OneCycle: refused)"),
     _h("scheduler.params.warmup_min_lr", "start of the warm-up, and WarmupDecayLR's floor (default 0)"),
-    _h("scheduler.params.warmup_max_lr", "peak (default 0.001; \"auto\": optimizer.params.lr)"),
-    _h("scheduler.params.warmup_num_steps", "warm-up length (default 1000)"),
+    _h("scheduler.params.warmup_max_lr", "peak (default: WarmupLR the optimizer's lr, WarmupDecayLR 0.001; "
+                                          "\"auto\": optimizer.params.lr)"),
+    _h("scheduler.params.warmup_num_steps", "warm-up length (default 1000; at least 1, and 1 means 2, as "
+                                             "DeepSpeed clamps it)"),
     _h("scheduler.params.warmup_type", "\"log\" (default) or \"linear\""),
     _h("scheduler.params.total_num_steps", "end of the decay (WarmupDecayLR, WarmupCosineLR)"),
     _h("scheduler.params.warmup_min_ratio", "WarmupCosineLR: warm-up start as a fraction of lr (default 0)"),
@@ -116,7 +119,6 @@ KEYS: tuple[Key, ...] = (
     _h("fp16.hysteresis", "overflows tolerated before the scale halves"),
     _h("fp16.consecutive_hysteresis", "a clean step restores the whole hysteresis"),
     _h("fp16.min_loss_scale", "floor of the dynamic scale"),
-    _h("fp16.raise_error_at_min_scale", "an overflow at the floor raises (default true; lesson 04)"),
     _r("fp16.auto_cast", "DeepSpeed casts the model's floating-point inputs to fp16; tinyscale passes "
        "inputs as given", _is(False), _FALSE),
     _r("fp16.fp16_master_weights_and_grads", "DeepSpeed can keep the masters in fp16; tinyscale's masters "
@@ -209,9 +211,15 @@ KEYS: tuple[Key, ...] = (
     _h("wall_clock_breakdown", "per-step forward/backward/optimizer/communication times (engine.profiler)"),
     _n("flops_profiler", "DeepSpeed profiles one step's FLOPs per module; tinyscale reports MFU every step "
        "(engine.last_step)", _disabled, _OFF),
-    _n("tensorboard", _MONITOR.format("TensorBoard"), _disabled, _OFF),
+    _h("tensorboard.enabled", "event files of loss, lr, loss scale, grad norm, tokens/s, MFU, memory and health "
+       "counts, every step (tinyscale.engine.monitor)"),
+    _h("tensorboard.output_path", "the event files go to output_path/job_name/ ('': the working directory)"),
+    _h("tensorboard.job_name", "the run's folder under output_path"),
     _n("wandb", _MONITOR.format("Weights & Biases"), _disabled, _OFF),
-    _n("csv_monitor", _MONITOR.format("CSV files"), _disabled, _OFF),
+    _h("csv_monitor.enabled", "one CSV file per metric (rows: step, value), DeepSpeed's layout "
+       "(tinyscale.engine.monitor)"),
+    _h("csv_monitor.output_path", "the CSV files go to output_path/job_name/ ('': the working directory)"),
+    _h("csv_monitor.job_name", "the run's folder under output_path"),
     _n("comet", _MONITOR.format("Comet"), _disabled, _OFF),
     _n("comms_logger", "tinyscale records every collective in engine.comm_ledger", _disabled, _OFF),
     _n("timers", "DeepSpeed's throughput timers; tinyscale's are in engine.last_step", _never),
@@ -234,7 +242,8 @@ KEYS: tuple[Key, ...] = (
     _r("pipeline", "DeepSpeed's pipeline engine; tinyscale's pipeline is parallel.pipeline, "
        "parallel.pipeline_schedule and parallel.virtual_stages", _never),
     _r("tensor_parallel", "DeepSpeed's automatic tensor parallelism (AutoTP) finds the layers to split; "
-       "tinyscale's is parallel.tensor, which splits its GPT (lesson 07)", _never),
+       "tinyscale's is parallel.tensor: its GPT by its own plan (lesson 07), another model by AutoTP with "
+       "parallel.tp_plan (lesson 12)", _never),
     _r("elasticity", "DeepSpeed picks batch sizes valid for a range of world sizes; not built", _disabled, _OFF),
     _r("disable_allgather", "DeepSpeed can broadcast instead of all-gather; tinyscale all-gathers",
        _is(False), _FALSE),

@@ -4,18 +4,28 @@ Both build their optimizer here so that "the engine trains exactly like one proc
 a statement about parallelism, never about two slightly different optimizers.
 
 The schedule is a pure function of the step: `lr_at(step, config)` is the learning rate
-used by optimizer step `step` (0-based). With warm-up over W steps from lr_min to lr_max:
+used by the `step`-th applied optimizer step (0-based; a skipped fp16 step does not count), and
+it is DeepSpeed's, value for value (`pytest -k deepspeed_agreement` runs DeepSpeed 0.19.8's own
+schedulers beside it). DeepSpeed sets the lr once when it builds the scheduler and steps the
+scheduler after each applied optimizer step, so step `step` runs at the formula's value for
+i = step - 1, and step 0 at i = -1: warmup_min_lr (WarmupLR, WarmupDecayLR) or 0 (WarmupCosineLR,
+whatever its warmup_min_ratio). With W = max(2, warmup_num_steps) (DeepSpeed clamps it) and
+lr_min, lr_max = warmup_min_lr, warmup_max_lr (WarmupLR's warmup_max_lr defaults to the
+optimizer's lr, WarmupDecayLR's to 0.001):
 
-    linear warm-up   lr = lr_min + (lr_max - lr_min) * step / W            (step < W)
-    log warm-up      lr = lr_min + (lr_max - lr_min) * log(step + 1) / log(W + 1)
-    WarmupLR         lr = lr_max                                           (step >= W)
-    WarmupDecayLR    lr = lr_min + (lr_max - lr_min) * (T - step) / (T - W), floored at lr_min
-    WarmupCosineLR   lr = lr_max * (c + (1 - c) * (1 + cos(pi * p)) / 2),  p = (step - W) / (T - W)
+    linear warm-up   g = i / W                                             (0 <= i < W)
+    log warm-up      g = log(i + 1) / log(W)
+    WarmupLR         g = 1                                                 (i >= W)
+    WarmupDecayLR    g = max(0, (T - i) / max(1, T - W))
+    lr = lr_min + (lr_max - lr_min) * g
+    WarmupCosineLR   lr = lr0 * (r + (1 - r) * g) in warm-up (r = warmup_min_ratio, lr0 the optimizer's lr),
+                     then lr0 * max(0, c + (1 - c) * (1 + cos(pi * p)) / 2), p = min(1, (i - W + 1) / max(1, T - W))
 
-(T = total_num_steps, c = cos_min_ratio; lr_min, lr_max = warmup_min_lr, warmup_max_lr, except
-for WarmupCosineLR: warmup_min_ratio x lr and the optimizer's lr). The shapes, keys and
-defaults are DeepSpeed's (`tinyscale.config.SchedulerParams`); the exact step indexing is ours
-and stated here.
+(T = total_num_steps, c = cos_min_ratio). Two consequences a reader may not expect, both
+DeepSpeed's: the first two steps both run at lr_min (i = -1 and i = 0 give g = 0), so with the
+default warmup_min_lr 0 the first two steps do not move the parameters; and warmup_num_steps 1
+warms up over 2 steps. docs/deepspeed-config.md lists them. The arithmetic is written in
+DeepSpeed's order, so the values are equal, not just close.
 """
 
 from __future__ import annotations
@@ -42,32 +52,32 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfi
 
 
 def lr_at(step: int, config: EngineConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based)."""
+    """Learning rate of the `step`-th applied optimizer step (0-based), as DeepSpeed gives it."""
     base = config.optimizer.params.lr
     sched = config.scheduler
     if sched is None:
         return base
     p = sched.params
-    if sched.type == "WarmupCosineLR":  # ratios of the optimizer's lr
-        low, peak = p.warmup_min_ratio * base, base
-    else:
-        low, peak = p.warmup_min_lr, p.warmup_max_lr
-    warmup = p.warmup_num_steps
-    if step < warmup:
-        if p.warmup_type == "linear":
-            frac = step / warmup
+    i = step - 1  # DeepSpeed's last_batch_iteration: -1 when it builds the scheduler, +1 after each step
+    warmup = max(2, p.warmup_num_steps)
+    if i < 0:
+        return 0.0 if sched.type == "WarmupCosineLR" else p.warmup_min_lr
+    if i < warmup:
+        gamma = (1.0 / math.log(warmup)) * math.log(i + 1) if p.warmup_type == "log" else i / warmup
+    if sched.type == "WarmupCosineLR":
+        if i < warmup:
+            ratio = p.warmup_min_ratio + gamma * (1.0 - p.warmup_min_ratio)
         else:
-            frac = math.log(step + 1) / math.log(warmup + 1)
-        return low + (peak - low) * frac
-    if sched.type == "WarmupLR":
-        return peak
-    total = p.total_num_steps
-    span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    if sched.type == "WarmupDecayLR":
-        return low + (peak - low) * max(0.0, 1.0 - progress)
-    c = p.cos_min_ratio
-    return peak * (c + (1 - c) * 0.5 * (1 + math.cos(math.pi * progress)))
+            progress = min(1.0, (i - warmup + 1) / max(1, p.total_num_steps - warmup))
+            c = p.cos_min_ratio
+            ratio = max(0.0, c + (1.0 - c) * ((1 + math.cos(math.pi * progress)) / 2))
+        return base * ratio
+    low = p.warmup_min_lr
+    peak = base if p.warmup_max_lr is None else p.warmup_max_lr  # WarmupLR's default: the optimizer's lr
+    if i >= warmup:
+        gamma = 1.0 if sched.type == "WarmupLR" else max(
+            0.0, float(p.total_num_steps - i) / float(max(1.0, p.total_num_steps - warmup)))
+    return low + (peak - low) * gamma
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -82,7 +82,7 @@ def _wrong_layout_body():
 
 
 def _timeline_body(cp_T):
-    """Forward on this rank with block_attention timed: per step, when its blocks ran, and
+    """Forward on this rank with each block's attention timed: per step, when its blocks ran, and
     when that step's K/V hop was posted and waited for."""
     import time
 
@@ -95,7 +95,7 @@ def _timeline_body(cp_T):
     cp, rank = dist.get_world_size(), dist.get_rank()
     layout = Layout(cp, "zigzag", cp_T)
     q = shard(torch.randn(1, 2, cp_T, D, dtype=torch.float64), layout, rank, dim=2)
-    calls, original = [], ring.block_attention
+    calls, original = [], ring._attend
 
     def timed(*args, **kwargs):
         calls.append(time.perf_counter())
@@ -103,12 +103,12 @@ def _timeline_body(cp_T):
         calls.append(time.perf_counter())
         return out
 
-    ring.block_attention = timed
+    ring._attend = timed
     try:
         with comm.record() as ledger:
             ring.ring_attention(q, q[:, :1], q[:, :1], layout=layout)
     finally:
-        ring.block_attention = original
+        ring._attend = original
     per_step = [2 * len(block_plan(layout, rank, (rank - s) % cp, causal=True)) for s in range(cp)]
     bounds = [sum(per_step[:s]) for s in range(cp + 1)]
     steps = [(calls[bounds[s]], calls[bounds[s + 1] - 1]) for s in range(cp)]  # (first start, last end)

@@ -259,3 +259,44 @@ def test_ddp_recovers_after_a_backward_that_raised(impl):
     assert calls0 > 0 and calls1 > 0  # the next backward synchronises again
     assert all(torch.equal(grads0[k], grads1[k]) for k in grads0)
 
+
+
+def _bucket_view_training(as_view, set_to_none):
+    """GPT steps with accumulation 2 and weight decay, zeroing .grad in place or to None: the
+    losses, the parameters, and whether every .grad lives in its bucket after each step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, batches = _model_and_batches("gpt", 5, 2 * 2 * world, 3)
+    ddp = BucketedDDP(model, bucket_cap_mb=2.2e-3, gradient_as_bucket_view=as_view)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp.buckets}
+    losses, in_bucket = [], []
+    for batch in batches:
+        micros = local_micro_batches(batch, dp_rank=rank, dp_size=world, micro_batch_size=2)
+        total = torch.zeros((), dtype=torch.float64)
+        for i, chunk in enumerate(micros):
+            with contextlib.nullcontext() if i == len(micros) - 1 else ddp.no_sync():
+                loss = ddp(*chunk)
+                (loss / len(micros)).backward()
+            total += loss.detach()
+        dist.all_reduce(total)
+        losses.append(total.item() / (len(micros) * world))
+        in_bucket.append(all(p.grad.untyped_storage().data_ptr() in storages for p in ddp.params))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return losses, ts.testing.state_dict_cpu(model), in_bucket
+
+
+@pytest.mark.parametrize(("as_view", "set_to_none"), [(True, False), (True, True), (False, False)])
+def test_ddp_bucketed_gradient_as_bucket_view_trains_like_one_process(as_view, set_to_none):
+    """gradient_as_bucket_view (default on): each .grad is its bucket slot, also when zeroed in
+    place and accumulated into by the next backwards (the copy in skipped); off: its own copy.
+    Float64 losses and parameters equal one process's on the whole batch either way."""
+    assert inspect.signature(BucketedDDP).parameters["gradient_as_bucket_view"].default is True
+    results = run_on_ranks(_bucket_view_training, 2, as_view, set_to_none)
+    model, batches = _model_and_batches("gpt", 5, 8, 3)
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}, "train_batch_size": 8}
+    ref_losses = ts.reference.train(model, batches, config)
+    for losses, state, in_bucket in results:
+        assert_losses_close(losses, ref_losses)
+        assert_state_dicts_close(state, model.state_dict())
+        assert in_bucket == [as_view] * 3

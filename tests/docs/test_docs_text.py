@@ -26,6 +26,7 @@ STALE = {
     "rank 0 holds and writes the whole state": "every rank builds the checkpoint's state; rank 0 writes it",
     "needs a conversion step (\"universal checkpointing\") to change the data-parallel degree":
         "DeepSpeed's ZeRO 1/2 elastic_checkpoint changed the dp degree without one",
+    'tinyscale refuses `"auto"` by field name': "train_batch_size \"auto\" is derived (config_deepspeed.py)",
 }
 
 

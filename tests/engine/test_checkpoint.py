@@ -96,7 +96,7 @@ def test_checkpoint_interrupted_write_keeps_the_previous_one(tmp_path, monkeypat
 
     def dying_save(obj, f, *args, **kwargs):
         calls.append(f)
-        if len(calls) == 2:  # the optimizer file: die mid-checkpoint
+        if len(calls) == 2:  # the second item DCP writes: die mid-checkpoint
             raise OSError("disk full (simulated)")
         return real_save(obj, f, *args, **kwargs)
 
@@ -113,10 +113,10 @@ def test_checkpoint_interrupted_write_keeps_the_previous_one(tmp_path, monkeypat
 def test_checkpoint_corruption_and_mismatch_are_clear_errors(tmp_path):
     engine = ts.initialize(TinyMLP(seed=0), CONFIG)
     engine.save_checkpoint(tmp_path / "ckpt")
-    with open(checkpoint_io.live_version(tmp_path / "ckpt") / "model.pt", "r+b") as f:
+    with open(checkpoint_io.live_version(tmp_path / "ckpt") / "__0_0.distcp", "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xfe")
-    with pytest.raises(ValueError, match="model.pt is corrupt"):
+    with pytest.raises(ValueError, match="__0_0.distcp is corrupt"):
         engine.load_checkpoint(tmp_path / "ckpt")
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
         engine.load_checkpoint(tmp_path / "nothing")

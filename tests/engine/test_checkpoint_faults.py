@@ -93,13 +93,17 @@ def _damage_meta_without_sha256(live):
     (live / "meta.json").write_text(json.dumps(meta))
 
 
-def _damage_delete_optimizer(live):
-    (live / "optimizer.pt").unlink()
+def _damage_delete_shard(live):
+    (live / "__0_0.distcp").unlink()
 
 
-def _damage_truncate_model(live):
-    data = (live / "model.pt").read_bytes()
-    (live / "model.pt").write_bytes(data[: len(data) // 2])
+def _damage_truncate_shard(live):
+    data = (live / "__0_0.distcp").read_bytes()
+    (live / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+
+
+def _damage_delete_dcp_metadata(live):
+    (live / ".metadata").unlink()
 
 
 def _damage_delete_version(live):
@@ -113,8 +117,9 @@ def _damage_garbage_pointer(live):
 DAMAGES = {
     "garbage-meta": (_damage_garbage_meta, r"meta\.json is not valid JSON"),
     "meta-without-sha256": (_damage_meta_without_sha256, r"meta\.json has no 'sha256' table"),
-    "deleted-optimizer": (_damage_delete_optimizer, r"optimizer\.pt is missing"),
-    "truncated-model": (_damage_truncate_model, r"model\.pt is corrupt"),
+    "deleted-shard": (_damage_delete_shard, r"__0_0\.distcp is missing"),
+    "truncated-shard": (_damage_truncate_shard, r"__0_0\.distcp is corrupt"),
+    "deleted-dcp-metadata": (_damage_delete_dcp_metadata, r"\.metadata is missing"),
     "deleted-version": (_damage_delete_version, r"latest names v000001, but .* does not exist"),
     "garbage-pointer": (_damage_garbage_pointer, r"latest should name a version"),
 }
@@ -212,16 +217,16 @@ def test_checkpoint_faults_new_hyperparameters_win_and_are_reported(tmp_path, st
 
 def _load_where_rank1_cannot_read(path, stage):
     engine = ts.initialize(TinyMLP(seed=9), {**_config(stage=stage), "train_batch_size": 8})
-    real = checkpoint_io.read
+    real = checkpoint_io.read_meta
     if torch.distributed.get_rank() == 1:  # e.g. a node whose mount of the checkpoint is stale
-        checkpoint_io.read = lambda p: (_ for _ in ()).throw(CheckpointError(f"rank 1 cannot read {p}"))
+        checkpoint_io.read_meta = lambda p: (_ for _ in ()).throw(CheckpointError(f"rank 1 cannot read {p}"))
     try:
         engine.load_checkpoint(path)
         return None
     except CheckpointError as exc:
         return str(exc)
     finally:
-        checkpoint_io.read = real
+        checkpoint_io.read_meta = real
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -229,5 +234,5 @@ def test_checkpoint_faults_every_rank_raises_when_one_cannot_load(tmp_path, stag
     """No rank goes on loading (stage 3 would wait in a gather forever) when another failed."""
     _trained(1).save_checkpoint(tmp_path / "ckpt")
     errors = run_on_ranks(_load_where_rank1_cannot_read, 2, str(tmp_path / "ckpt"), stage)
-    assert errors[0] is not None and "another rank could not load" in errors[0]
+    assert errors[0] is not None and "rank 1 could not load" in errors[0] and "rank 1 cannot read" in errors[0]
     assert errors[1] is not None and errors[1].startswith("rank 1 cannot read")

@@ -97,8 +97,9 @@ def test_deepspeed_config_honoured_keys_are_fields_and_every_field_is_in_the_tab
     honoured = {k.path for k in KEYS if k.kind == "honoured"}
     for path in honoured:
         _field(path)
-    ours = {"parallel", "compression", "activation_checkpointing.policy", "activation_checkpointing.every_k",
-            "activation_checkpointing.use_reentrant"}  # tinyscale's own keys, not DeepSpeed's
+    ours = {"parallel", "compression", "monitor", "activation_checkpointing.policy", "activation_checkpointing.every_k",
+            "activation_checkpointing.use_reentrant",
+            "fp16.raise_error_at_min_scale"}  # tinyscale's own keys, not DeepSpeed's
 
     def leaves(model, prefix=""):
         for name, field in model.model_fields.items():
@@ -172,23 +173,29 @@ def _schedule(kind, lr=1.0, **params):
 
 
 def test_deepspeed_config_warmuplr_defaults_are_deepspeeds():
-    cfg = _schedule("WarmupLR")  # log warm-up over 1000 steps from 0 to 0.001, whatever the optimizer's lr
-    assert lr_at(0, cfg) == 0.0 and lr_at(1000, cfg) == lr_at(5000, cfg) == 0.001
-    assert lr_at(9, cfg) == pytest.approx(0.001 * math.log(10) / math.log(1001), rel=1e-12)
-    linear = _schedule("WarmupLR", warmup_type="linear")
-    assert lr_at(500, linear) == pytest.approx(0.0005, rel=1e-12)
+    # log warm-up over 1000 steps from 0 to the optimizer's lr (DeepSpeed 0.19.8's WarmupLR takes
+    # warmup_max_lr=None to mean the optimizer's lr; 0.001 here was 3.3x too high for lr 3e-4)
+    cfg = _schedule("WarmupLR", lr=3e-4)
+    assert lr_at(0, cfg) == 0.0 and lr_at(1001, cfg) == lr_at(5000, cfg) == 3e-4
+    assert lr_at(10, cfg) == pytest.approx(3e-4 * math.log(10) / math.log(1000), rel=1e-12)
+    linear = _schedule("WarmupLR", lr=3e-4, warmup_type="linear")
+    assert lr_at(501, linear) == pytest.approx(1.5e-4, rel=1e-12)
+    assert _schedule("WarmupDecayLR", lr=3e-4, total_num_steps=2000).scheduler.params.warmup_max_lr == 0.001
+    with pytest.raises(ConfigError, match="warmup_num_steps"):  # DeepSpeed's constructors raise on 0
+        _schedule("WarmupLR", warmup_num_steps=0)
 
 
 def test_deepspeed_config_warmupdecaylr_decays_to_warmup_min_lr():
     cfg = _schedule("WarmupDecayLR", warmup_min_lr=0.1, warmup_max_lr=1.0, warmup_num_steps=2,
                     total_num_steps=6, warmup_type="linear")
-    assert [lr_at(s, cfg) for s in range(8)] == pytest.approx([0.1, 0.55, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
+    assert [lr_at(s, cfg) for s in range(9)] == pytest.approx([0.1, 0.1, 0.55, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
 
 
 def test_deepspeed_config_warmupcosinelr_takes_ratios_of_the_optimizer_lr():
     cfg = _schedule("WarmupCosineLR", lr=2.0, warmup_min_ratio=0.2, warmup_num_steps=4, total_num_steps=14,
                     warmup_type="linear")
-    assert [lr_at(s, cfg) for s in range(5)] == pytest.approx([0.4, 0.8, 1.2, 1.6, 2.0])
+    # step 0 is 0 whatever warmup_min_ratio says (DeepSpeed's get_lr before its first step)
+    assert [lr_at(s, cfg) for s in range(5)] == pytest.approx([0.0, 0.4, 0.8, 1.2, 1.6])
     assert lr_at(14, cfg) == pytest.approx(2.0 * 0.0001)  # DeepSpeed's default cos_min_ratio
     assert lr_at(9, cfg) == pytest.approx(2.0 * (0.0001 + 0.9999 * 0.5))
     with pytest.raises(ConfigError, match="warmup_max_lr do not belong to WarmupCosineLR"):
@@ -280,8 +287,9 @@ def test_deepspeed_config_corpus_has_every_kind():
 
 
 @pytest.mark.parametrize("path", CORPUS, ids=lambda p: p.stem)
-def test_deepspeed_config_corpus_loads_and_trains(path, tmp_path, caplog):
+def test_deepspeed_config_corpus_loads_and_trains(path, tmp_path, caplog, monkeypatch):
     raw = json.loads(path.read_text().replace("/local_nvme", str(tmp_path)))
+    monkeypatch.chdir(tmp_path)  # a monitor's relative output_path (csv_monitor: "logs/") lands here
     cfg = EngineConfig.load(raw)
     with caplog.at_level(logging.WARNING, logger="tinyscale.config"):
         engine = ts.initialize(_gpt(), cfg)
@@ -290,6 +298,9 @@ def test_deepspeed_config_corpus_loads_and_trains(path, tmp_path, caplog):
     rows = engine.batch.train_batch_size
     for batch in synthetic_token_batches(num_batches=2, batch_size=rows, seq_len=16, seed=0):
         assert math.isfinite(engine.train_batch(batch))
+    if raw.get("csv_monitor", {}).get("enabled"):  # honoured: DeepSpeed's file layout
+        section = raw["csv_monitor"]
+        assert (tmp_path / section["output_path"] / section["job_name"] / "Train_Samples_train_loss.csv").is_file()
 
 
 # --- zero_optimization.reduce_scatter: false all-reduces, same training, twice the bytes

@@ -5,8 +5,9 @@
   losses and `full_state_dict()` (original keys and order, on every rank) equal
   `tinyscale.reference.train` (float64, rtol 1e-10), tied embeddings and layer counts the
   stages do not divide included;
-- the ledger of one step: the sends and receives the schedule lowers to, each a 64-byte shape
-  header and the activation, m x activation x boundaries x 2 bytes of data in all;
+- the ledger of the second step: the sends and receives the schedule lowers to, each a frame
+  (the activation and one status element; the shapes went in step 1's headers), m x
+  activation x boundaries x 2 bytes of data in all;
 - pp 2 x tp 2 (1F1B, interleaved with 2 chunks, zb_h1; tied, GQA with K/V heads split or
   replicated, a vocab tp does not divide, clipping, ZeRO 1): losses and `full_state_dict()`
   equal `tinyscale.reference.train` (float64, rtol 1e-10), in one 4-rank call;
@@ -133,8 +134,9 @@ def test_engine_pipeline_dp2_pp2_trains_like_single_process(index):
 
 @pytest.mark.parametrize("world, layouts", [(2, P2), (4, P4)], ids=["p2", "p4"])
 def test_engine_pipeline_ledger_counts_the_schedules_messages(world, layouts):
-    """One step's p2p: per message a 64-byte header (8 int64: dtype, ndim, sizes) then the
-    (rows, T, C) activation or its gradient; over all ranks m x activation x (p v - 1) x 2."""
+    """The second step's p2p: per message one frame, the (rows, T, C) activation or its gradient
+    and one status element (the shapes are known from step 1's headers); over all ranks
+    m x activation x (p v - 1) x 2 bytes of data."""
     for index, (name, n_layer, tied, m, v, *_rest) in enumerate(layouts):
         activation = 1 * SEQ * 8 * 8  # rows x T x C x float64 bytes
         tied_bytes = VOCAB * 8 * 8 if tied else 0  # the tied table's gradient, first <-> last stage
@@ -144,8 +146,8 @@ def test_engine_pipeline_ledger_counts_the_schedules_messages(world, layouts):
             tied_here = tied and rank in (0, world - 1)
             for op in ("isend", "irecv"):
                 sizes = sorted(nbytes for kind, nbytes in p2p if kind == op)
-                assert sizes == sorted([64] * sends + [activation] * sends + [tied_bytes] * tied_here), (name, op)
-            data += sum(nbytes for kind, nbytes in p2p if kind == "isend") - 64 * sends - tied_bytes * tied_here
+                assert sizes == sorted([activation + 8] * sends + [tied_bytes] * tied_here), (name, op)
+            data += sum(nbytes for kind, nbytes in p2p if kind == "isend") - 8 * sends - tied_bytes * tied_here
         assert data == m * activation * (world * v - 1) * 2, name
 
 

@@ -167,8 +167,8 @@ def test_engine_pipeline_layout_pp_composed_trains_like_single_process(index):
 
 
 def test_engine_pipeline_layout_pp_sequence_parallel_sends_sequence_shards():
-    """pp 2 x tp 2 with SP: each message between stages is a 64-byte header and the (1, T/t, C)
-    shard; over all ranks m x shard x (p v - 1) x 2 x t bytes of data (every TP rank sends its own)."""
+    """pp 2 x tp 2 with SP: each message between stages (second step: no shape headers) is a
+    frame of the (1, T/t, C) shard and one status element; over all ranks m x shard x (p v - 1) x 2 x t bytes of data (every TP rank sends its own)."""
     for index, item in enumerate(WORLD4):
         spec = dict(item)
         if not spec["sp"]:
@@ -179,8 +179,8 @@ def test_engine_pipeline_layout_pp_sequence_parallel_sends_sequence_shards():
             _, _, rows, sends, _, pp_rank, *_ = rank_results[index]
             sent = sorted(nbytes for op, nbytes in rows if op == "isend")
             tied = VOCAB_PADDED_ROWS * 8 * 8 if spec["tied"] and pp_rank in (0, spec["pp"] - 1) else 0
-            assert sent == sorted([64] * sends + [shard] * sends + ([tied] if tied else [])), spec
-            data += sum(sent) - 64 * sends - tied
+            assert sent == sorted([shard + 8] * sends + ([tied] if tied else [])), spec
+            data += sum(sent) - 8 * sends - tied
         assert data == spec["m"] * shard * (spec["pp"] * spec["v"] - 1) * 2 * spec["tp"], spec
 
 

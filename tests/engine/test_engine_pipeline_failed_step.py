@@ -58,7 +58,7 @@ def _one_stage_raises_body():
 def test_engine_pipeline_failed_step_on_one_stage_is_dropped_on_every_stage():
     """Found by an audit: a stage that raised left its peers waiting for its messages until the
     process-group timeout, and the engine refused every later step. Now the schedule runs to its
-    end on every stage (a failed stage sends a header saying so instead of its tensors), all
+    end on every stage (a failed stage sends messages saying so instead of its tensors), all
     agree, and every rank drops the step: the retries train like one process."""
     model = gpt(3, True)
     expected_losses = ts.reference.train(model, batches(2, steps=3),

@@ -24,7 +24,7 @@ import tinyscale as ts
 from tinyscale.config import ConfigError
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig, TinyMLP
-from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
+from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks, with_vocab_boundary_ids
 
 VOCAB = 251  # prime: padded at every degree
 ROWS = 4  # the global batch, the same for every layout
@@ -49,7 +49,9 @@ def run_config(tp: int, dp: int, optimizer: str, sp: bool = False, stage: int = 
 
 
 def batches(steps: int):
-    return synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=12, vocab_size=VOCAB, seed=3)
+    """Every id at a vocab-shard boundary of tp 2 and 3 is looked up and scored (random ids miss them)."""
+    data = synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=12, vocab_size=VOCAB, seed=3)
+    return with_vocab_boundary_ids(data, VOCAB, (2, 3))
 
 
 def reference(tied: bool, optimizer: str, steps: int, clip: float = 0.0, n_kv_head: int = 6):
@@ -120,7 +122,8 @@ def acceptance_config(tp: int, stage: int, sp: bool, offload: bool = False) -> d
 
 
 def acceptance_batches(steps: int):
-    return synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=8, vocab_size=VOCAB, seed=4)
+    data = synthetic_token_batches(num_batches=steps, batch_size=ROWS, seq_len=8, vocab_size=VOCAB, seed=4)
+    return with_vocab_boundary_ids(data, VOCAB, (4,))  # the 8 ids at tp 4's boundaries and the ends
 
 
 def _acceptance_body(layouts: list[tuple[int, int, bool, bool]], steps: int):
@@ -247,11 +250,13 @@ def _base(**extra) -> dict:
 @pytest.mark.parametrize(("model", "config", "names"), [
     ("gpt", {"parallel": {"tensor": 2}}, ["parallel.tensor=2", "world size 1"]),  # one process
     ("gpt", {"parallel": {"tensor": 4}}, ["parallel.tensor=4", "n_head", "6"]),   # 6 heads over 4 ranks
-    ("mlp", {"parallel": {"tensor": 2}}, ["parallel.tensor=2", "TinyMLP"]),
+    # a model of the user's: AutoTP (tensor_parallel/auto.py) names the layers it cannot place
+    ("mlp", {"parallel": {"tensor": 2}}, ["parallel.tensor=2", "AutoTP cannot place 3 module(s): fc_in (Linear), "
+                                          "shared (Linear), frozen (Linear)", "parallel.tp_plan"]),
     ("gpt", {"parallel": {"sequence_parallel": True}}, ["parallel.sequence_parallel", "parallel.tensor"]),
     ("gpt", {"parallel": {"tensor_dropout": "tracker"}}, ["parallel.tensor_dropout", "parallel.tensor"]),
     ("gpt", {"parallel": {"tensor": 2, "tensor_dropout": "fast"}}, ["parallel.tensor_dropout", "exact", "tracker"]),
-], ids=["tp_not_dividing_world", "tp_heads_not_divisible", "tp_not_a_gpt", "sequence_parallel_without_tp",
+], ids=["tp_not_dividing_world", "tp_heads_not_divisible", "tp_layers_autotp_cannot_place", "sequence_parallel_without_tp",
         "tensor_dropout_without_tp", "tp_dropout_mode_unknown"])
 def test_engine_tensor_parallel_bad_layouts_are_refused_by_name(model, config, names):
     net = GPT(gpt_config(False), seed=0, dtype=torch.float64) if model == "gpt" else TinyMLP(dim=4, hidden=8)

@@ -33,7 +33,7 @@ V, T, C, H, KV, L, F = 64, 16, 16, 4, 2, 2, 32  # vocab, tokens, width, heads, K
 b, m = 2, 2  # rows per micro-batch, micro-batches per step (per dp rank)
 E = 8  # bytes per element: float64
 STEP = 4  # Adam's `step` counter: one float32 scalar per tensor it steps
-HEADER = 8 * 8  # a pipeline message's header: 8 int64 (dtype, ndim, sizes) before the tensor
+STATUS = E  # a pipeline message's status element after the tensor (its shape header went in step 1)
 
 HD = C // H  # head dim
 BLOCK = 2 * C + C * C + 2 * KV * HD * C + C * C + 3 * F * C  # 2 norms, wq, wk + wv, wo, gate + up + down
@@ -137,12 +137,12 @@ def expected(name: str, rank: int) -> tuple[dict, dict]:
         return memory, {"dp": {"all_gather": (2 * m * units, 2 * m * E * padded(BY_MODULE, n)),
                                "reduce_scatter": (m * units, m * E * padded(BY_MODULE, n)),
                                "all_reduce": (1, loss(n, P))}}
-    if name == "pp2":  # m activations forward (or gradients back), each behind a header; the tied table's
+    if name == "pp2":  # m activations forward (or gradients back), each a frame; the tied table's
         stage = [V * C + BLOCK, BLOCK + C + V * C][rank]  # gradient both ways; the loss; the world's flags
         tensors = [1 + 9, 9 + 1 + 1][rank]  # (the last stage's head is its own copy of the table)
         memory = {"parameters": E * stage, "gradients": E * stage, "master_weights": 0,
                   "optimizer_states": adam(stage, tensors)}
-        p2p = (m + m + 1, m * (HEADER + ACT) + V * C * E)
+        p2p = (m + 1, m * (ACT + STATUS) + V * C * E)
         return memory, {"pp": {"isend": p2p, "irecv": p2p, "all_reduce": (2, E + 2 * E)}}
     local = (PSI - NORMS) // 2 + NORMS  # tp 2: every matrix split in two (V even), norms replicated
     tp_memory = {"parameters": E * local, "gradients": E * local, "master_weights": 0,

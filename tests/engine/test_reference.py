@@ -73,13 +73,14 @@ def test_reference_lr_schedules_hit_their_endpoints():
                                   "scheduler": {"type": kind, "params": params}})
 
     warm = cfg("WarmupLR", warmup_num_steps=4, warmup_min_lr=0.2, warmup_max_lr=1.0, warmup_type="linear")
-    assert [lr_at(s, warm) for s in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
+    # DeepSpeed's indexing: step k runs at the formula's value for k - 1, and step 0 at warmup_min_lr
+    assert [lr_at(s, warm) for s in range(7)] == pytest.approx([0.2, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
     decay = cfg("WarmupDecayLR", warmup_num_steps=2, total_num_steps=6, warmup_max_lr=1.0, warmup_type="linear")
-    assert [lr_at(s, decay) for s in range(8)] == pytest.approx([0, 0.5, 1, 0.75, 0.5, 0.25, 0, 0])
-    cos = cfg("WarmupCosineLR", warmup_num_steps=0, total_num_steps=10, cos_min_ratio=0.1)
-    assert lr_at(0, cos) == pytest.approx(1.0) and lr_at(10, cos) == pytest.approx(0.1)
-    assert lr_at(5, cos) == pytest.approx(0.55)
+    assert [lr_at(s, decay) for s in range(9)] == pytest.approx([0, 0, 0.5, 1, 0.75, 0.5, 0.25, 0, 0])
+    cos = cfg("WarmupCosineLR", warmup_num_steps=1, total_num_steps=10, cos_min_ratio=0.1)  # W 1 warms up as 2
+    assert lr_at(0, cos) == 0 and lr_at(1, cos) == 0 and lr_at(2, cos) == pytest.approx(1.0)
+    assert lr_at(6, cos) == pytest.approx(0.55) and lr_at(10, cos) == pytest.approx(0.1)
     log = cfg("WarmupLR", warmup_num_steps=9, warmup_max_lr=1.0, warmup_type="log")
-    assert lr_at(0, log) == 0 and lr_at(9, log) == 1.0 and 0.5 < lr_at(3, log) < 1.0
+    assert lr_at(0, log) == 0 and lr_at(10, log) == 1.0 and 0.5 < lr_at(4, log) < 1.0
     no_schedule = EngineConfig.load({"train_batch_size": 1, "optimizer": {"params": {"lr": 0.3}}})
     assert lr_at(1000, no_schedule) == 0.3

@@ -79,8 +79,9 @@ def _eager_attention(q, k, v, causal):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("causal", "H", "K", "T", "D"), [(True, 4, 2, 100, 64), (False, 4, 4, 128, 32),
-                                                          (True, 6, 1, 77, 16)],
-                         ids=["causal-gqa-T100-D64", "full-mha-T128-D32", "causal-mqa-T77-D16"])
+                                                          (True, 6, 1, 77, 16), (True, 4, 2, 200, 128)],
+                         ids=["causal-gqa-T100-D64", "full-mha-T128-D32", "causal-mqa-T77-D16",
+                              "causal-gqa-T200-D128"])  # D128: the tiles the H100 sweep chose (half: 64 rows, 2 stages)
 def test_kernels_gpu_flash_attention_output_lse_and_gradients(dtype, causal, H, K, T, D):
     q, k, v = (_randn(2, h, T, D, dtype=dtype, seed=s, grad=True) for h, s in ((H, 1), (K, 2), (K, 3)))
     dout = _randn(2, H, T, D, dtype=dtype, seed=4)

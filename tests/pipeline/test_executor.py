@@ -106,7 +106,7 @@ def test_pp_executor_refuses_a_broken_schedule():
 
 
 def train_variable_lengths(lengths, m):
-    """1F1B on 2 ranks, a different sequence length each step; the ledger of the first step."""
+    """1F1B on 2 ranks, the given sequence length each step; each step's bytes sent."""
     from tinyscale.dist import comm
 
     rank = dist.get_rank()
@@ -115,23 +115,24 @@ def train_variable_lengths(lengths, m):
     stages = {spec.stage: GPTStage(model, spec) for spec in stages_on_rank(plan, rank)}
     executor = PipelineExecutor(add_communication(one_f_one_b(2, m)), rank, stages, loss_fn=gpt_loss)
     optimizer = torch.optim.SGD([q for s in stages.values() for q in s.parameters()], lr=5e-2, momentum=0.9)
-    losses, ledger_rows = [], None
+    losses, sent = [], []
     for T, (inputs, targets) in zip(lengths, batches):
         with comm.record() as ledger:
             loss = executor.run(inputs[:, :T].chunk(m), targets[:, :T].chunk(m))
-        ledger_rows = ledger_rows or [(row.op, row.bytes) for row in ledger.rows]
+        sent.append(sorted(row.bytes for row in ledger.rows if row.op == "isend"))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(None if loss is None else loss.item())
     return losses, {k: q.detach().clone() for k, q in model.named_parameters()
-                    if any(q is p for s in stages.values() for p in s.parameters())}, ledger_rows
+                    if any(q is p for s in stages.values() for p in s.parameters())}, sent
 
 
 def test_pp_executor_variable_sequence_lengths_and_message_count():
-    """Steps of 8, 5 and 7 tokens: headers carry the shapes. Per step each rank sends m
-    activations (rank 0) or input gradients (rank 1), each a 64-byte header (8 int64) and
-    (rows, T, C) float64 of data: m x activation x 1 boundary x 2 directions in all."""
-    lengths, m = [8, 5, 7], 2
+    """Steps of 8, 8 and 5 tokens. Per step each rank sends m activations (rank 0) or input
+    gradients (rank 1), each a frame: (rows, T, C) float64 and one status element. A shape
+    goes in a 64-byte header (8 int64) only when new (step 1); step 2 sends frames alone;
+    step 3's shorter tensors go as a frame of the old size saying so, then header and frame."""
+    lengths, m = [8, 8, 5], 2
     results = run_on_ranks(train_variable_lengths, 2, lengths, m)
     model, batches = _setup(3, False, 2 * m, len(lengths))
     batches = [(x[:, :T], y[:, :T]) for T, (x, y) in zip(lengths, batches)]
@@ -141,10 +142,11 @@ def test_pp_executor_variable_sequence_lengths_and_message_count():
     merged = {k: t for _, params, _ in results for k, t in params.items()}
     assert_state_dicts_close(merged, dict(model.named_parameters()), what="variable-length pipeline vs one process")
     assert_losses_close(results[1][0], expected_losses)
-    activation = 2 * lengths[0] * model.config.d_model * 8  # rows x T x C x float64 bytes
-    for _, _, rows in results:
-        sends = [nbytes for op, nbytes in rows if op == "isend"]
-        assert sorted(sends) == sorted([64] * m + [activation] * m)
+    frame = [2 * T * model.config.d_model * 8 + 8 for T in lengths]  # rows x T x C float64, + status
+    for _, _, sent in results:
+        assert sent[0] == sorted([64] * m + [frame[0]] * m)
+        assert sent[1] == [frame[1]] * m
+        assert sent[2] == sorted([frame[1]] * m + [64] * m + [frame[2]] * m)
 
 
 @pytest.mark.parametrize(("name", "v"), [("afab", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 3)])
@@ -165,3 +167,39 @@ def test_pp_executor_one_rank_gradients_equal_plain_backward(name, v):
     grads = {k: q.grad for k, q in model.named_parameters()}
     assert_state_dicts_close(grads, {k: q.grad for k, q in reference.named_parameters()},
                              what=f"{name} gradients on one rank vs plain backward")
+
+
+def _failing_runs(fail_at):
+    """1F1B on 2 ranks, 3 runs; rank 1's loss raises in the runs listed. Per run on each rank:
+    the error's type and its rank (StageFailed), or the loss."""
+    from tinyscale.pipeline.executor import StageFailed
+
+    rank = dist.get_rank()
+    model, batches = _setup(3, False, 4, 3)
+    stages = {spec.stage: GPTStage(model, spec) for spec in stages_on_rank(partition_gpt(model.config, 2), rank)}
+    executor = PipelineExecutor(add_communication(one_f_one_b(2, 2)), rank, stages, loss_fn=gpt_loss)
+    out = []
+    for run, (inputs, targets) in enumerate(batches):
+        if rank == 1:
+            executor.loss_fn = (lambda *_: (_ for _ in ()).throw(MemoryError("boom"))) if run in fail_at else gpt_loss
+        try:
+            loss = executor.run(inputs.chunk(2), targets.chunk(2))
+            out.append(None if loss is None else round(loss.item(), 6))
+        except StageFailed as exc:
+            out.append(("StageFailed", exc.rank))
+        except MemoryError:
+            out.append("MemoryError")
+    return out
+
+
+@pytest.mark.parametrize("fail_at", [(0,), (1,)], ids=["shapes-new", "shapes-known"])
+def test_pp_executor_a_failed_stage_tells_its_peer_whether_shapes_are_new_or_known(fail_at):
+    """A stage whose loss raises sends, instead of its gradients, messages naming it: a header
+    alone when the shape is new (run 0), a frame with status 2 and then the header when both
+    ends know the shape (run 1). The peer raises StageFailed(1) and the next run trains."""
+    first, second = run_on_ranks(_failing_runs, 2, fail_at)
+    for run in range(3):
+        if run in fail_at:
+            assert first[run] == ("StageFailed", 1) and second[run] == "MemoryError"
+        else:
+            assert first[run] is None and isinstance(second[run], float)

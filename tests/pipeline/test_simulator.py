@@ -115,6 +115,20 @@ def test_pp_simulator_latency_delays_each_hop():
     assert sim.makespan == 6
 
 
+def test_pp_simulator_message_cost_holds_the_rank_on_each_send_and_receive():
+    """p = 2, m = 1, F = 1, BW = 2, latency L = 1/3, message cost c = 1/4 (exact): 0F0 [0,1),
+    send to 1 + c, arrives 1 + c + L; 1F0 after its receive's c; 1BW0, send, 0's receive, 0BW0:
+    makespan F + c + L + c + F + BW + c + L + c + BW = 6 + 4c + 2L; busy stays compute alone."""
+    from fractions import Fraction
+
+    c, lat = Fraction(1, 4), Fraction(1, 3)
+    sim = simulate(add_communication(afab(2, 1)), {F: 1, BW: 2}, latency=lat, message_cost=c)
+    starts = {str(t.action): t.start for line in sim.timelines for t in line if t.action.is_compute}
+    assert starts == {"0F0": 0, "1F0": 1 + 2 * c + lat, "1BW0": 2 + 2 * c + lat, "0BW0": 4 + 4 * c + 2 * lat}
+    assert sim.makespan == 6 + 4 * c + 2 * lat
+    assert sim.busy == [3, 3]
+
+
 def test_pp_simulator_per_stage_costs():
     """A last stage twice as slow (it holds the head): GPipe's makespan grows by its extra work
     on the critical path, m (F + BW) on the slow stage plus the fast stage's first F and last BW."""

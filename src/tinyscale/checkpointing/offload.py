@@ -23,9 +23,13 @@ from torch.autograd.graph import saved_tensors_hooks
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
-    """A leaf that requires grad (a parameter, or an input you asked gradients of), or a view of one."""
-    base = t if t._base is None else t._base
-    return base.is_leaf and base.requires_grad
+    """A leaf that requires grad (a parameter, or an input you asked gradients of), or a view of one.
+    A leaf may itself be a view of a tensor that does not require grad: a pipeline stage's received
+    input is a view of the message frame it arrived in, made a leaf by `requires_grad_()`."""
+    if t.is_leaf and t.requires_grad:
+        return True
+    base = t._base
+    return base is not None and base.is_leaf and base.requires_grad
 
 
 # --8<-- [start:offload]

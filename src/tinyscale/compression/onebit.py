@@ -21,8 +21,10 @@ per rank instead of 4n (fp32): ~32x less than an all-reduce's payload. Both erro
 The optimizer owns the gradient communication of its group: use it on a model that is not
 wrapped in a DDP. A parameter with no gradient on this rank contributes zeros; one that no
 rank used is not stepped in the warm-up (as AdamW; usage flags ride in its all-reduce).
-After it, the parameters used in the warm-up are stepped (no gradient: zeros) and the others
-never are (they have no variance to freeze; what gradient they get later is dropped).
+After it, the parameters used in the warm-up are stepped (no gradient: zeros) with their
+variance frozen; the others have no variance to freeze, so they stay exact: their gradients
+(and usage flags) go through one all-reduce each step, and from the first step some rank uses
+one it trains as AdamW would (state "exact"), never compressed.
 Shape legend: n elements of all parameters, N ranks.
 Lesson: lessons/10-compression.md. Tests: `pytest -k compression_onebit`.
 """
@@ -139,9 +141,24 @@ class OneBitAdam(torch.optim.Optimizer):
                 if not self.state[p]:
                     self.state[p].update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         else:  # the parameters with a variance to freeze: those used in the warm-up (the same on every rank)
-            stepped = {p for p in params if "bc2" in self.state[p]}
+            stepped = {p for p in params if "bc2" in self.state[p] and not self.state[p].get("exact")}
+            # --8<-- [start:late]
+            late = [i for i, p in enumerate(params) if p not in stepped]  # no rank used them in the warm-up
+            if late and world > 1:  # exact, as in the warm-up: their mean gradients and usage flags
+                flat = torch.cat([grads[i].reshape(-1) for i in late]).div_(world)
+                flat = torch.cat([flat, torch.tensor([used[i] for i in late], dtype=flat.dtype, device=flat.device)])
+                comm.all_reduce(flat, group=self.group)
+                for i, g, u in zip(late, split_like(flat, [params[i] for i in late]), flat[-len(late):].tolist()):
+                    grads[i], used[i] = g, u > 0
+            for i in late:
+                if used[i] and not self.state[params[i]]:  # first used now: AdamW from here on
+                    self.state[params[i]].update(step=0, exp_avg=torch.zeros_like(params[i]),
+                                                 exp_avg_sq=torch.zeros_like(params[i]), exact=True)
+            exact = {params[i] for i in late if used[i]}  # as AdamW: an unused one is not stepped
+            # --8<-- [end:late]
             self._compressed_momentum([p for p in params if p in stepped],
                                       [g for p, g in zip(params, grads) if p in stepped], world)
+            stepped |= exact
         self._update(params, grads, warmup, stepped)
 
     def _compressed_momentum(self, params, grads, world: int) -> None:
@@ -173,7 +190,7 @@ class OneBitAdam(torch.optim.Optimizer):
                 if p not in stepped:
                     continue
                 state["step"] += 1  # per parameter, as AdamW's bias corrections count
-                if warmup:
+                if warmup or state.get("exact"):
                     state["exp_avg"].lerp_(g, 1 - b1)  # AdamW's own arithmetic, so warm-up equals it
                     state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
                     state["bc2"] = 1 - b2 ** state["step"]  # frozen with v after the warm-up

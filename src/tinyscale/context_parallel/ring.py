@@ -20,9 +20,9 @@ softmax, and the backward redraws the same masks. Such blocks use merge.py's pat
 
 Causal masks come from `sharding.block_plan`: blocks wholly in the future are skipped,
 blocks wholly in the past are "full", a chunk against itself is "causal". GQA: K/V travel
-with their K heads only; `block_attention` groups the H query heads onto them. Where the
-Triton kernels run (float32 under the interpreter, or a GPU) each block is computed by
-`tinyscale.kernels.flash_block` and its backward instead: the same contract.
+with their K heads only; the block kernel groups the H query heads onto them. Each block
+runs on the fastest exact kernel the device has (`blocks.py`): Triton where it runs, else
+the CPU's flash kernel (float64, float32, bf16), else merge.py's: the same contract.
 
 Per rank and layer the ledger shows (e = element bytes): forward cp - 1 sends of a packed
 K/V block, 2 B Tl K D e bytes each; backward cp - 1 more of K/V and cp - 1 of dK/dV
@@ -37,25 +37,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tinyscale.context_parallel.merge import block_attention, block_attention_backward, merge_partials
+from tinyscale.context_parallel.blocks import attend as _attend
+from tinyscale.context_parallel.blocks import attend_backward as _attend_backward
+from tinyscale.context_parallel.merge import merge_partials
 from tinyscale.context_parallel.sharding import Layout, block_plan
 from tinyscale.dist import comm
-from tinyscale.kernels import flash_block, flash_block_backward, kernel_ok
 from tinyscale.models.dropout import ProbsDropout
-
-
-def _attend(q, k, v, dropout_scale=None, **kw):
-    """One block's attention: the Triton kernel where it runs (tinyscale.kernels) and nothing is
-    dropped, else merge.py's."""
-    if dropout_scale is None and kernel_ok(q):
-        return flash_block(q, k, v, **kw)
-    return block_attention(q, k, v, dropout_scale=dropout_scale, **kw)
-
-
-def _attend_backward(dout, q, k, v, out, lse, dropout_scale=None, **kw):
-    if dropout_scale is None and kernel_ok(q):
-        return flash_block_backward(dout, q, k, v, out, lse, **kw)
-    return block_attention_backward(dout, q, k, v, out, lse, dropout_scale=dropout_scale, **kw)
 
 
 def _block_dropout(dropout: ProbsDropout | None, layout: Layout, rank: int, src: int, rows: slice, cols: slice,

@@ -11,6 +11,9 @@ ranks when K % cp == 0. Otherwise each K/V head is replicated r = lcm(K, cp) / K
 before the all-to-all (r consecutive copies, so query head h still reads copy of h // G):
 correct for any K that divides H, at r times the K/V bytes. (DeepSpeed refuses instead.)
 
+The attention itself runs on the fastest exact kernel the device has (`blocks.py`: Triton,
+the CPU's flash kernel, or merge.py's block with dropout).
+
 A zigzag layout gathers the sequence in shard order; attention runs on it reordered to
 global order (one index_select each way), so the causal mask is the plain triangle.
 
@@ -26,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from tinyscale.context_parallel.blocks import BlockAttention
 from tinyscale.context_parallel.merge import block_attention
 from tinyscale.context_parallel.sharding import Layout
 from tinyscale.dist import comm
@@ -120,7 +124,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
         dropout = dropout.with_heads(dropout.heads.chunk(cp)[dist.get_rank(group)])
         positions = torch.arange(layout.padded_len, device=q.device)
         dropout_scale = dropout.scale(positions, positions, torch.promote_types(q.dtype, torch.float32))
-    out, _ = block_attention(qh, kh, vh, causal_mask_kind="causal" if causal else "full", scale=scale,
-                             key_valid=key_valid, dropout_scale=dropout_scale)  # (B, H/cp, P, D)
+    kind = "causal" if causal else "full"
+    if dropout_scale is None:  # the fastest exact kernel here (blocks.py), its backward hand-written
+        out, _ = BlockAttention.apply(qh, kh, vh, kind, scale, key_valid)  # (B, H/cp, P, D)
+    else:  # counter dropout: merge.py's block, differentiated by autograd
+        out, _ = block_attention(qh, kh, vh, causal_mask_kind=kind, scale=scale, key_valid=key_valid,
+                                 dropout_scale=dropout_scale)
     return HeadToSeq.apply(out.index_select(2, shard_order), group)  # back to shard order -> (B, H, Tl, D)
 # --8<-- [end:ulysses]

@@ -39,7 +39,7 @@ GROUPS = {
     "10-compression": "10. Gradient compression",
     "11-kernels": "11. Kernels",
     "12-engine": "12. The engine",
-    "13-expert-parallel": "13. Expert parallelism",
+    "13-moe": "13. Mixture of experts and expert parallelism",
 }
 FIELDS = {"id", "tag", "group", "question", "answer", "sections", "planned", "note", "proof"}
 

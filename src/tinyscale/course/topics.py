@@ -77,6 +77,11 @@ TOPICS = {t.name: t for t in (
           ("tests/context_parallel/test_cp_merge.py",),
           ("tests/context_parallel/test_cp_merge.py::test_cp_merge_of_two_key_blocks_equals_attention_over_all_keys[1]",),
           "lessons/09-context-parallel.md", False),
+    Topic("moe_dispatch", "tinyscale.moe.dispatch",
+          ("dispatch", "combine"),
+          ("tests/moe/test_moe.py", "tests/moe/test_expert_parallel.py"),
+          ("tests/moe/test_moe.py::test_moe_dispatch_then_combine_is_each_tokens_weighted_sum",),
+          "lessons/13-moe.md", False),
     # Triton kernels (only with Triton installed: without it their tests skip, and nothing runs a stub):
     # the stubs raise inside the @jit functions, which the CPU runs in Triton's interpreter
     *([Topic("kernels_rmsnorm", "tinyscale.kernels.rmsnorm",

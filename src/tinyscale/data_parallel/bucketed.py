@@ -19,8 +19,12 @@ What it changes from `naive.py`:
 
 Each bucket is divided by the world size *before* its all-reduce (as torch's DDP does: in
 fp16 a sum of N gradients can overflow where their mean would not; `pytest -k
-overflow_safe_reduce`). When backward ends, the wrapper waits for every bucket and copies
-the averages back into ``.grad``. `events` records when each bucket was launched
+overflow_safe_reduce`). When backward ends, the wrapper waits for every bucket, and each
+``.grad`` becomes a view of its slot in the bucket (``gradient_as_bucket_view``, default on,
+as torch's DDP offers): no copy out, no second copy of the gradients in memory, and while
+``.grad`` stays that view (``zero_grad(set_to_none=False)``, or accumulation) autograd
+accumulates straight into the bucket, so the copy in goes too. ``gradient_as_bucket_view=
+False`` gives each parameter a ``.grad`` of its own, cloned from the bucket. `events` records when each bucket was launched
 and when backward ended, so a test (and the lesson's timeline) can see the overlap.
 
 Shape legend: each bucket's ``buffer`` is 1-D, holding its parameters' gradients
@@ -116,12 +120,15 @@ class BucketedDDP(DataParallelBase):
         return pre, self.world_size / pre
 
     def __init__(self, module, process_group=None, bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False, overlap: bool = True):
+                 find_unused_parameters: bool = False, overlap: bool = True, gradient_as_bucket_view: bool = True):
         """`overlap=False` holds every launch until backward ends (to measure what overlap buys).
+        `gradient_as_bucket_view`: each ``.grad`` is a view of its bucket slot after backward (torch's
+        DDP option; a later backward accumulates into it, as into any .grad), else a copy.
         `find_unused_parameters` is accepted for torch's signature and changes nothing: unused
         parameters are always found, by flags that ride in the last bucket's all-reduce."""
         super().__init__(module, process_group, find_unused_parameters)
         self.overlap = overlap
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         if bucket_cap_mb <= 0:
             raise ValueError(f"BucketedDDP: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
@@ -185,7 +192,9 @@ class BucketedDDP(DataParallelBase):
     def _grad_ready(self, param: torch.Tensor) -> None:
         b, i = self._where[param]
         bucket = self.buckets[b]
-        bucket.slot(i).copy_(param.grad)
+        slot = bucket.slot(i)
+        if param.grad.data_ptr() != slot.data_ptr():  # else autograd accumulated into the bucket itself
+            slot.copy_(param.grad)
         bucket.ready.add(i)
         # Launch every full bucket that is next in line: a fixed order on every rank.
         while self.overlap and self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
@@ -224,7 +233,7 @@ class BucketedDDP(DataParallelBase):
                     continue
                 if p.grad is None:
                     bucket.slot(i).zero_()
-                else:
+                elif p.grad.data_ptr() != bucket.slot(i).data_ptr():
                     bucket.slot(i).copy_(p.grad)
             self._launch(b)
         self.buckets[-1].work.wait()
@@ -236,7 +245,7 @@ class BucketedDDP(DataParallelBase):
                 bucket.buffer[:gradients].div_(post)
             for i, p in enumerate(bucket.params):
                 if used[self._index[p]]:
-                    p.grad = bucket.slot(i).clone()
+                    p.grad = bucket.slot(i) if self.gradient_as_bucket_view else bucket.slot(i).clone()
                 else:
                     p.grad = None  # unused on every rank: no gradient, as in one process
             bucket.ready.clear()

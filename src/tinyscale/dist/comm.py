@@ -30,6 +30,11 @@ axis (`tinyscale.engine.plan.traffic_by_axis`). It is filled only while a ledger
 An async op (``async_op=True``) returns a `Work` whose ``wait()`` stamps the row with the
 time the op completed, so the ledger also knows how long the op was in flight.
 
+A watch (`watch`, opened by the engine around a step's forward and backward under tensor or
+context parallelism) makes every wait on a watched gloo group poll a failure flag: a rank
+that raised mid-forward never joins its peers' next collective, so a peer waiting in one
+gives up (`poll` raises) instead of waiting until the deadline (`engine/step_failure.py`).
+
 The module also hides the names torch keeps changing (``all_gather_into_tensor`` became
 ``all_gather_single`` in recent releases): topics never call those directly.
 """
@@ -37,8 +42,10 @@ The module also hides the names torch keeps changing (``all_gather_into_tensor``
 from __future__ import annotations
 
 import contextlib
+import datetime
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -154,15 +161,100 @@ def record(ledger: Ledger | None = None) -> Iterator[Ledger]:
 # --8<-- [end:record]
 
 
+# --8<-- [start:watch]
+@dataclass
+class Watch:
+    """Waits on `groups` (ids of gloo process groups) poll: every `interval` s of waiting,
+    `poll(group)` runs, and raises if a peer in it failed (the op is then abandoned: `abandoned`)."""
+
+    groups: frozenset[int]
+    poll: Callable[[object], None]
+    interval: datetime.timedelta = datetime.timedelta(milliseconds=50)
+    abandoned: bool = False
+
+
+_watches: list[Watch] = []
+
+
+@contextlib.contextmanager
+def watch(w: Watch) -> Iterator[Watch]:
+    """Inside the block, ops on `w.groups` wait by polling (see the module docstring)."""
+    _watches.append(w)
+    try:
+        yield w
+    finally:
+        _watches.remove(w)
+
+
+def _watch_of(group) -> Watch | None:
+    if not _watches:
+        return None
+    key = id(dist.group.WORLD if group is None else group)
+    return next((w for w in reversed(_watches) if key in w.groups), None)
+
+
+_P2P = frozenset({"send", "recv", "isend", "irecv"})
+
+
+def _wait_watched(work, w: Watch, group, op: str) -> None:
+    """`work.wait()`, giving up when `w.poll()` raises (the op is left pending: its group is
+    out of step with its peers' from here on).
+
+    A collective's wait takes a timeout and can be retried. A point-to-point op's cannot: a gloo
+    send or recv whose `wait(timeout)` expires closes the connection to its peer, so the next
+    message between them fails ("Connection closed by peer") even though nobody raised. Those
+    wait, blocking, in a thread of their own while this one polls."""
+    if op in _P2P:
+        done, errors = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name=f"tinyscale-{op}-wait", daemon=True).start()
+        while not done.wait(w.interval.total_seconds()):
+            _poll(w, group)
+        if errors:
+            raise errors[0]
+        return
+    while True:
+        try:
+            work.wait(timeout=w.interval)
+            return
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():  # gloo: "Operation timed out!"
+                raise
+        _poll(w, group)
+
+
+def _poll(w: Watch, group) -> None:
+    try:
+        w.poll(group)
+    except BaseException:
+        w.abandoned = True
+        raise
+# --8<-- [end:watch]
+
+
 class Work:
     """Handle of an async op: ``wait()`` blocks until it is done and stamps its ledger row."""
 
-    def __init__(self, work, row: Row | None):
+    def __init__(self, work, row: Row | None, watched: Watch | None = None, group=None, op: str = ""):
         self._work = work
+        self._op = op
         self._row = row
+        self._watched = watched
+        self._group = group
 
     def wait(self) -> None:
-        self._work.wait()
+        if self._watched is not None:
+            _wait_watched(self._work, self._watched, self._group, self._op)
+        else:
+            self._work.wait()
         if self._row is not None and self._row.end is None:
             self._row.end = time.perf_counter()
             self._row.seconds = self._row.end - self._row.start
@@ -184,9 +276,13 @@ def _group_ranks(group, op: str, peer: int | None) -> tuple[int, ...]:
 
 
 def _issue(op: str, nbytes: int, tensor: torch.Tensor, group, async_op: bool, call, peer=None):
-    """Run `call()` (the torch.distributed op) and record it in every open ledger."""
+    """Run `call(async_op)` (the torch.distributed op) and record it in every open ledger; on a
+    watched group a blocking op is issued async and waited for by polling."""
+    watched = _watch_of(group)
     start = time.perf_counter()
-    work = call()
+    work = call(async_op or watched is not None)
+    if watched is not None and not async_op:
+        _wait_watched(work, watched, group, op)
     row = None
     if _active:
         end = None if async_op else time.perf_counter()
@@ -204,7 +300,7 @@ def _issue(op: str, nbytes: int, tensor: torch.Tensor, group, async_op: bool, ca
         )
         for ledger in _active:
             ledger.rows.append(row)
-    return Work(work, row) if async_op else None
+    return Work(work, row, watched, group, op) if async_op else None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -214,20 +310,20 @@ def _nbytes(t: torch.Tensor) -> int:
 # --8<-- [start:all_reduce]
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """In place: every rank ends with the reduction of everyone's `tensor`."""
-    call = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # noqa: E731
+    call = lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a)  # noqa: E731
     return _issue("all_reduce", _nbytes(tensor), tensor, group, async_op, call)
 # --8<-- [end:all_reduce]
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """In place on `dst` (a global rank): the reduction of everyone's `tensor`."""
-    call = lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)  # noqa: E731
+    call = lambda a: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=a)  # noqa: E731
     return _issue("reduce", _nbytes(tensor), tensor, group, async_op, call)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
     """In place: every rank ends with `src`'s tensor (`src` is a global rank)."""
-    call = lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op)  # noqa: E731
+    call = lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a)  # noqa: E731
     return _issue("broadcast", _nbytes(tensor), tensor, group, async_op, call)
 
 
@@ -239,7 +335,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
             f"all_gather: output has {output.numel()} elements but needs group size {n} x "
             f"input's {input.numel()} = {n * input.numel()}"
         )
-    call = lambda: _all_gather_flat(output, input, group=group, async_op=async_op)  # noqa: E731
+    call = lambda a: _all_gather_flat(output, input, group=group, async_op=a)  # noqa: E731
     return _issue("all_gather", _nbytes(output), input, group, async_op, call)
 
 
@@ -253,7 +349,7 @@ def reduce_scatter(
             f"reduce_scatter: input has {input.numel()} elements but needs group size {n} x "
             f"output's {output.numel()} = {n * output.numel()}"
         )
-    call = lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)  # noqa: E731
+    call = lambda a: _reduce_scatter_flat(output, input, op=op, group=group, async_op=a)  # noqa: E731
     return _issue("reduce_scatter", _nbytes(input), input, group, async_op, call)
 
 
@@ -266,29 +362,31 @@ def all_to_all(
     async_op: bool = False,
 ):
     """Rank i's j-th chunk of `input` lands as rank j's i-th chunk of `output` (dim 0 splits)."""
-    call = lambda: dist.all_to_all_single(  # noqa: E731
-        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    call = lambda a: dist.all_to_all_single(  # noqa: E731
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=a
     )
     return _issue("all_to_all", _nbytes(input), input, group, async_op, call)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
     """Blocking send to global rank `dst`."""
-    _issue("send", _nbytes(tensor), tensor, group, False, lambda: dist.send(tensor, dst, group), dst)
+    call = lambda a: dist.isend(tensor, dst, group) if a else dist.send(tensor, dst, group)  # noqa: E731
+    _issue("send", _nbytes(tensor), tensor, group, False, call, dst)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     """Blocking receive from global rank `src` into `tensor`."""
-    _issue("recv", _nbytes(tensor), tensor, group, False, lambda: dist.recv(tensor, src, group), src)
+    call = lambda a: dist.irecv(tensor, src, group) if a else dist.recv(tensor, src, group)  # noqa: E731
+    _issue("recv", _nbytes(tensor), tensor, group, False, call, src)
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None) -> Work:
-    call = lambda: dist.isend(tensor, dst, group)  # noqa: E731
+    call = lambda a: dist.isend(tensor, dst, group)  # noqa: E731
     return _issue("isend", _nbytes(tensor), tensor, group, True, call, dst)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None) -> Work:
-    call = lambda: dist.irecv(tensor, src, group)  # noqa: E731
+    call = lambda a: dist.irecv(tensor, src, group)  # noqa: E731
     return _issue("irecv", _nbytes(tensor), tensor, group, True, call, src)
 
 
@@ -326,11 +424,12 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
                 ledger.rows.append(row)
         rows.append(row)
     # torch returns one Work per op on gloo, and a single coalesced Work on NCCL.
+    watched = [_watch_of(p.group) for p in ops]
     if len(works) == len(ops):
-        return [Work(w, r) for w, r in zip(works, rows)]
-    return [Work(works[0], r) for r in rows] if works else []
+        return [Work(w, r, v, p.group, p.op) for w, r, v, p in zip(works, rows, watched, ops)]
+    return [Work(works[0], r, v, p.group, p.op) for r, v, p in zip(rows, watched, ops)] if works else []
 
 
 def barrier(group=None) -> None:
     """Wait for every rank of the group (recorded with 0 bytes)."""
-    _issue("barrier", 0, torch.empty(0), group, False, lambda: dist.barrier(group=group))
+    _issue("barrier", 0, torch.empty(0), group, False, lambda a: dist.barrier(group=group, async_op=a))

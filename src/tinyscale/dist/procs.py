@@ -44,6 +44,7 @@ _COLLATERAL_MARKERS = (
     "DistBackendError",
     "DistNetworkError",
     "DistStoreError",
+    "StepFailed",  # tinyscale's engine: another rank's forward or backward raised
 )
 # --8<-- [end:collateral]
 

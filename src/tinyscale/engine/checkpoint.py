@@ -1,23 +1,28 @@
 """What a training checkpoint holds, in a layout-free form, and the checks on loading it.
 
 A checkpoint's live version (`tinyscale.engine.checkpoint_io`: versions, fsync, an atomic
-pointer; checksums on load) holds:
+pointer; checksums on load) is a torch.distributed.checkpoint directory of the
+single-process model (`tinyscale.engine.dcp_checkpoint`: who writes which piece, and the
+key layout), plus meta.json:
 
-    model.pt       full parameters and buffers, keyed like model.state_dict()
-    optimizer.pt   per-parameter optimizer state keyed by parameter NAME, hyperparameters,
-                   mixed precision's fp32 masters and the loss scaler's state
-    rng.pt         every rank's random number generators (torch CPU, CUDA where present,
-                   Python's `random`, numpy's, and under tensor parallelism the dropout
-                   tracker's stream, `tp_tracker`), keyed by rank: dropout draws resume exactly
-    meta.json      step, skipped steps (the LR schedule's position), the config, the
-                   optimizer's class, the caller's `client_state` (the CLI's data position),
-                   the world it was written from, and the files' SHA-256
+    model.<name>              full parameters, keyed like model.named_parameters() (fp32
+                              masters under mixed precision), each written in pieces by the
+                              ranks that own them
+    optim.state.<name>.<key>  per-parameter optimizer state keyed by parameter NAME
+    optim.param_groups.<i>.*  hyperparameters and parameter names of each group
+    tinyscale.rank.<r>        rank r's random number generators (torch CPU, CUDA where present,
+                              Python's `random`, numpy's, and under tensor parallelism the
+                              dropout tracker's stream, `tp_tracker`) and compression state
+    tinyscale.loss_scaler     fp16's loss scaler
+    meta.json                 step, skipped steps (the LR schedule's position), the config, the
+                              optimizer's class, the caller's `client_state` (the CLI's data
+                              position), the world it was written from, and the files' SHA-256
 
-Keys are parameter names, never positions or shard indices, so a checkpoint written by one
-layout (2 data-parallel ranks) loads into another (3 ranks, or one process): the format
-knows nothing of how the state was split. Strategies that shard state gather it into this
-form on save and cut their own shards from it on load. Random states are per rank, so they
-are the one part that depends on the layout: see `restore_rng`.
+Keys are parameter names and global offsets, never positions or shard indices, so a
+checkpoint written by one layout (2 data-parallel ranks) loads into another (3 ranks, or one
+process): the format knows nothing of how the state was split. Random states are per rank,
+so they are the one part that depends on the layout: see `restore_rng`. `read` gives the
+whole of it in one process (what `tinyscale checkpoint export` writes to one file).
 """
 
 from __future__ import annotations
@@ -63,24 +68,6 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, saved: dict,
         "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                           "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]],
     })
-
-
-MASTER = "_mixed_precision_master"  # a master's key while it travels inside its parameter's state
-
-
-def fold_masters(state: dict[str, dict], masters: dict[str, torch.Tensor]) -> dict[str, dict]:
-    """Mixed precision's fp32 masters ({name: tensor}) as one more per-parameter state, so that
-    whatever gathers or cuts the states by layout (TP shards, pipeline stages) does the same to
-    them; `unfold_masters` takes them out again."""
-    return {n: {**state.get(n, {}), **({MASTER: masters[n]} if n in masters else {})}
-            for n in [*state, *(n for n in masters if n not in state)]}
-
-
-def unfold_masters(state: dict[str, dict]) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
-    """Inverse of `fold_masters`: (the states, without entries that held only a master; the masters)."""
-    masters = {n: entry[MASTER] for n, entry in state.items() if MASTER in entry}
-    rest = {n: {k: v for k, v in entry.items() if k != MASTER} for n, entry in state.items()}
-    return {n: entry for n, entry in rest.items() if entry or n not in masters}, masters
 
 
 # --8<-- [start:rng]
@@ -142,7 +129,8 @@ def restore_rng(saved: dict | None, rank: int, world_size: int, device: torch.de
 
 def check_compatible(path, meta: dict, model_state: dict, ours: dict[str, torch.Size], optimizer: str) -> None:
     """Refuse a checkpoint this engine cannot continue: another optimizer class, other
-    parameter names, other shapes. Every difference is named at once."""
+    parameter names, other shapes. Every difference is named at once. `model_state`: the
+    checkpoint's parameters, name -> tensor or shape."""
     problems = []
     saved_optimizer = meta.get("optimizer_class")
     if saved_optimizer is not None and saved_optimizer != optimizer:
@@ -154,8 +142,8 @@ def check_compatible(path, meta: dict, model_state: dict, ours: dict[str, torch.
         problems.append(f"this model has {missing} which the checkpoint lacks")
     if unexpected:
         problems.append(f"the checkpoint has {unexpected} which this model lacks")
-    shapes = [f"{k}: saved {tuple(v.shape)}, here {tuple(ours[k])}" for k, v in model_state.items()
-              if k in ours and tuple(v.shape) != tuple(ours[k])]
+    saved = {k: tuple(v.shape) if torch.is_tensor(v) else tuple(v) for k, v in model_state.items()}
+    shapes = [f"{k}: saved {v}, here {tuple(ours[k])}" for k, v in saved.items() if k in ours and v != tuple(ours[k])]
     if shapes:
         problems.append("shapes differ: " + "; ".join(shapes))
     if problems:
@@ -190,8 +178,25 @@ def write(path, model_state: dict, optimizer_state: dict, meta: dict, rng: dict 
 
 
 def read(path) -> tuple[dict, dict, dict]:
-    """Read and verify a checkpoint: (model_state, optimizer_state, meta); meta["rng"] holds
-    rng.pt's content (None if the checkpoint has none)."""
-    files, meta = checkpoint_io.read(path)
-    meta["rng"] = files.get("rng.pt")
-    return files["model.pt"], files["optimizer.pt"], meta
+    """Read and verify a whole checkpoint in one process: (model_state, optimizer_state, meta),
+    the single-process model's state by name (`export` writes it to one file); meta["rng"]
+    holds every rank's random state (None if the checkpoint has none). Any format: DCP's
+    sharded one (3) or the single files of older versions (1, 2)."""
+    from tinyscale.engine import dcp_checkpoint  # noqa: PLC0415 - it imports this module's users
+
+    version = checkpoint_io.live_version(path)
+    meta = checkpoint_io.read_meta(version)
+    if meta["format_version"] < 3:
+        files, meta = checkpoint_io.read(path)
+        meta["rng"] = files.get("rng.pt")
+        return files["model.pt"], files["optimizer.pt"], meta
+    for f in meta["sha256"]:
+        problem = dcp_checkpoint.check_files(version, {f: meta["sha256"][f]}, 0, 1)
+        if problem is not None:
+            raise CheckpointError(f"load_checkpoint: {problem}")
+    model, optimizer, extra = dcp_checkpoint.read_whole(version)
+    if dcp_checkpoint.SCALER in extra:
+        optimizer["loss_scaler"] = extra[dcp_checkpoint.SCALER]
+    ranks = {int(k[len(dcp_checkpoint.RANK):]): v for k, v in extra.items() if k.startswith(dcp_checkpoint.RANK)}
+    meta["rng"] = {"world_size": meta["world_size"], "ranks": ranks} if ranks else None
+    return model, optimizer, meta

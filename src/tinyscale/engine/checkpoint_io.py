@@ -3,9 +3,12 @@
 A checkpoint directory holds versions and a pointer to the live one:
 
     path/latest            the text "v000012": the live version
-    path/v000012/          model.pt, optimizer.pt, rng.pt, meta.json (SHA-256 of the others)
+    path/v000012/          DCP's files (.metadata, __<rank>_0.distcp: `engine/dcp_checkpoint.py`),
+                           meta.json (SHA-256 of the others)
 
-`write` makes a new version live in five steps (`POINTS` names the moments between them):
+A save makes a new version live in five steps (`POINTS` names the moments between them);
+`begin` and `commit` are rank 0's part, every rank writes its own files in between
+(`Engine.save_checkpoint`); `write` is the same for one rank's `torch.save` files:
 
 1. write each file into a temporary directory path/.tmp-v000012-<pid>/ and fsync it;
 2. write meta.json last, with the other files' SHA-256, fsync it and the directory;
@@ -35,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 2
-REQUIRED = ("model.pt", "optimizer.pt")
+FORMAT_VERSION = 3  # 3: DCP's sharded files (engine/dcp_checkpoint.py); 1 and 2: one model.pt, optimizer.pt
+REQUIRED = {1: ("model.pt", "optimizer.pt"), 2: ("model.pt", "optimizer.pt"), 3: (".metadata",)}
 POINTER = "latest"
 _VERSION = re.compile(r"v(\d{6,})")
 
@@ -86,9 +89,9 @@ def _versions(path: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in path.iterdir() if (m := _VERSION.fullmatch(p.name)) and p.is_dir())
 
 
-def write(path: str | os.PathLike, files: dict[str, object], meta: dict) -> Path:
-    """Write `files` (name -> object for torch.save) and meta.json as a new live version of
-    the checkpoint at `path`; return the version's directory. Call on one rank."""
+def begin(path: str | os.PathLike) -> tuple[Path, str]:
+    """Steps before a save writes anything (call on one rank): make `path`, pick the next
+    version's name, create its temporary directory; returns (that directory, the name)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"save_checkpoint: {path} is a file; a checkpoint is a directory: choose another path")
@@ -99,15 +102,18 @@ def write(path: str | os.PathLike, files: dict[str, object], meta: dict) -> Path
     number = max(_versions(path), default=0) + 1
     name = f"v{number:06d}"
     tmp = path / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a failed save of this process (nothing commits it)
     tmp.mkdir()
+    _reach("temp_created")
+    return tmp, name
+
+
+def commit(path: str | os.PathLike, tmp: Path, name: str, meta: dict, digests: dict[str, str]) -> Path:
+    """Steps 2-5 once every file is in `tmp` and fsynced (call on one rank): meta.json with the
+    files' SHA-256 `digests`, the rename, the pointer, the collection. Returns the version."""
+    path = Path(path)
     try:
-        _reach("temp_created")
-        for file, obj in files.items():  # step 1
-            torch.save(obj, tmp / file)
-            _fsync_file(tmp / file)
-        _reach("files_written")
-        meta = {**meta, "format_version": FORMAT_VERSION,  # step 2: meta.json last
-                "sha256": {file: sha256(tmp / file) for file in files}}
+        meta = {**meta, "format_version": FORMAT_VERSION, "sha256": digests}  # step 2: meta.json last
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _fsync_file(tmp / "meta.json")
         _fsync_dir(tmp)
@@ -135,6 +141,22 @@ def write(path: str | os.PathLike, files: dict[str, object], meta: dict) -> Path
     _reach("collected")
     # --8<-- [end:commit]
     return path / name
+
+
+def write(path: str | os.PathLike, files: dict[str, object], meta: dict) -> Path:
+    """Write `files` (name -> object for torch.save) and meta.json as a new live version of
+    the checkpoint at `path`; return the version's directory. Call on one rank."""
+    tmp, name = begin(path)
+    try:
+        for file, obj in files.items():  # step 1
+            torch.save(obj, tmp / file)
+            _fsync_file(tmp / file)
+        _reach("files_written")
+        digests = {file: sha256(tmp / file) for file in files}
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit(path, tmp, name, meta, digests)
 
 
 def live_version(path: str | os.PathLike) -> Path:
@@ -176,15 +198,15 @@ def read_meta(version: Path) -> dict:
     if not isinstance(meta, dict):
         raise CheckpointError(f"load_checkpoint: {meta_path} holds a {type(meta).__name__}, not an object: "
                               "it is damaged; restore it or load an earlier checkpoint")
-    if meta.get("format_version") not in (1, FORMAT_VERSION):
+    if meta.get("format_version") not in REQUIRED:
         raise CheckpointError(f"load_checkpoint: {meta_path} has format_version {meta.get('format_version')!r}; "
-                              f"this tinyscale reads 1 and {FORMAT_VERSION}: load it with the version that wrote it")
+                              f"this tinyscale reads {sorted(REQUIRED)}: load it with the version that wrote it")
     digests = meta.get("sha256")
     if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
         raise CheckpointError(f"load_checkpoint: {meta_path} has no 'sha256' table ({{file: hex digest}}), so its "
                               "files cannot be verified: it was edited or not written by save_checkpoint; "
                               "load an earlier checkpoint")
-    unlisted = [f for f in REQUIRED if f not in digests]
+    unlisted = [f for f in REQUIRED[meta["format_version"]] if f not in digests]
     if unlisted:
         raise CheckpointError(f"load_checkpoint: {meta_path} lists no checksum for {unlisted}: it was edited; "
                               "load an earlier checkpoint")

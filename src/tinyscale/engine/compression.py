@@ -201,7 +201,7 @@ def attach(ddp, config: EngineConfig, group) -> None:
         ddp.register_comm_hook(state, powersgd_hook)
     elif c.type in ("topk", "randomk", "qsgd"):
         compressor = {"topk": lambda: TopK(c.ratio), "randomk": lambda: RandomK(c.ratio, seed=c.seed),
-                      "qsgd": lambda: QSGD(c.bits, seed=c.seed)}[c.type]()
+                      "qsgd": lambda: QSGD(c.bits, seed=c.seed, norm=c.norm)}[c.type]()
         ddp.register_comm_hook(CompressionState(compressor, group, error_feedback=c.error_feedback), compression_hook)
 # --8<-- [end:attach]
 

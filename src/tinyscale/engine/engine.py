@@ -4,7 +4,8 @@
     loss = engine.train_batch(batch)        # the global batch's mean loss, same on every rank
 
 Set-up, in this order (each step needs the one before; `engine/parallelize.py` states it):
-tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`), the
+tensor parallelism splits the GPT over the mesh's tp axis (`parallel.tensor`; another model's
+layers, found by name: AutoTP, `tinyscale.tensor_parallel.auto`), the
 activation-checkpointing policy rebuilds its blocks (`tinyscale.checkpointing.apply_policy`);
 the optimizer takes fp32 masters from the parameters before mixed precision rounds them to fp16/bf16
 (`tinyscale.precision`); then the data-parallel wrapper or ZeRO stage hooks into the model.
@@ -37,12 +38,17 @@ ride in the loss all-reduce, or in DDP's last bucket). If a forward or backward 
 rank, that rank makes the collectives the others make in the rest of the step, the loss
 all-reduce tells every rank, and all drop the step (gradients, usage, random draws): the
 rank that raised re-raises, the others raise `StepFailed`, and the engine is as before the
-step (tests: `pytest -k failed_step`). An error inside the optimizer step leaves the engine
-refusing further steps, since parameters may be partly updated.
+step (tests: `pytest -k failed_step`). Under tensor or context parallelism a rank raising
+mid-forward leaves its peers inside the model's collectives: they give up on it (they poll a
+flag it posts in the store) and every rank agrees over a gloo group of its own; if any rank
+gave up a collective, the model's groups are out of step and the engine stops on every rank,
+naming the rank that raised (engine/step_failure.py; `pytest -k failure_agreement`). An error
+inside the optimizer step leaves the engine refusing further steps, since parameters may be
+partly updated.
 
 Every rank ends the step with identical parameters (stage 3: identical shards of them;
 tensor parallel: the ranks of a dp group hold the same TP shard), which is what
-`full_state_dict` returns (stage 3 gathers them for it, tensor parallelism over its group).
+`full_state_dict` returns (each rank's pieces placed by the placements: `engine/dcp_checkpoint.py`).
 With `parallel.tensor` = t the "dp ranks" above are world / t: every rank of a TP group
 gets the same rows, and all reductions above run over the dp axis only. With
 `parallel.context` = c every rank of a cp group gets the same rows too, cuts its sequence
@@ -53,16 +59,22 @@ micro-batches instead of the loop above, then DDP or ZeRO over dp (x cp), once; 
 units are then this rank's stages, gathered around the schedule's actions
 (`engine/pipeline_step.py`). fp16 and bf16 work in every one of these layouts
 (`pytest -k layout_mixed_precision`).
+
+A script's own forward/backward/step loop (`tinyscale.deepspeed`, DeepSpeed's API) runs the
+micro-batches itself and ends each step in the same `_agree_step` and `_finish_step`. After every step the
+monitor (`engine/monitor.py`: tensorboard, csv_monitor, per-rank times, health) records it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -73,28 +85,22 @@ from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
-from tinyscale.engine import checkpoint, compression, context, parallelize, step_failure, tp_state
+from tinyscale.engine import checkpoint, checkpoint_io, compression, context, dcp_checkpoint, parallelize, step_failure
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
-from tinyscale.engine.plan import plan_layout
+from tinyscale.engine.monitor import Monitor
+from tinyscale.engine.plan import placements, plan_layout
 from tinyscale.engine.step_failure import StepFailed  # re-exported: tinyscale.engine.engine.StepFailed
 from tinyscale.engine.grad_norm import GradNorm
 from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.models.dropout import set_dropout_clock
+from tinyscale.moe import moe_stats
 from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
-from tinyscale.tensor_parallel import full_state_dict_from_tp
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 from tinyscale.zero.optimizer import COMM_DTYPES
 from tinyscale.zero.stage3 import Wrap
-from tinyscale.zero.state_dict import (
-    gather_masters,
-    gather_optimizer_state,
-    load_master_from_params,
-    load_masters,
-    load_optimizer_state,
-)
 
 
 ParamGroups = Callable[[torch.nn.Module], list[dict]]
@@ -239,8 +245,15 @@ class Engine:
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
         self._grad_norm: GradNorm | None = None
+        self.last_grad_norm: float | None = None  # stage 0 fp32: the last clipping norm (monitor.grad_norm_of)
+        self._pending: concurrent.futures.Future | None = None  # an async save in flight
+        self._checkpoint_group = None  # its gloo group, made at the first async save
         self.step = 0
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
+        # tp or cp: a rank raising mid-forward leaves its peers inside the model's collectives;
+        # they give up and every rank agrees over a group of its own (engine/step_failure.py)
+        self._failure_watch = step_failure.FailureWatch([mesh.group("tp"), mesh.group("cp")]) if (
+            self.tp_size > 1 or self.cp_size > 1) else None
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
                                      num_devices=self.reduce_size * self.tp_size * config.parallel.pipeline
@@ -250,6 +263,8 @@ class Engine:
         # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed
         # communication per step, `engine.profiler.records` (tinyscale.mfu.StepProfiler).
         self.profiler = StepProfiler(enabled=config.wall_clock_breakdown, device=self.device)
+        # tensorboard, csv_monitor, per-rank times, stragglers, health (engine/monitor.py)
+        self.monitor = Monitor(config, self.device)
 
     # --8<-- [start:train-batch]
     def train_batch(self, batch: Sequence[torch.Tensor]) -> float:
@@ -265,15 +280,23 @@ class Engine:
             )
         with self.profiler.step(tokens=batch[0].numel()):  # wall_clock_breakdown: else a no-op
             mean_loss, skipped = self._step(batch)
+        self._after_step(batch, start, mean_loss, skipped)
+        return mean_loss
+
+    def _after_step(self, batch: Sequence[torch.Tensor], start: float, mean_loss: float, skipped: bool) -> None:
+        """The step's record (`last_step`), the monitor, the progress line; `batch`: the global
+        batch or a tensor of its shape (the loop of `tinyscale.deepspeed` passes a meta tensor)."""
         self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
                           **self.throughput.record(batch, self._clock() - start)}
+        if self.plan.moe:  # an MoE GPT: this rank's last micro-batch's routing (load, dropped, aux losses)
+            self.last_step["moe"] = moe_stats(self.model)
         if self.profiler.enabled:
             self.last_step["profile"] = self.profiler.records[-1].breakdown.as_dict()
             if self.pipeline is not None:  # the schedule's seconds and this rank's bubble in them
                 self.last_step["profile"] |= self.pipeline.profile(self.last_step["profile"])
+        self.monitor.record(self)  # every rank: with wall_clock_breakdown it gathers the ranks' times
         if self.step % self.config.steps_per_print == 0:  # DeepSpeed's progress line
             self._print_progress(mean_loss, skipped)
-        return mean_loss
 
     def _print_progress(self, mean_loss: float, skipped: bool) -> None:
         if dist.is_initialized() and dist.get_rank() != 0:
@@ -303,8 +326,9 @@ class Engine:
         rng = (torch.random.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                parallelize.rng_state(self.model))
         hooked = compression.snapshot(self.ddp)  # a compression hook's residuals, memories, streams
-        error, i = None, 0
-        with comm.record(self.comm_ledger):
+        error, i, skip_reduce = None, 0, False
+        watch = self._failure_watch
+        with comm.record(self.comm_ledger), watch.attempt_step() if watch else contextlib.nullcontext():
             try:
                 parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_rank)  # exact TP dropout
                 # --8<-- [start:accumulate]
@@ -325,24 +349,51 @@ class Engine:
                 parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_size - 1 - self.dp_rank)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then it is re-raised
                 error = exc
-                self._complete_abandoned(len(micro) - i)
-            # ZeRO: which parameters got a gradient on this rank rides along with the loss, so
-            # that those no rank used are not stepped (as in one process) at no extra collective;
-            # so does whether this rank's forward or backward raised.
-            used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
-            failed = torch.zeros(self.reduce_size, dtype=torch.float64, device=self.device)
-            failed[self.reduce_rank] = float(error is not None)
-            if self.reduce_size > 1:  # cp ranks report the same loss (their rows'): / (dp cp) below
-                sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))
+                if watch is not None:
+                    watch.post()  # peers waiting for this rank in the model's collectives give up
+                # dp ops over a watched group (cp): its peers give up on this rank instead
+                skip_reduce = watch is not None and watch.covers(self.reduce_group)
+                if not skip_reduce:
+                    self._complete_abandoned(len(micro) - i)
+            total, failed, used, error = self._agree_step(total, error, skip_reduce)
+        return self._finish_step(total, failed, used, len(micro), error, rng, hooked)
+
+    def _agree_step(self, total: torch.Tensor, error: Exception | None, skip_reduce: bool = False) -> tuple:
+        """(summed loss, failed flags, used flags, error) over the reduce group, in one all-reduce.
+        ZeRO: which parameters got a gradient on this rank rides along with the loss, so that those
+        no rank used are not stepped (as in one process) at no extra collective; so does whether
+        this rank's forward or backward raised."""
+        used = self.zero.sharded.used_here().to(self.device) if self.zero is not None else None
+        failed = torch.zeros(self.reduce_size, dtype=torch.float64, device=self.device)
+        failed[self.reduce_rank] = float(error is not None)
+        if self.reduce_size > 1 and not (error is not None and skip_reduce):  # cp ranks report
+            sent = torch.cat([total.reshape(1), failed] + ([] if used is None else [used]))  # the same loss
+            try:
                 comm.all_reduce(sent, group=self.reduce_group)
-                total, failed = sent[0], sent[1:1 + self.reduce_size]
-                used = None if used is None else sent[1 + self.reduce_size:]
+            except step_failure.PeerFailed as exc:  # only on a watched group: the step is dropped
+                error = exc
+            total, failed = sent[0], sent[1:1 + self.reduce_size]
+            used = None if used is None else sent[1 + self.reduce_size:]
+        return total, failed, used, error
+
+    def _finish_step(self, total: torch.Tensor, failed: torch.Tensor, used: torch.Tensor | None, num_micro: int,
+                     error: Exception | None, rng: tuple, hooked) -> tuple[float, bool]:
+        """The rest of a step once every micro-batch's backward ran and `_agree_step` agreed
+        (train_batch's loop above, or a script's loop: `tinyscale.deepspeed`): drop or clip and step."""
+        watch = self._failure_watch
         used = None if used is None else used.cpu() > 0
-        mean_loss = total.item() / (len(micro) * self.reduce_size)
+        mean_loss = total.item() / (num_micro * self.reduce_size)
         failed_ranks, where = [r for r, f in enumerate(failed.tolist()) if f], "dp rank(s)"
-        if self.tp_size > 1:  # a TP peer's failure too: the whole world drops the step together
+        if watch is not None:  # a TP or cp peer's failure too: the whole world drops the step together
             with comm.record(self.comm_ledger):
-                failed_ranks, where = step_failure.failed_ranks(error is not None, self.device), "rank(s)"
+                failed_ranks, abandoned = watch.agree(error)
+            where = "rank(s)"
+            if abandoned:  # the model's groups are out of step: no later step can be trusted
+                self._roll_back(rng)
+                self._broken = step_failure.broken_message(self.step, failed_ranks, abandoned)
+                if error is not None and not isinstance(error, step_failure.PeerFailed):
+                    raise error
+                raise StepFailed(self._broken)
         # The same value on every rank, so all raise together. fp16: an overflow is the
         # scaler's business (the step is skipped below), not divergence.
         diverged = not math.isfinite(mean_loss) and self.loss_scaler is None
@@ -368,7 +419,8 @@ class Engine:
         lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None
         skipped = False
         try:
-            with phase("optimizer"), comm.record(self.comm_ledger):  # ZeRO's gathers, fp16's overflow flag
+            # ZeRO's gathers, fp16's overflow flag
+            with self.profiler.phase("optimizer"), comm.record(self.comm_ledger):
                 if self.zero is not None:
                     if lr is not None:
                         self.zero.set_lr(lr)
@@ -382,9 +434,11 @@ class Engine:
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
                     if self.config.gradient_clipping > 0 and self.tp_size > 1:  # the full model's norm
-                        self.grad_norm().clip_(self.config.gradient_clipping, [(p, p.grad) for p in self.params])
-                    elif self.config.gradient_clipping > 0:
-                        torch.nn.utils.clip_grad_norm_(self.params, self.config.gradient_clipping)
+                        self.last_grad_norm = self.grad_norm().clip_(self.config.gradient_clipping,
+                                                                     [(p, p.grad) for p in self.params])
+                    elif self.config.gradient_clipping > 0:  # the norm kept for the monitor (engine/monitor.py)
+                        self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                                                                                   self.config.gradient_clipping))
                     if lr is not None:
                         set_lr(self.optimizer, lr)
                     self.optimizer.step()
@@ -435,164 +489,185 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers on CPU, same on every rank, keyed like the model's state_dict().
 
-        With stage 3 every unit is all-gathered for the copy, with pipeline parallelism every
-        stage's tensors are broadcast over the pp group (call it on every rank)."""
-        gathered = self.zero.gathered() if isinstance(self.zero, ZeroStage3) else contextlib.nullcontext()
-        with gathered:  # ZeRO-3's dp gather first, then tensor parallelism's over the TP group (then pp's)
-            if self.pipeline is not None:
-                return self.pipeline.full_state_dict(self.model)
-            state = full_state_dict_from_tp(self.model) if self.tp_size > 1 else self.model.state_dict()
-            return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        Each rank contributes the pieces of the single-process model it owns (the placements, as
+        for a checkpoint), and every rank places all of them by their global offsets (call it on
+        every rank; `engine/dcp_checkpoint.py`)."""
+        return dcp_checkpoint.full_state_dict(self)
 
-    def save_checkpoint(self, path, client_state: dict | None = None) -> None:
+    def save_checkpoint(self, path, client_state: dict | None = None, *, blocking: bool = True):
         """Write everything an exact resume needs to directory `path` (call on every rank).
 
         Parameters, optimizer state, loss scaler, step and schedule position, every rank's
         random state, and `client_state` (JSON: e.g. the data position) returned by
-        `load_checkpoint`. ZeRO: every rank takes part in gathering the state by parameter
-        name (the format is the same for every stage and world size;
-        `tinyscale.zero.state_dict`); rank 0 writes, crash-safe (`tinyscale.engine.checkpoint_io`)."""
+        `load_checkpoint`. Every rank writes only the pieces of the single-process model it
+        owns, through torch.distributed.checkpoint (`engine/dcp_checkpoint.py`: the format is
+        the same for every layout); rank 0 commits the version, crash-safe
+        (`tinyscale.engine.checkpoint_io`), once every rank's files are written.
+
+        `blocking=False` (async save, DCP's `async_save` idea): this rank's pieces are copied to
+        host memory, then written and committed by a background thread over a gloo group of
+        its own while training goes on; returns a future (`.result()` waits, and raises what
+        the save raised). `latest` moves only once every rank's write succeeded. The next
+        save or load waits for it first; `wait_checkpoint()` does too."""
+        self.wait_checkpoint()
         client_state = {} if client_state is None else client_state
         try:
             json.dumps(client_state)
         except TypeError as exc:
             raise ValueError(f"save_checkpoint: client_state must be JSON (numbers, strings, lists, dicts): {exc}") \
                 from None
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        model_state = self.full_state_dict()
-        optimizer_state = self._optimizer_state_by_name(names)
-        masters = optimizer_state.pop("masters", None)  # mixed precision: gathered as the states are
-        if masters is not None:
-            optimizer_state["state"] = checkpoint.fold_masters(optimizer_state["state"], masters)
-        if self.tp_size > 1:  # this rank's TP shards of the states -> full tensors (this rank's stages')
-            optimizer_state["state"] = tp_state.gather_state(self.model, self._tp_shapes, optimizer_state["state"],
-                                                             self.device)
-        if self.pipeline is not None:  # every stage's states, under the original names
-            optimizer_state = self.pipeline.gather_optimizer_state(optimizer_state)
-        if masters is not None:  # whole, under the original names
-            optimizer_state["state"], optimizer_state["masters"] = checkpoint.unfold_masters(optimizer_state["state"])
-        if self.loss_scaler is not None:
-            optimizer_state["loss_scaler"] = self.loss_scaler.state_dict()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = {**checkpoint.rng_state(self.device), **parallelize.rng_state(self.model)}  # + TP's tracker
         local = compression.local_state(self)  # per-rank residuals and errors travel with the random state
         if local is not None:
             mine["compression"] = local
-        rng = [mine]
-        # every rank's generators (a few KB) and compression state (error feedback: ~ a model), to rank 0
-        if world > 1:
-            rng = [None] * world
-            dist.all_gather_object(rng, mine)
+        started: list = [None]
         error = None
         if rank == 0:
             try:
-                meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": world, "dp": self.dp_size,
-                        "optimizer_class": type(self._torch_optimizer()).__name__,
-                        "config": self.config.model_dump(mode="json"), "client_state": client_state}
-                checkpoint.write(path, model_state, optimizer_state, meta,
-                                 rng={"world_size": world, "ranks": dict(enumerate(rng))})
+                tmp, name = checkpoint_io.begin(path)
+                started = [(str(tmp), name)]
             except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
                 error = exc
-        if dist.is_initialized():
-            # Every rank learns whether rank 0's write succeeded, so none waits forever.
-            ok = torch.tensor([0.0 if error else 1.0], device=self.device)
-            comm.broadcast(ok, src=0)
-            if ok.item() == 0.0 and error is None:
-                raise RuntimeError(f"save_checkpoint: rank 0 failed to write {path}; see its error")
+        if world > 1:
+            dist.broadcast_object_list(started, src=0)
+        if started[0] is None:
+            raise error if error is not None else CheckpointError(
+                f"save_checkpoint: rank 0 could not start a version in {path}; see its error")
+        tmp, name = Path(started[0][0]), started[0][1]
+        meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": world, "dp": self.dp_size,
+                "optimizer_class": type(self._torch_optimizer()).__name__,
+                "config": self.config.model_dump(mode="json"), "client_state": client_state}
+        if blocking:
+            files = dcp_checkpoint.save(self, tmp, mine)  # DCP raises on every rank if one fails
+            self._commit(path, tmp, name, meta, files, local is not None)
+            return None
+        tensors, objects = dcp_checkpoint.snapshot(self, mine)
+        if self._checkpoint_group is None and world > 1:  # its own group: the training's collectives go on
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        group = self._checkpoint_group
+
+        def background() -> None:
+            files = dcp_checkpoint.write(tmp, tensors, objects, group)
+            self._commit(path, tmp, name, meta, files, local is not None, group)
+
+        self._pending = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint").submit(background)
+        return self._pending
+
+    def wait_checkpoint(self) -> None:
+        """Wait for an async save in flight (`save_checkpoint(..., blocking=False)`); raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _commit(self, path, tmp: Path, name: str, meta: dict, files: list[str], compressed: bool,
+                group=None) -> None:
+        """Every rank's files written: their checksums to rank 0, which commits; every rank learns
+        whether that succeeded (over `group`), so none waits forever."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        here = (dcp_checkpoint.file_digests(tmp, files), compressed)
+        written = [here]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            written = [None] * dist.get_world_size()
+            dist.all_gather_object(written, here, group=group)
+        error = None
+        if rank == 0:
+            try:
+                checkpoint_io._reach("files_written")
+                digests = {k: v for d, _ in written for k, v in d.items()}
+                digests.update(dcp_checkpoint.file_digests(tmp, [".metadata"]))
+                checkpoint_io.commit(path, tmp, name, {**meta, "compression_state": any(c for _, c in written)},
+                                     digests)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                error = exc
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            said = [None] * dist.get_world_size()
+            dist.all_gather_object(said, None if error is None else str(error), group=group)
+            if said[0] is not None and error is None:
+                raise CheckpointError(f"save_checkpoint: rank 0 failed to commit {path}: {said[0]}")
         if error is not None:
             raise error
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer.optimizer if isinstance(self.optimizer, MixedPrecisionOptimizer) else self.optimizer
 
-    def _optimizer_state_by_name(self, names: dict[int, str]) -> dict:
-        if self.zero is not None:
-            optimizer_state = gather_optimizer_state(self.zero.sharded, names)
-            if self.compute_dtype is not None:
-                optimizer_state["masters"] = gather_masters(self.zero.sharded, names)
-        elif isinstance(self.optimizer, MixedPrecisionOptimizer):
-            mp = self.optimizer
-            optimizer_state = checkpoint.optimizer_state_by_name(
-                mp.optimizer, {m: names[id(p)] for p, m in zip(mp.params, mp.masters)})
-            optimizer_state["masters"] = {names[id(p)]: m.detach().cpu().clone() for p, m in zip(mp.params, mp.masters)}
-        else:
-            optimizer_state = checkpoint.optimizer_state_by_name(self.optimizer, {p: names[id(p)] for p in self.params})
-        return optimizer_state
+    def _agree(self, error: Exception | None, path) -> None:
+        """Every rank raises if any rank failed, naming that rank's problem (none waits in a collective)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            said = [None] * dist.get_world_size()
+            dist.all_gather_object(said, None if error is None else str(error))
+            failed = [(r, m) for r, m in enumerate(said) if m is not None]
+            if failed and error is None:
+                r, m = failed[0]
+                raise CheckpointError(f"load_checkpoint: rank {r} could not load {path}: {m}")
+        if error is not None:
+            raise error
 
     def load_checkpoint(self, path) -> dict:
         """Resume from directory `path`, written by any layout (call on every rank); returns the
         `client_state` it was saved with.
 
-        In the same world size it continues bit-for-bit, random draws included; in another,
-        all but the random draws do (`checkpoint.restore_rng`). Refused with the differences
-        named (`CheckpointError`) if the file is damaged, or holds another optimizer's
-        state, other parameter names or shapes. The new config wins over the saved one:
-        hyperparameters (lr, weight decay, betas, ...) are this engine's, and rank 0 logs what
-        changed."""
+        Each rank reads only the pieces its layout needs (`engine/dcp_checkpoint.py`). In the
+        same world size it continues bit-for-bit, random draws included; in another, all but
+        the stream random draws do (`checkpoint.restore_rng`). Refused with the differences
+        named (`CheckpointError`, on every rank) if a file is missing or damaged, or the
+        checkpoint holds another optimizer's state, other parameter names or shapes. The new
+        config wins over the saved one: hyperparameters (lr, weight decay, betas, ...) are this
+        engine's, and rank 0 logs what changed."""
+        self.wait_checkpoint()
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        stage3 = isinstance(self.zero, ZeroStage3)
-        with self.zero.gathered() if stage3 else contextlib.nullcontext():  # full shapes
-            shapes = {k: v.shape for k, v in self.model.state_dict().items()}
-        if self.tp_size > 1:  # the checkpoint holds the original tensors, not TP shards
-            shapes = tp_state.full_shapes(self.model, self._tp_shapes)
-        if self.pipeline is not None:  # nor only this rank's stages
-            shapes = self.pipeline.full_shapes()
-        error = None
+        error = version = meta = metadata = None
         try:
-            model_state, optimizer_state, meta = checkpoint.read(path)
-            checkpoint.check_compatible(path, meta, model_state, shapes, type(self._torch_optimizer()).__name__)
-            if meta["rng"] is not None and self.config.compression.type != "none":
-                compression.check_resume(meta["rng"]["world_size"], world, meta["rng"]["ranks"])
-        except Exception as exc:  # noqa: BLE001 - every rank hears of it below: none waits in a gather
+            version = Path(path)
+            if (version / ".metadata").is_file() and not (version / "meta.json").is_file():
+                # a plain DCP checkpoint (torch's FSDP2, torchtitan): no checksums, step or random state
+                meta = {"format_version": checkpoint_io.FORMAT_VERSION, "sha256": {}, "step": 0, "world_size": None}
+            else:
+                version = checkpoint_io.live_version(path)
+                meta = checkpoint_io.read_meta(version)
+            if meta["format_version"] < checkpoint_io.FORMAT_VERSION:
+                raise CheckpointError(f"load_checkpoint: {version} is an older tinyscale's single-file checkpoint "
+                                      f"(format {meta['format_version']}): convert it with `tinyscale checkpoint "
+                                      "import` (or load it with the version that wrote it)")
+            problem = dcp_checkpoint.check_files(version, meta["sha256"], rank, world)
+            if problem is not None:
+                raise CheckpointError(f"load_checkpoint: {problem}")
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it: none waits in a collective
             error = exc
-        if dist.is_initialized():
-            bad = torch.tensor([float(error is not None)], device=self.device)
-            comm.all_reduce(bad)
-            if bad.item() and error is None:
-                raise CheckpointError(f"load_checkpoint: another rank could not load {path}; see its error")
-        if error is not None:
-            raise error
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        masters = optimizer_state.pop("masters", None)  # mixed precision's fp32 values: cut as the states are
-        scaler_state = optimizer_state.pop("loss_scaler", None)
-        if masters is not None:
-            optimizer_state["state"] = checkpoint.fold_masters(optimizer_state["state"], masters)
-        if self.pipeline is not None:  # the whole model's state -> this rank's stages' share (before TP's cut)
-            model_state, optimizer_state = self.pipeline.local_state(self.model, model_state, optimizer_state)
-        if self.tp_size > 1:  # full tensors -> this rank's TP shards (every rank read the whole file)
-            model_state = tp_state.shard_model_state(self.model, model_state)
-            optimizer_state["state"] = tp_state.shard_state(self.model, self._tp_shapes, optimizer_state["state"])
-        if masters is not None:
-            optimizer_state["state"], masters = checkpoint.unfold_masters(optimizer_state["state"])
-        with self.zero.gathered() if stage3 else contextlib.nullcontext():  # stage 3: load into full views
-            self.model.load_state_dict(model_state)
-            if self.zero is not None:  # master (and stage 3's parameter) shards from the loaded parameters
-                load_master_from_params(self.zero.sharded, self.zero.publish_shard if stage3 else None)
-        # The new config's hyperparameters win over the saved param_groups.
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self._torch_optimizer().param_groups]
-        if self.zero is not None:
-            load_optimizer_state(self.zero.sharded, optimizer_state, names)
-            if self.compute_dtype is not None and masters is not None:
-                load_masters(self.zero.sharded, masters, names)
-        elif isinstance(self.optimizer, MixedPrecisionOptimizer):
-            mp = self.optimizer
-            checkpoint.load_optimizer_state_by_name(mp.optimizer, optimizer_state,
-                                                    {names[id(p)]: m for p, m in zip(mp.params, mp.masters)})
-            with torch.no_grad():
-                for p, m in zip(mp.params, mp.masters):
-                    m.copy_(masters[names[id(p)]] if masters is not None else p)  # else: from the rounded values
-        else:
-            checkpoint.load_optimizer_state_by_name(self.optimizer, optimizer_state,
-                                                    {names[id(p)]: p for p in self.params})
-        for group, ours in zip(self._torch_optimizer().param_groups, hyper):
-            group.update(ours)
-        if self.loss_scaler is not None and scaler_state is not None:
-            self.loss_scaler.load_state_dict(scaler_state)
+        self._agree(error, path)
+        try:
+            metadata = dcp_checkpoint.read_metadata(version)
+            checkpoint.check_compatible(path, meta, dcp_checkpoint.saved_shapes(metadata), self._global_shapes(),
+                                        type(self._torch_optimizer()).__name__)
+            if self.config.compression.type != "none":
+                compression.check_resume(meta["world_size"], world, {0: {"compression": meta.get("compression_state")}})
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        self._agree(error, path)
+        keys = set(metadata.state_dict_metadata)
+        wanted = [k for k in keys if k.startswith(dcp_checkpoint.GROUPS) and k.endswith(".params")]
+        wanted += [k for k in (dcp_checkpoint.SCALER, f"{dcp_checkpoint.RANK}{rank}", f"{dcp_checkpoint.RANK}0")
+                   if k in keys]
+        objects = dcp_checkpoint.read_objects(version, sorted(set(wanted)))
+        ours = [g["params"] for g in dcp_checkpoint._group_table(self, dcp_checkpoint.held(self))]
+        theirs = [objects[k] for k in sorted((k for k in objects if k.startswith(dcp_checkpoint.GROUPS)),
+                                             key=lambda k: int(k[len(dcp_checkpoint.GROUPS):].split(".")[0]))]
+        if theirs and ours != theirs:  # none: a model-only checkpoint (imported): the optimizer starts fresh
+            error = CheckpointError(
+                f"load_checkpoint: {path}: the checkpoint's optimizer covers different parameters than this "
+                f"engine's (saved groups {theirs}, here {ours}); was it written for another model, or "
+                "with other parameters frozen or grouped differently?")
+        self._agree(error, path)
+        dcp_checkpoint.load(self, version, metadata)
+        if self.loss_scaler is not None and dcp_checkpoint.SCALER in objects:
+            self.loss_scaler.load_state_dict(objects[dcp_checkpoint.SCALER])
         self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
-        warning = checkpoint.restore_rng(meta["rng"], rank, world, self.device)
-        if meta["rng"] is not None:  # tensor parallelism's tracker stream (same world: exact)
-            parallelize.restore_rng(self.model, meta["rng"]["ranks"].get(rank))
-            compression.load_local_state(self, meta["rng"]["ranks"].get(rank, {}).get("compression"))
+        ranks = {r: objects[f"{dcp_checkpoint.RANK}{r}"] for r in (0, rank) if f"{dcp_checkpoint.RANK}{r}" in objects}
+        saved_rng = {"world_size": meta["world_size"], "ranks": ranks} if ranks else None
+        warning = checkpoint.restore_rng(saved_rng, rank, world, self.device)
+        if saved_rng is not None:  # tensor parallelism's tracker stream (same world: exact)
+            parallelize.restore_rng(self.model, ranks.get(rank))
+            compression.load_local_state(self, ranks.get(rank, {}).get("compression"))
         changes = checkpoint.config_changes(meta.get("config"), self.config.model_dump(mode="json"))
         if rank == 0 and (changes or warning):
             log = get_logger("tinyscale.checkpoint")
@@ -602,6 +677,15 @@ class Engine:
             if warning:
                 log.warning("load_checkpoint %s: %s", path, warning)
         return meta.get("client_state", {})
+
+    def _global_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter of the original model (all stages): name -> shape (a small all-gather)."""
+        mine = {k: tuple(pl.global_shape) for k, pl in placements(self, include_frozen=True).items()}
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return {k: v for part in parts for k, v in part.items()}
 
     def memory_report(self, when: str = "now") -> MemoryReport:
         """Bytes this rank holds, by category, counted from the tensors it holds.

@@ -1,7 +1,7 @@
 # --8<-- [start:order]
 """Layouts composed in one place, in one order (DESIGN.md, "Composing layouts").
 
-    pipeline partition -> tensor / sequence parallel -> context parallel
+    pipeline partition -> tensor / sequence parallel -> context parallel -> expert parallel
         -> activation checkpointing -> mixed precision -> data parallel or ZeRO over the dp axis
 
 Why this order: each transform changes the model the next one sees. Tensor parallelism
@@ -18,13 +18,19 @@ Everything a layout can refuse is refused here before any process group is creat
 sequence parallelism (`tinyscale.tensor_parallel`) for the GPT, with data parallelism and
 ZeRO stages 1-3 over the dp axis; context parallelism (`engine/context.py`: ring or Ulysses
 over the cp axis, gradients reduced over dp x cp), also with tensor parallelism (tp x cp,
-without sequence parallelism).
+without sequence parallelism). A model tinyscale did not write (a transformers Llama or Qwen2)
+is split by AutoTP (`tinyscale.tensor_parallel.auto`: its Linear and Embedding layers found by
+name, `parallel.tp_plan` first; every layer it cannot place refused by name), with data
+parallelism and ZeRO 0-3 over dp; not with sequence, context or pipeline parallelism, which
+rewrite the GPT's own forward.
 Pipeline parallelism (`engine/pipeline_step.py`, `partition_pipeline`: the model keeps this
 rank's stages) composes with every other axis, at the same places in the order: tensor and
 sequence parallelism split this rank's stages (`engine/pipeline_tp.py`), context parallelism
 swaps their attention (`context.apply_to_stages`), and DDP or ZeRO stages 1-3 run over dp
 (x cp), reducing once after the schedule (stage 3's units are this rank's stages).
-Activation checkpointing (every policy of `tinyscale.checkpointing`) composes with all of them: it
+Expert parallelism (`engine/expert.py`, an MoE GPT's experts split over ep groups inside dp, tokens
+by all-to-all) comes after them: it sets which experts the MoE layers of this rank's (TP-split)
+stages compute. Activation checkpointing (every policy of `tinyscale.checkpointing`) composes with all of them: it
 comes after the layers are split, changes each block's class in place over the tensor-parallel one
 (a pipeline stage's blocks are the same objects), and a recomputation replays the TP RNG tracker's
 stream as well as torch's, so the masks are the forward's; under ZeRO-3 the rerun runs inside the
@@ -48,10 +54,11 @@ import torch
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine import context, pipeline_layout
+from tinyscale.engine import context, expert, pipeline_layout
 from tinyscale.engine.pipeline_step import PipelineStep
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from tinyscale.tensor_parallel.auto import apply_autotp, find_plan
 from tinyscale.tensor_parallel.random import share_stream, skip_exact_masks
 
 
@@ -64,6 +71,9 @@ def check_config(config: EngineConfig) -> list[str]:
     if "tensor_dropout" in par.model_fields_set and par.tensor == 1:
         problems.append(f"parallel.tensor_dropout={par.tensor_dropout!r} needs parallel.tensor > 1 (it chooses how "
                         "tensor-parallel ranks draw dropout masks): set parallel.tensor, or remove tensor_dropout")
+    if par.tp_plan and par.tensor == 1:
+        problems.append("parallel.tp_plan needs parallel.tensor > 1 (it places layers over the tensor-parallel "
+                        "group): set parallel.tensor, or remove tp_plan")
     if config.activation_checkpointing.partition_activations and (par.tensor == 1 or par.sequence_parallel):
         problems.append("activation_checkpointing.partition_activations splits each checkpointed block's input, "
                         "equal on every rank of the tensor-parallel group, over that group: it needs parallel.tensor "
@@ -89,14 +99,37 @@ def check_tensor_layout(config: EngineConfig, model: torch.nn.Module, world_size
                           f"make them equal (or pass no mesh: the engine builds dp={world_size // tp}, tp={tp})")
     if tp == 1:
         return
-    if not isinstance(model, GPT):
-        raise ConfigError(f"parallel.tensor={tp}: tensor parallelism splits tinyscale's GPT, not a "
-                          f"{type(model).__name__}; use parallel.tensor 1 for this model")
+    if not isinstance(model, GPT):  # AutoTP: found in the module tree, or refused by name
+        check_autotp(config, model, tp, world_size)
+        return
+    if config.parallel.tp_plan:
+        raise ConfigError("parallel.tp_plan places the layers of a model tinyscale did not write (AutoTP); "
+                          "tinyscale's GPT is split by its own plan (tensor_parallel/apply.py): remove tp_plan")
     check_gpt_split(model.config, tp, world_size)
     if "tensor_dropout" in config.parallel.model_fields_set and model.config.dropout_masks == "counter":
         raise ConfigError(f"parallel.tensor_dropout={config.parallel.tensor_dropout!r} with GPTConfig.dropout_masks="
                           "'counter': tensor_dropout chooses how TP ranks draw stream masks, and counter masks are "
                           "hashed from global coordinates, the same on every rank; remove tensor_dropout")
+
+
+def check_autotp(config: EngineConfig, model: torch.nn.Module, tp: int, world_size: int) -> None:
+    """AutoTP's part of `check_tensor_layout`: the plan is found (pure), and what it cannot serve refused."""
+    problems = []
+    if config.parallel.sequence_parallel:
+        problems.append(f"parallel.sequence_parallel with a {type(model).__name__}: sequence parallelism runs "
+                        "norms and residuals on sequence shards inside tinyscale's GPT's forward, and AutoTP "
+                        "keeps the model's own forward; set sequence_parallel false")
+    if "tensor_dropout" in config.parallel.model_fields_set:
+        problems.append(f"parallel.tensor_dropout with a {type(model).__name__}: it chooses how tinyscale's GPT "
+                        "draws dropout masks, and AutoTP refuses dropout; remove tensor_dropout")
+    try:
+        find_plan(model, tp, config.parallel.tp_plan)
+    except ValueError as exc:
+        problems.append(f"parallel.tensor={tp}: {exc}")
+    if world_size % tp != 0:
+        problems.append(f"parallel.tensor={tp} does not divide the world size {world_size}")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def check_gpt_split(gpt_config, tp: int, world_size: int) -> None:
@@ -132,7 +165,9 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
     activation checkpointing (it rebuilds blocks, which the DP/ZeRO hooks then attach to).
     After `partition_pipeline` (`pipeline`), tensor parallelism splits this rank's stages."""
     par = config.parallel
-    if par.tensor > 1 and pipeline is not None:  # pp x tp (engine/pipeline_tp.py); counter dropout only
+    if par.tensor > 1 and not isinstance(model, GPT):  # AutoTP: the plan check_layout found
+        apply_autotp(model, mesh.group("tp"), find_plan(model, par.tensor, par.tp_plan))
+    elif par.tensor > 1 and pipeline is not None:  # pp x tp (engine/pipeline_tp.py); counter dropout only
         pipeline.split_tensor_parallel(model, mesh, sequence_parallel=par.sequence_parallel)
     elif par.tensor > 1:
         exact, seed = par.tensor_dropout == "exact", 0
@@ -146,6 +181,7 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
         pipeline.split_context_parallel(model, config, mesh)
     else:
         context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
+    expert.apply(model, config, mesh)  # an MoE GPT's experts split over the ep groups inside dp (engine/expert.py)
     # --8<-- [start:activation-checkpointing]
     ac = config.activation_checkpointing
     if ac.policy != "none":  # a recomputation replays the TP tracker's stream too (tensor_parallel/random.py)
@@ -164,7 +200,7 @@ def skip_dropout_masks(model: torch.nn.Module, config: EngineConfig, micro: list
     others, as one process draws the global batch's micro-batches in order (dp rank r's come after
     r * len(micro) others'). Nothing to do without tensor parallelism's exact mode."""
     if not (forwards and micro and config.parallel.tensor > 1 and config.parallel.tensor_dropout == "exact"
-            and model.config.dropout > 0 and model.config.dropout_masks == "stream"):
+            and isinstance(model, GPT) and model.config.dropout > 0 and model.config.dropout_masks == "stream"):
         return
     rows, seq_len = micro[0][0].shape  # every dp rank's micro-batches have this shape
     skip_exact_masks(model, rows, seq_len, forwards * len(micro))

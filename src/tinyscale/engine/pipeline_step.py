@@ -52,10 +52,12 @@ bubble) are comm_exposed, the host's work between actions other, and `pipeline_b
 this rank's share of the schedule's time outside its compute actions (`PipelineStep.profile`).
 
 A forward, backward or loss that raises on some stages: the executor runs the schedule's
-messages to the end anyway (a failed stage sends headers saying so), every rank agrees on who
+messages to the end anyway (a failed stage sends messages saying so), every rank agrees on who
 failed (one all-reduce of a flag per rank, `step_failure.failed_ranks`) and drops the step, as
 the data-parallel engine does: that rank re-raises its error, the others raise `StepFailed`
-naming it. A failure in the messages themselves still stops the engine. Tests:
+naming it. With tp, a rank that stops computing posts so at once (the executor's
+`on_failure`), its TP peers waiting in a collective give up, and the agreement runs over a
+gloo group of its own (`step_failure.FailureWatch`); if a peer gave up, the engine stops. A failure in the messages themselves still stops the engine. Tests:
 `pytest tests/engine/test_engine_pipeline.py` (keys engine_pipeline, pp_afab, pp_1f1b,
 pp_interleaved, pp_zero_bubble), `pytest tests/engine/test_engine_pipeline_compose.py` (with
 the other axes and ZeRO: keys engine_pipeline, layout_pp); fp16/bf16: `pytest -k layout_mixed_precision`;
@@ -76,18 +78,17 @@ import torch.distributed as dist
 from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
-from tinyscale.engine import compression, context, pipeline_checkpoint
+from tinyscale.engine import compression, context, expert
 from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
 from tinyscale.pipeline import (
     add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
 )
-from tinyscale.engine import pipeline_tp
+from tinyscale.engine import pipeline_tp, step_failure
 from tinyscale.engine.step_failure import StepFailed, failed_ranks
-from tinyscale.pipeline.apply import apply_pipeline, gather_full_state
+from tinyscale.pipeline.apply import apply_pipeline
 from tinyscale.pipeline.executor import PipelineExecutor, exchange_tied_grads, gpt_loss
-from tinyscale.tensor_parallel import full_state_dict_from_tp
 from tinyscale.context_parallel import shard_batch
 from tinyscale.pipeline.schedules import BW, F, W
 from tinyscale.zero import ZeroStage2
@@ -110,7 +111,6 @@ class PipelineStep:
         m = config.batch(mesh.size("dp")).gradient_accumulation_steps
         self.group, self.ranks, self.rank = mesh.group("pp"), mesh.group_ranks("pp"), mesh.rank("pp")
         self.shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}  # the original keys
-        self.dtypes: dict | None = None  # each entry's dtype as the stages hold it (full_state_dict)
         self.order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # a tied table once
         self.gpt_config = model.config
         self.plan = partition_gpt(model.config, p, virtual_stages=v)
@@ -161,28 +161,8 @@ class PipelineStep:
         self.stage3 = driver
         return zero
 
-    def full_state_dict(self, model: GPT) -> dict:
-        """Every stage's parameters, original keys and order, on every rank (a collective over tp, then pp)."""
-        local = full_state_dict_from_tp(model) if self.tp_group is not None else None  # unsharded, unpadded
-        if self.dtypes is None:  # as the stages hold them now: mixed precision rounded them after `shapes`
-            held = [None] * len(self.ranks)
-            dist.all_gather_object(held, {k: v.dtype for k, v in model.state_dict().items()}, group=self.group)
-            self.dtypes = {k: d for part in held for k, d in part.items()}
-        like = {k: (shape, self.dtypes.get(k, dtype)) for k, (shape, dtype) in self.shapes.items()}
-        return gather_full_state(model, like, self.plan, self.rank, self.ranks, self.group, local=local)
-
-    def gather_optimizer_state(self, local: dict) -> dict:
-        """Every stage's by-name optimizer state, for save_checkpoint (`engine/pipeline_checkpoint.py`)."""
-        return pipeline_checkpoint.gather_optimizer_state(local, self.order, self.aliases, self.group)
-
     def full_shapes(self) -> dict:
         return {k: shape for k, (shape, _) in self.shapes.items()}
-
-    def local_state(self, model: GPT, model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
-        """This rank's stages' share of a checkpoint's whole-model state, for load_checkpoint."""
-        local_names = [n for n, q in model.named_parameters() if q.requires_grad]
-        return ({k: model_state[k] for k in model.state_dict()},
-                pipeline_checkpoint.local_optimizer_state(optimizer_state, local_names, self.aliases))
 
     def train_step(self, engine, batch: tuple[torch.Tensor, ...]) -> tuple[float, bool]:
         """One optimizer step of `engine` over the global batch; returns (mean loss, skipped=False)."""
@@ -213,13 +193,18 @@ class PipelineStep:
         failed: list[int] = []
         # fp16: every backward is of loss x S (the loss reported stays unscaled)
         self.executor.loss_scale = 1.0 if engine.loss_scaler is None else engine.loss_scaler.scale
+        # an MoE GPT: each layer backpropagates its aux loss as the executor does the loss (engine/expert.py)
+        self.moe_aux = 0.0
+        if self.gpt_config.moe_experts:
+            expert.set_aux_grad_scale(engine.model, self.executor.loss_scale / len(micro))
         try:
             with comm.record(engine.comm_ledger):
                 # --8<-- [start:step]
                 # DDP and ZeRO 2 synchronise once, below: the schedule's backwards (and zero-bubble's
                 # W passes, which write .grad outside autograd's hooks) only accumulate.
-                error = None
-                with _no_sync(engine):
+                error, watch = None, engine._failure_watch  # watch: with tp, TP peers mid-compute
+                with _no_sync(engine), watch.attempt_step() if watch else contextlib.nullcontext():
+                    self.executor.on_failure = None if watch is None else watch.post
                     try:
                         start = _now(engine) if profiler.enabled else 0.0
                         loss = self.executor.run(inputs, targets)
@@ -228,7 +213,16 @@ class PipelineStep:
                         if self.executor.failed is None:
                             raise  # the messages themselves failed
                         error = exc if self.executor.failed[1] is not None else None  # else a peer's
-                failed = failed_ranks(error is not None, engine.device)  # who, over the world
+                if watch is None:
+                    failed = failed_ranks(error is not None, engine.device)  # who, over the world
+                else:  # over a group of its own: a TP group may be out of step
+                    failed, abandoned = watch.agree(error)
+                    if abandoned:
+                        engine._roll_back(rng)
+                        engine._broken = step_failure.broken_message(engine.step, failed, abandoned)
+                        if error is not None and not isinstance(error, step_failure.PeerFailed):
+                            raise error
+                        raise StepFailed(engine._broken)
                 if failed:
                     engine._roll_back(rng)
                     raise error if error is not None else StepFailed(
@@ -256,6 +250,7 @@ class PipelineStep:
                 total = torch.zeros((), dtype=torch.float64, device=engine.device)
                 if loss is not None:
                     total += loss.detach().double()
+                total += self.moe_aux / len(micro)  # this rank's stages' aux losses (an MoE GPT; else 0)
                 comm.all_reduce(total, group=self.group)  # only the last stage's is not zero
                 if engine.dp_size > 1:
                     comm.all_reduce(total, group=engine.dp_group)
@@ -313,7 +308,8 @@ class PipelineStep:
             engine.optimizer.zero_grad(set_to_none=True)
             return skipped
         if engine.config.gradient_clipping > 0:  # the whole model's norm (engine/grad_norm.py)
-            engine.grad_norm().clip_(engine.config.gradient_clipping, [(q, q.grad) for q in engine.params])
+            engine.last_grad_norm = engine.grad_norm().clip_(engine.config.gradient_clipping,
+                                                             [(q, q.grad) for q in engine.params])
         if lr is not None:
             set_lr(engine.optimizer, lr)
         engine.optimizer.step()
@@ -364,8 +360,13 @@ def _around_compute(engine, micro_batches: int, rows: int, a) -> Iterator[None]:
     wall_clock_breakdown times an F action as forward, B, BW and W as backward."""
     set_dropout_clock(engine.model, step=engine.step, row0=(engine.dp_rank * micro_batches + a.microbatch) * rows)
     profiler = engine.profiler
+    moe = a.kind == F and engine.pipeline.gpt_config.moe_experts > 0
+    if moe:
+        expert.take_aux(engine.model)  # a recomputation's, in an earlier backward: not this forward's
     with profiler.phase("forward" if a.kind == F else "backward") if profiler.enabled else contextlib.nullcontext():
         yield
+    if moe:  # an MoE GPT's aux losses join the reported loss (their gradient is AddAuxLoss's)
+        engine.pipeline.moe_aux += expert.take_aux(engine.model)
 
 
 def _no_sync(engine):

@@ -40,7 +40,7 @@ from tinyscale.tensor_parallel.apply import parallelize_block
 def split_stages(model: GPT, stages: dict[int, nn.Module], group, *, sequence_parallel: bool = False) -> None:
     """Split this rank's `stages` (`GPTStage`s sharing `model`'s modules) over the TP `group`, in
     place: the new embedding, final norm and head go into both the stage and `model` (under their
-    original names, so the optimizer, checkpoints and `full_state_dict_from_tp` find them).
+    original names, so the optimizer, the placements and checkpoints find them).
     `sequence_parallel`: the stages take and pass (B, T/t, C) sequence shards."""
     cfg, sp = model.config, sequence_parallel
     check_tensor_parallel(cfg, dist.get_world_size(group))
@@ -55,7 +55,7 @@ def split_stages(model: GPT, stages: dict[int, nn.Module], group, *, sequence_pa
             model.head = stage.head = ColumnParallelLinear.from_linear(stage.head, group, pad_out_features=True,
                                                                        sequence_parallel=sp)
         stage.sequence_shards = dist.get_world_size(group) if sp else 1
-    model.tp_group = group  # what the engine's TP helpers (clipping under ZeRO, tp_state) read
+    model.tp_group = group  # what the engine's TP helpers (clipping under ZeRO, the placements) read
 # --8<-- [end:split]
 
 

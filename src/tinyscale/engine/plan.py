@@ -29,13 +29,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.dist.mesh import MeshLayout
-from tinyscale.engine import tp_state
 from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear
 
@@ -56,6 +56,8 @@ class LayoutPlan:
     sequence_parallel: bool = False
     context_algorithm: str = "ring"
     zero_stage: int = 0
+    ep: int = 1  # expert parallelism: runs of ep dp ranks split the experts (engine/expert.py)
+    moe: bool = False  # the model is an MoE GPT (its routing is logged in engine.last_step["moe"])
 
     @property
     def layout(self) -> MeshLayout:
@@ -75,11 +77,12 @@ class LayoutPlan:
                   f"{self.schedule}: activations sent forward, their gradients back",
             "dp": f"rows of the batch; {zero} over {' x '.join(self.reduce_axes)}",
             "cp": f"the sequence ({self.context_algorithm} attention); parameters replicated, gradients summed",
+            "ep": f"experts, split over runs of {self.ep} dp ranks; tokens exchanged by all-to-all",
             "tp": "heads, MLP width and vocab (Megatron's f/g); "
                   + ("activations split along the sequence between them (SP)" if self.sequence_parallel
                      else "activations replicated between them"),
         }
-        return {axis: jobs[axis] for axis in AXES if getattr(self, axis) > 1}
+        return {axis: jobs[axis] for axis in (*AXES, "ep") if getattr(self, axis) > 1}
 
     def describe(self) -> str:
         degrees = " x ".join(f"{a} {getattr(self, a)}" for a in AXES)
@@ -91,12 +94,13 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     """Validate `config` for `model` on `world_size` ranks in one pass; raise one `ConfigError`
     naming every problem (each with its field and fix), or return the plan. No collectives."""
     # Imported here: these modules build on the engine's pieces, which import this module's users.
-    from tinyscale.engine import compression, context, parallelize, pipeline_layout  # noqa: PLC0415
+    from tinyscale.engine import compression, context, expert, parallelize, pipeline_layout  # noqa: PLC0415
 
     problems = parallelize.check_config(config) + compression.check_config(config)
     if problems:  # the config alone: the "not supported" list, as check_supported words it
         problems = ["not supported by this engine yet:\n  " + "\n  ".join(problems)]
-    for check in (context.check_layout, pipeline_layout.check_layout, parallelize.check_tensor_layout):
+    for check in (context.check_layout, pipeline_layout.check_layout, parallelize.check_tensor_layout,
+                  expert.check_layout):
         try:
             check(config, model, world_size, mesh)
         except ConfigError as exc:
@@ -110,7 +114,8 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     return LayoutPlan(world_size=world_size, dp=world_size // (tp * cp * pp), pp=pp, cp=cp, tp=tp,
                       virtual_stages=par.virtual_stages, schedule=par.pipeline_schedule,
                       sequence_parallel=par.sequence_parallel, context_algorithm=par.context_algorithm,
-                      zero_stage=config.zero_optimization.stage)
+                      zero_stage=config.zero_optimization.stage, ep=par.expert,
+                      moe=bool(getattr(getattr(model, "config", None), "moe_experts", 0)))
 
 
 # --8<-- [start:placement]
@@ -125,6 +130,8 @@ class Placement:
     tp_dim: int | None = None          # the dim a shard splits
     tp_range: tuple[int, int] | None = None  # the global [start, end) along tp_dim held here, padding excluded
     tp_counted: bool = True            # this TP rank counts it (a shard: always; a copy: TP rank 0 / first copy)
+    tp_runs: tuple[tuple[int, int, int], ...] = ()  # a shard of scattered rows (a fused layer's q, k, v
+    # parts): (local start, local end, global start) along tp_dim per run; () = one run at tp_range
     stages: tuple[int, ...] = ()       # model stages holding it here (empty without a pipeline)
     pp_counted: bool = True            # False on the last stage's copy of a tied table (the first counts it)
     zero_ranges: tuple[tuple[int, int], ...] = field(default=())  # flat [start, end) of local_shape owned
@@ -155,6 +162,23 @@ def tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int,
     """The tp fields of `param`, a parameter of `module` (a TP layer, or a replicated module),
     on the tensor-parallel process group `group`."""
     tp_rank = dist.get_rank(group)
+    if hasattr(module, "tp_split_dim"):  # a layer that says it (tensor_parallel/fused.py): no padding
+        name = next(n for n, p in module.named_parameters(recurse=False) if p is param)
+        dim = module.tp_split_dim(name)
+        if dim is None:
+            return {"tp": "replicate", "tp_counted": tp_rank == 0}
+        rows = local_shape[dim] if len(local_shape) > dim else 0
+        fields = {"tp": "shard", "tp_dim": dim, "tp_range": (tp_rank * rows, (tp_rank + 1) * rows)}
+        index = getattr(module, "index", None)  # the global rows it holds (a fused column layer)
+        if index is not None and len(index) == rows:
+            runs, start = [], 0
+            index = [int(i) for i in index]
+            for k in range(1, rows + 1):
+                if k == rows or index[k] != index[k - 1] + 1:
+                    runs.append((start, k, index[start]))
+                    start = k
+            fields["tp_runs"] = tuple(runs)
+        return fields
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or \
             (isinstance(module, RowParallelLinear) and param is module.weight):
         dim = 1 if isinstance(module, RowParallelLinear) else 0
@@ -171,17 +195,35 @@ def tp_placement(module: nn.Module, param: nn.Parameter, local_shape: tuple[int,
     return {"tp": "replicate", "tp_counted": tp_rank == 0}
 
 
-def placements(engine) -> dict[str, Placement]:
+def full_shape(module: nn.Module, leaf: str, local: tuple[int, ...]) -> tuple[int, ...]:
+    """The original tensor's shape of `module`'s parameter `leaf`, a TP shard of shape `local`."""
+    if hasattr(module, "full_shape"):  # a layer that says it (tensor_parallel/fused.py)
+        return tuple(module.full_shape(leaf, torch.Size(local)))
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        rows = module.out_features if isinstance(module, ColumnParallelLinear) else module.num_embeddings
+        return (rows, *local[1:])
+    if isinstance(module, RowParallelLinear) and leaf == "weight":
+        return (module.out_features, module.in_features)
+    if isinstance(module, ReplicatedKVLinear):  # (K*D, C), or a bias's (K*D,)
+        return (module.n_kv_head * module.head_dim, *local[1:])
+    return tuple(local)
+
+
+def placements(engine, include_frozen: bool = False) -> dict[str, Placement]:
     """Where every parameter this rank holds lives, keyed by its name in the original model.
 
     Reads what the transforms left: the TP layers' shard sizes, the pipeline's stages and tied
-    copy, ZeRO's fragments (call it between steps, on every rank or just this one: no collectives)."""
+    copy, ZeRO's fragments (call it between steps, on every rank or just this one: no collectives).
+    `include_frozen`: frozen parameters too (checkpoints hold them; they are never ZeRO-sharded)."""
     model, pipeline, zero = engine.model, engine.pipeline, engine.zero
     tp = engine.config.parallel.tensor
     if pipeline is not None:  # the original model's shapes, under its names
         global_shapes = pipeline.full_shapes()
     else:
-        global_shapes = tp_state.full_shapes(model, engine._tp_shapes) if tp > 1 else engine._tp_shapes
+        global_shapes = engine._tp_shapes
+        if tp > 1:
+            global_shapes = {k: full_shape(model.get_submodule(k.rpartition(".")[0]), k.rpartition(".")[2], s)
+                             for k, s in global_shapes.items()}
     owners = {}  # id(param) -> (its module, its first name)
     for mod_name, module in model.named_modules():
         for p_name, param in module.named_parameters(recurse=False):
@@ -196,7 +238,7 @@ def placements(engine) -> dict[str, Placement]:
     tied_copy = id(pipeline.tied[0]) if pipeline is not None and pipeline.tied is not None and \
         pipeline.rank == pipeline.plan[-1].rank else None
     table = {}
-    for param in (p for p in model.parameters() if p.requires_grad):
+    for param in (p for p in model.parameters() if p.requires_grad or include_frozen):
         module, name = owners[id(param)]
         local_shape = tuple(engine._tp_shapes.get(name, param.shape))
         key = pipeline.aliases.get(name, name) if pipeline is not None else name
@@ -208,7 +250,7 @@ def placements(engine) -> dict[str, Placement]:
                                stages=stage_of.get(name.split(".")[0] if not name.startswith("blocks.")
                                                    else ".".join(name.split(".")[:2]), ()),
                                zero_ranges=tuple(sorted(zero_ranges.get(id(param), ()))),
-                               zero_sharded=zero is not None, **fields)
+                               zero_sharded=zero is not None and param.requires_grad, **fields)
     return table
 
 

@@ -7,6 +7,7 @@
 | `adamw.py` | AdamW over one flat buffer (a ZeRO shard's shape); `FusedAdamW` for ZeRO | ~10 kernels per tensor |
 | `quantize.py` | int8 quantize / dequantize with per-block scales | abs, amax, div, round, cast |
 | `cross_entropy.py` | fused linear + cross-entropy, chunked rows | (N, V) logits, softmax, its gradient |
+| `grouped_gemm.py` | one matmul per group of contiguous rows (MoE experts), one launch, + backward | a loop of E matmuls |
 
 Triton is optional (`pip install -e .[triton]`): every function runs its PyTorch reference
 when Triton cannot run (no Triton, or a CPU tensor without `TRITON_INTERPRET=1`).
@@ -20,11 +21,12 @@ from tinyscale.kernels.cross_entropy import fused_linear_cross_entropy
 from tinyscale.kernels.flash_attention import (
     attention_reference, flash_attention, flash_block, flash_block_backward, kernel_ok,
 )
+from tinyscale.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from tinyscale.kernels.quantize import dequantize_int8, dequantize_reference, quantize_int8, quantize_reference
 from tinyscale.kernels.rmsnorm import rms_norm, rms_norm_reference
 
 __all__ = [
     "HAS_TRITON", "FusedAdamW", "adamw_reference_", "attention_reference", "dequantize_int8", "dequantize_reference",
-    "flash_attention", "flash_block", "flash_block_backward", "fused_adamw_", "fused_linear_cross_entropy", "kernel_ok", "quantize_int8",
+    "flash_attention", "flash_block", "flash_block_backward", "fused_adamw_", "grouped_gemm", "grouped_gemm_reference", "fused_linear_cross_entropy", "kernel_ok", "quantize_int8",
     "quantize_reference", "rms_norm", "rms_norm_reference", "use_triton",
 ]

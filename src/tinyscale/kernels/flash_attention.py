@@ -169,22 +169,30 @@ def attention_reference(q, k, v, *, causal_mask_kind: str, scale: float, key_val
 # --8<-- [end:reference]
 
 
-def _tiles(D: int, block: int) -> dict:
-    return dict(D=D, BD=max(16, triton.next_power_of_2(D)), BM=block, BN=block)
+# Triton launch options for every flash kernel ({"num_warps": 8, "num_stages": 3}): empty, Triton's
+# defaults; scripts/gpu_perf.py sweeps them with the tile size on a GPU (lesson 11).
+LAUNCH: dict = {}
+
+
+def _tiles(D: int, block: int, q: torch.Tensor) -> dict:
+    # Half precision at head dim 128 on an H100: 64-row tiles with 2 pipeline stages ran the
+    # forward in 2.1 ms against 4.8 ms at 32 rows (Triton's default 3 stages: 1.9 ms forward but
+    # 10.2 ms with the backward, against 8.1), measured by scripts/gpu_perf.py tiles (lesson 11).
+    launch = {"num_stages": 2} if q.is_cuda and q.dtype != torch.float32 and D > 64 else {}
+    return dict(D=D, BD=max(16, triton.next_power_of_2(D)), BM=block, BN=block, **{**launch, **LAUNCH})
 
 
 def _block(q: torch.Tensor, block: int | None) -> int:
     """Query/key tile: 16 under the CPU interpreter (tiny tiles run fastest there); on a GPU 64,
-    or 32 where float32 or a head dim over 64 would make three 64-row tiles too big for
-    shared memory. Untuned: on an H100 the bf16 forward at head dim 128 runs at 115 TFLOP/s,
-    a fifth of SDPA's (lesson 11, "Measured on an H100")."""
+    or 32 in float32 (three 64-row float32 tiles at head dim 128 are too big for shared memory).
+    Half precision at head dim 128 was 32 until an H100 sweep (`_tiles`, lesson 11)."""
     if block is not None:
         if block < 16 or block & (block - 1):
             raise ValueError(f"flash attention: block={block} must be a power of two >= 16 (tl.dot's minimum)")
         return block
     if not q.is_cuda:
         return 16
-    return 32 if q.dtype == torch.float32 or q.shape[-1] > 64 else 64
+    return 32 if q.dtype == torch.float32 else 64
 
 
 def _key_ok(key_valid, Tk: int, device) -> torch.Tensor:
@@ -216,7 +224,7 @@ def flash_block(q, k, v, *, causal_mask_kind: str, scale: float, key_valid=None,
     out = torch.empty_like(q)
     lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
     _fwd[(triton.cdiv(Tq, block), B * H)](q, k, v, _key_ok(key_valid, Tk, q.device), out, lse, scale, Tq, Tk, H,
-                                          H // Kh, CAUSAL=causal_mask_kind == "causal", **_tiles(D, block))
+                                          H // Kh, CAUSAL=causal_mask_kind == "causal", **_tiles(D, block, q))
     return out, lse
 
 
@@ -235,7 +243,7 @@ def flash_block_backward(dout, q, k, v, out, lse, *, causal_mask_kind: str, scal
     delta = (dout.float() * out.float()).sum(-1).contiguous()  # (B, H, Tq)
     lse = lse.float().contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    key_ok, causal, tiles = _key_ok(key_valid, Tk, q.device), causal_mask_kind == "causal", _tiles(D, block)
+    key_ok, causal, tiles = _key_ok(key_valid, Tk, q.device), causal_mask_kind == "causal", _tiles(D, block, q)
     _bwd_dkdv[(triton.cdiv(Tk, block), B * Kh)](q, k, v, key_ok, dout, lse, delta, dk, dv, scale, Tq, Tk, H,
                                                 H // Kh, CAUSAL=causal, **tiles)
     _bwd_dq[(triton.cdiv(Tq, block), B * H)](q, k, v, key_ok, dout, lse, delta, dq, scale, Tq, Tk, H, H // Kh,

@@ -5,10 +5,14 @@ fragmentation measured by replaying the storages a training step creates and fre
 
     from tinyscale.memory import BlockAllocator, record_trace, replay
 
-Tests: `pytest -k block_allocator`. Demonstration: `python -m tinyscale.memory`.
+DS-25: `memory_timeline` (timeline.py), a step's live bytes by category (parameters,
+optimizer states, gradients, activations, temporaries), on the CPU too.
+
+Tests: `pytest -k block_allocator`, `pytest -k memory_timeline`. Demonstration: `python -m tinyscale.memory`.
 """
 
 from tinyscale.memory.allocator import BlockAllocator, OutOfMemory
+from tinyscale.memory.timeline import memory_timeline
 from tinyscale.memory.trace import record_trace, replay
 
-__all__ = ["BlockAllocator", "OutOfMemory", "record_trace", "replay"]
+__all__ = ["BlockAllocator", "OutOfMemory", "memory_timeline", "record_trace", "replay"]

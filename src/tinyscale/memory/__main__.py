@@ -34,6 +34,10 @@ def main() -> None:
         r = replay(events, capacity=cap)
         print(f"capacity {factor:.2f} x peak ({cap:,} B): worst fragmentation {r['max_fragmentation']:.1%}, "
               f"{'out of memory: ' + r['out_of_memory'] if r['out_of_memory'] else 'fits'}")
+    r = replay(events, capacity=first["peak_allocated"], defragment=True)
+    print(f"capacity 1.00 x peak, compacting when a request finds no block: "
+          f"{'out of memory: ' + r['out_of_memory'] if r['out_of_memory'] else 'fits'}, "
+          f"{r['compactions']} compaction(s), {r['bytes_moved']:,} bytes moved")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ Sizes round up to `alignment`; a request takes the smallest free block that fits
 fit), and the rest of that block stays free (split); a freed block merges with free
 neighbours (coalesce), so freeing everything gives back one block. Fragmentation is
 1 - largest free block / total free bytes: 0 when the free bytes are in one piece.
+`defragment` compacts in place: every used block slides down, in address order, to the
+lowest free offset (its bytes copied within the buffer), leaving one free block at the end;
+it returns where each moved block went, for its owner to take a new view.
 
 Tests: `pytest -k block_allocator`.
 """
@@ -32,6 +35,7 @@ class BlockAllocator:
         self.free_blocks: list[tuple[int, int]] = [(0, capacity)]  # (offset, size), sorted by offset
         self.used: dict[int, int] = {}  # offset -> size
         self.peak = 0
+        self.bytes_moved = 0  # by defragment, over the allocator's life
 
     def malloc(self, nbytes: int) -> int:
         """Offset of a block of at least `nbytes` (rounded up to the alignment)."""
@@ -64,6 +68,24 @@ class BlockAllocator:
             size += prev
             i -= 1
         self.free_blocks.insert(i, (offset, size))
+
+    # --8<-- [start:defragment]
+    def defragment(self) -> dict[int, int]:
+        """Slide every used block down to the lowest free offset, in address order; returns
+        {old offset: new offset} of the blocks that moved (their owners must re-point)."""
+        moved, at = {}, 0
+        for offset in sorted(self.used):
+            size = self.used[offset]
+            if offset != at:  # always downwards: the block's old bytes are read before overwritten
+                if self.buffer is not None:
+                    self.buffer[at: at + size].copy_(self.buffer[offset: offset + size].clone())
+                moved[offset] = at
+                self.bytes_moved += size
+            at += size
+        self.used = {moved.get(o, o): s for o, s in self.used.items()}
+        self.free_blocks = [(at, self.capacity - at)] if at < self.capacity else []
+        return moved
+    # --8<-- [end:defragment]
 
     def view(self, offset: int, nbytes: int | None = None) -> torch.Tensor:
         """The bytes of an allocated block, as a uint8 tensor sharing the buffer."""

@@ -26,6 +26,7 @@ class _Trace(TorchDispatchMode):
         super().__init__()
         self.events: list[tuple] = []
         self.seen: set[int] = set()
+        self.live: dict[int, int] = {}  # id -> data_ptr of the storages alive now
         self.ids = itertools.count()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -42,11 +43,13 @@ class _Trace(TorchDispatchMode):
             self.seen.add(ptr)
             i = next(self.ids)
             self.events.append(("alloc", i, storage.nbytes()))
+            self.live[i] = ptr
             weakref.finalize(storage, self._freed, i, ptr).atexit = False
         return out
 
     def _freed(self, i: int, ptr: int) -> None:
         self.seen.discard(ptr)
+        self.live.pop(i, None)
         self.events.append(("free", i))
 
 
@@ -58,10 +61,11 @@ def record_trace(step: Callable[[], object]) -> list[tuple]:
     return list(mode.events)
 
 
-def replay(events: list[tuple], capacity: int, alignment: int = 512) -> dict:
-    """Run the trace through a BlockAllocator of `capacity` bytes (no buffer is allocated)."""
+def replay(events: list[tuple], capacity: int, alignment: int = 512, *, defragment: bool = False) -> dict:
+    """Run the trace through a BlockAllocator of `capacity` bytes (no buffer is allocated).
+    defragment: when a request finds no block though the free bytes suffice, compact and retry."""
     alloc = BlockAllocator(capacity, alignment, buffer=False)
-    where, sizes, live, peak_live, worst, oom = {}, {}, 0, 0, 0.0, None
+    where, sizes, live, peak_live, worst, oom, compactions = {}, {}, 0, 0, 0.0, None, 0
     for event in events:
         if event[0] == "alloc":
             _, i, nbytes = event
@@ -69,8 +73,13 @@ def replay(events: list[tuple], capacity: int, alignment: int = 512) -> dict:
             try:
                 where[i] = alloc.malloc(nbytes)
             except OutOfMemory as err:
-                oom = str(err)
-                break
+                if not (defragment and alloc.free_bytes() >= max(1, -(-nbytes // alignment)) * alignment):
+                    oom = str(err)
+                    break
+                moved = alloc.defragment()  # the owners re-point: here, the trace's offsets
+                where = {k: moved.get(o, o) for k, o in where.items()}
+                compactions += 1
+                where[i] = alloc.malloc(nbytes)
             sizes[i] = nbytes
             live += nbytes
             peak_live = max(peak_live, live)
@@ -78,4 +87,4 @@ def replay(events: list[tuple], capacity: int, alignment: int = 512) -> dict:
             alloc.free(where.pop(event[1]))
             live -= sizes.pop(event[1])
     return {"peak_requested": peak_live, "peak_allocated": alloc.peak, "max_fragmentation": worst,
-            "out_of_memory": oom}
+            "out_of_memory": oom, "compactions": compactions, "bytes_moved": alloc.bytes_moved}

@@ -127,10 +127,25 @@ def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False) -> F
         qkvo=L * 2 * T * C * (2 * C + 2 * config.kv_dim),  # (T, C) @ (C, C | K*D), four of them
         scores=L * 2 * pairs * C,  # per head (T, D) @ (D, T): 2 T^2 D; H heads: H D = C
         values=L * 2 * pairs * C,  # per head (T, T) @ (T, D)
-        mlp=L * 3 * 2 * T * C * config.ffn_dim,  # (T, C) @ (C, F) twice, (T, F) @ (F, C) once
+        mlp=T * mlp_flops_per_token(config),  # dense: (T, C) @ (C, F) twice, (T, F) @ (F, C) once
         head=2 * T * C * config.vocab_size,  # (T, C) @ (C, V)
     )
 # --8<-- [end:forward-flops]
+
+
+def mlp_flops_per_token(config: GPTConfig) -> int:
+    """Forward matmul FLOPs of every block's feed-forward for one token. A dense block: 3 matmuls
+    of C x F. An MoE block (tinyscale.moe) runs only the k experts the token is routed to (and the
+    shared ones) plus the router: 2 C E + 6 C F_e (k + shared), whatever the expert count E;
+    dropped assignments would do less (this counts none dropped)."""
+    C, total = config.d_model, 0
+    for i in range(config.n_layer):
+        if config.is_moe_layer(i):
+            total += 2 * C * config.moe_experts + 6 * C * config.expert_dim * (config.moe_top_k +
+                                                                              config.moe_shared_experts)
+        else:
+            total += 6 * C * config.ffn_dim
+    return total
 
 
 def model_flops_per_token(config: GPTConfig, seq_len: int, *, causal: bool = False) -> float:

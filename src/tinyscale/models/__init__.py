@@ -7,8 +7,10 @@
 With GPTConfig(dropout=p, dropout_masks="counter") the masks are hashed from global
 coordinates (`models/dropout.py`); a training loop of your own tells the model each step and
 micro-batch's first global row with `set_dropout_clock` (the reference trainer and the engine do).
+`CausalLMLoss(lm)` makes a model that returns logits (a transformers Llama) return the loss.
 """
 
+from tinyscale.models.causal_lm import CausalLMLoss
 from tinyscale.models.config import PRESETS, GPTConfig
 from tinyscale.models.dropout import DropoutClock, set_dropout_clock
 from tinyscale.models.gpt import (
@@ -37,4 +39,5 @@ __all__ = [
     "rope_tables",
     "DropoutClock",
     "set_dropout_clock",
+    "CausalLMLoss",
 ]

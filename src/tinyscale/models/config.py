@@ -36,6 +36,16 @@ class GPTConfig:
     dropout_seed: int = 0  # counter masks' seed: part of the config, not of the weights' init seed
     attn_impl: str = "sdpa"  # "sdpa" (fused kernel) or "math" (explicit matmuls: FLOP counters see them)
     init_std: float = 0.02
+    # Mixture of experts (tinyscale.moe; lessons/13-moe.md). 0 experts: every block's MLP is dense.
+    moe_experts: int = 0  # E routed SwiGLU experts in each MoE block
+    moe_top_k: int = 2  # experts per token
+    moe_capacity_factor: float | None = None  # None: no limit; else ceil(cf * tokens * k / E) per expert
+    moe_layers: tuple[int, ...] | None = None  # block indices that are MoE; None: every block
+    moe_shared_experts: int = 0  # experts every token also goes through (DeepSeek-MoE), fused in one SwiGLU
+    moe_ffn_hidden: int | None = None  # one expert's hidden width; None: ffn_dim
+    moe_router: str = "softmax"  # "softmax" (Switch, GShard, Mixtral) or "sigmoid" (DeepSeek-V3)
+    moe_aux_loss_coef: float = 0.01  # alpha of the Switch load-balancing loss
+    moe_z_loss_coef: float = 0.001  # beta of the router z-loss (ST-MoE)
 
     def __post_init__(self) -> None:
         def require(ok: bool, field: str, fix: str) -> None:
@@ -60,6 +70,35 @@ class GPTConfig:
         require(self.dropout_masks in ("stream", "counter"), "dropout_masks", "use 'stream' or 'counter'")
         require(isinstance(self.dropout_seed, int) and not isinstance(self.dropout_seed, bool), "dropout_seed",
                 "it must be an int")
+        self._check_moe(require)
+
+    def _check_moe(self, require) -> None:
+        require(isinstance(self.moe_experts, int) and self.moe_experts >= 0, "moe_experts",
+                "it must be an int >= 0 (0: a dense model)")
+        for field in ("moe_shared_experts",):
+            require(isinstance(getattr(self, field), int) and getattr(self, field) >= 0, field, "it must be an int >= 0")
+        require(self.moe_ffn_hidden is None or _positive_int(self.moe_ffn_hidden), "moe_ffn_hidden",
+                "it must be None or a positive int")
+        if not self.moe_experts:
+            return
+        require(_positive_int(self.moe_top_k) and self.moe_top_k <= self.moe_experts, "moe_top_k",
+                f"it must be between 1 and moe_experts={self.moe_experts}")
+        require(self.moe_capacity_factor is None or self.moe_capacity_factor > 0, "moe_capacity_factor",
+                "it must be None (no limit) or > 0")
+        require(self.moe_router in ("softmax", "sigmoid"), "moe_router", "use 'softmax' or 'sigmoid'")
+        require(self.moe_layers is None or (isinstance(self.moe_layers, tuple) and
+                all(isinstance(i, int) and 0 <= i < self.n_layer for i in self.moe_layers)), "moe_layers",
+                f"it must be None (every block) or a tuple of block indices in 0..{self.n_layer - 1}")
+        for field in ("moe_aux_loss_coef", "moe_z_loss_coef"):
+            require(getattr(self, field) >= 0, field, "it must be >= 0")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Block `index` has an MoE feed-forward (else the dense SwiGLU)."""
+        return self.moe_experts > 0 and (self.moe_layers is None or index in self.moe_layers)
+
+    @property
+    def expert_dim(self) -> int:  # one expert's hidden width
+        return self.ffn_dim if self.moe_ffn_hidden is None else self.moe_ffn_hidden
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +127,8 @@ class GPTConfig:
         attn = 2 * C * C + 2 * C * self.kv_dim  # wq, wo: C x C; wk, wv: C x K*D
         mlp = 3 * C * self.ffn_dim  # w_gate, w_up: C x F; w_down: F x C
         total = self.n_layer * (attn + mlp + 2 * C) + C  # two RMSNorms per block, one final
+        moe = self.moe_experts * C + 3 * C * self.expert_dim * (self.moe_experts + self.moe_shared_experts)
+        total += sum(moe - mlp for i in range(self.n_layer) if self.is_moe_layer(i))  # router + experts
         total += 0 if self.tie_embeddings else V * C  # untied LM head
         return total + (V * C if include_embedding else 0)
 

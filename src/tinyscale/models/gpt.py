@@ -150,7 +150,7 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: GPTConfig, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: GPTConfig, *, device=None, dtype=None, layer: int = 0) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.dropout, self.dropout_masks = cfg.dropout, cfg.dropout_masks
@@ -160,7 +160,11 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
         self.attn = Attention(cfg, **kw)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
-        self.mlp = SwiGLU(cfg, **kw)
+        if cfg.is_moe_layer(layer):  # the MoE topic's layer; imported here: it builds on this module's
+            from tinyscale.moe import MoE  # noqa: PLC0415
+            self.mlp = MoE(cfg, **kw)
+        else:
+            self.mlp = SwiGLU(cfg, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.residual_dropout(self.attn(self.attn_norm(x), cos, sin), SITE_ATTN)  # (B, T, C)
@@ -197,7 +201,7 @@ class GPT(nn.Module):
         self.config = config
         kw = dict(device=device, dtype=dtype)
         self.embed = nn.Embedding(config.vocab_size, config.d_model, **kw)
-        self.blocks = nn.ModuleList(Block(config, **kw) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, **kw, layer=i) for i in range(config.n_layer))
         # Counter dropout masks (models/dropout.py): one clock shared by every block, which the
         # trainer sets before each micro-batch (`set_dropout_clock`). Its seed is the config's, not
         # the init seed: a model built otherwise and loaded from a checkpoint draws the same masks.
@@ -233,7 +237,7 @@ class GPT(nn.Module):
                 param.fill_(1.0)
                 continue
             std = cfg.init_std
-            if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+            if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "experts.w_down", "shared.w_down.weight")):
                 std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
             param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
         cos, sin = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
@@ -258,4 +262,10 @@ class GPT(nn.Module):
         # Mean over all B*T positions = mean over rows of per-row means (every row has T
         # positions): that is what lets data parallelism average per-rank losses.
         logits = logits.reshape(B * T, cfg.vocab_size).to(_compute_dtype(logits.dtype))  # (B*T, V)
-        return F.cross_entropy(logits, targets.reshape(B * T).long())
+        return self.add_aux_losses(F.cross_entropy(logits, targets.reshape(B * T).long()))
+
+    def add_aux_losses(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` plus the load-balancing and z losses this forward's MoE blocks set (tinyscale.moe):
+        they train with the loss. A dense GPT: `loss` itself."""
+        aux = [m.aux_loss for m in self.blocks.modules() if getattr(m, "aux_loss", None) is not None]
+        return loss + sum(aux) if aux else loss

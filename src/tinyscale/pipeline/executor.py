@@ -11,11 +11,20 @@ only knows what each action means:
   (`torch.autograd.grad`), the same math, not the same time: production code splits each
   matmul's backward (ZB paper, sec. 2) so W costs only the weight-gradient matmuls.
 - SEND/RECV: a run of consecutive sends goes out as one batched isend
-  (`tinyscale.dist.comm`, so the ledger counts it); each message is a small header (dtype,
-  number of dims, shape), so the receiver can allocate a tensor of any shape (variable
-  sequence lengths between steps work), then the data. Receives wait in schedule order.
-- a compute action that raises: the rank runs the rest of its schedule's messages, each a
-  header that says which rank failed (no data), and so does every rank that receives one;
+  (`tinyscale.dist.comm`, so the ledger counts it), never waited for before the run ends.
+  Each message is a *frame*: the tensor's elements and one status element after them (0 ok,
+  1 reshaped, 2 failed). Shapes travel only when they are new: the first time a (direction,
+  stage, micro-batch) is sent, a header (dtype, number of dims, shape; 8 int64) goes first
+  and both ends remember the shape; afterwards the frame alone goes, sized from memory, as
+  torch's pipelining sends tensors of shapes fixed in advance. A tensor whose shape changed
+  (another sequence length next step) goes as a frame of the remembered size with status 1,
+  then the header and the new frame. Receives wait in schedule order; on gloo each rank posts
+  the next receive from a peer as soon as the previous one from it has arrived, so the bytes
+  move while the rank computes (NCCL would serialise a posted receive ahead of the sends on
+  the same pair, so there the receive is posted where the schedule takes it).
+- a compute action that raises: the rank runs the rest of its schedule's messages, each
+  saying which rank failed (no data: a frame of the remembered size with status 2 and a
+  header naming the rank, or that header alone), and so does every rank that receives one;
   `run` then re-raises the error (or `StageFailed` naming the rank), none left waiting.
 
 Gradients accumulate in `.grad` over the m micro-batches, each backward scaled by 1/m (and
@@ -50,6 +59,7 @@ from tinyscale.pipeline.simulator import simulate
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
 _HEADER = 8  # int64 slots: dtype code, number of dims, up to 6 sizes
 _FAILED = -1  # header code: the sender's stage (or one before it) raised this step; [1] = who
+_OK, _RESHAPED, _FAILED_FRAME = 0, 1, 2  # a frame's status element (exact in every dtype)
 
 
 class StageFailed(RuntimeError):
@@ -122,6 +132,14 @@ class PipelineExecutor:
         self.num_microbatches = len({a.microbatch for a in self.actions})
         self.ranks = list(ranks) if ranks is not None else list(range(len(schedule)))
         self.me = self.ranks[rank]
+        # (direction, receiving stage, micro-batch) -> (shape, dtype) last sent / received there
+        self.sent_shapes: dict[tuple, tuple] = {}
+        self.recv_shapes: dict[tuple, tuple] = {}
+        self.recvs_from: dict[int, list[Action]] = {}  # global peer -> its receives, in schedule order
+        for a in self.actions:
+            if a.kind in (RECV_F, RECV_B):
+                self.recvs_from.setdefault(self._peer(a), []).append(a)
+        self.prefetch = group_backend(group) == "gloo"  # post the next receive early (see the docstring)
         self.loss_scale = 1.0  # fp16's loss scale S, set by the caller before each run
         # (before, after): called with every compute action, also on a rank whose compute raised
         # (a caller's collectives, e.g. ZeRO 3's all-gathers over dp, stay matched across ranks)
@@ -131,6 +149,9 @@ class PipelineExecutor:
         # the model which global rows come (counter dropout, recomputation included) and, with
         # wall_clock_breakdown, times F as forward and B, BW and W as backward there.
         self.around_compute: Callable[[Action], contextlib.AbstractContextManager] | None = None
+        # Called once when this rank stops computing (its compute raised, or a header said a
+        # peer's did): its TP peers, mid-compute, must not wait for it (engine/step_failure.py).
+        self.on_failure: Callable[[], None] | None = None
 
     def run(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None):
         """One pass over the schedule. `inputs` (micro-batch ids) matter on the rank holding
@@ -144,6 +165,10 @@ class PipelineExecutor:
         # messages only, each a header saying so (no data), so no peer waits for it; a peer that
         # receives one does the same. `failed`: (global rank that raised first here, its error).
         self.failed: tuple[int, BaseException | None] | None = None
+        self.next_recv = dict.fromkeys(self.recvs_from, 0)  # peer -> index of its next receive
+        self.posted: dict[int, tuple[Action, torch.Tensor, comm.Work]] = {}  # peer -> receive posted early
+        for peer in self.recvs_from:
+            self._prefetch(peer)
         pending: list[Action] = []
         for a in self.actions:
             if a.kind in COMM_KINDS:
@@ -159,6 +184,8 @@ class PipelineExecutor:
                         {F: self._forward, BW: self._backward, B: self._backward, W: self._weight_grad}[a.kind](a)
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the schedule's messages
                     self.failed = (self.me, exc)
+                    if self.on_failure is not None:
+                        self.on_failure()
             if self.hooks is not None:
                 self.hooks[1](a)
         self._communicate(pending)
@@ -216,41 +243,94 @@ class PipelineExecutor:
                 p.grad = g if p.grad is None else p.grad + g
     # --8<-- [end:compute]
 
-    def _outgoing(self, a: Action) -> tuple[torch.Tensor, int]:
-        """The tensor a send carries and the pipeline rank it goes to."""
+    def _outgoing(self, a: Action) -> torch.Tensor:
+        """The tensor a send carries."""
         s, i = a.stage, a.microbatch
         if a.kind == SEND_F:
-            return self.saved[(s, i)][1].detach(), self.where[s + 1]
-        return self.inbox.pop(("out", s, i)), self.where[s - 1]
+            return self.saved[(s, i)][1].detach()
+        return self.inbox.pop(("out", s, i))
 
     # --8<-- [start:communicate]
     def _communicate(self, actions: list[Action]) -> None:
-        """Post a run's sends together (header, then data, per message), then take its
-        receives in order, each header before its data. Sends never wait, as the simulator
-        assumes, so a schedule it accepts cannot deadlock here."""
+        """Post a run's sends together, then take its receives in order. Sends never wait, as
+        the simulator assumes, so a schedule it accepts cannot deadlock here."""
         ops = []
         for a in (a for a in actions if a.kind in (SEND_F, SEND_B)):
-            if self.failed is not None:  # the header alone, saying who failed
-                peer = self.where[a.stage + 1] if a.kind == SEND_F else self.where[a.stage - 1]
-                failure = torch.zeros(_HEADER, dtype=torch.int64, device=self._device)
-                failure[0], failure[1] = _FAILED, self.failed[0]
-                ops.append(comm.P2POp("isend", failure, self.ranks[peer], self.group))
-                continue
-            tensor, peer = self._outgoing(a)
-            ops += [comm.P2POp("isend", _header(tensor, self._device), self.ranks[peer], self.group),
-                    comm.P2POp("isend", tensor.contiguous(), self.ranks[peer], self.group)]
+            ops += self._send_ops(a)
         self.sends += comm.batch_isend_irecv(ops)
         self.sent_tensors += [op.tensor for op in ops]  # alive until the sends complete
         for a in (a for a in actions if a.kind in (RECV_F, RECV_B)):
-            peer = self.ranks[self.where[a.stage - 1] if a.kind == RECV_F else self.where[a.stage + 1]]
+            self._receive(a)
+
+    def _send_ops(self, a: Action) -> list[comm.P2POp]:
+        """A frame (after a header when the shape is new), or the failure messages."""
+        peer = self._peer(a)
+        key = _key(a)
+        known = self.sent_shapes.get(key)
+        send = lambda t: comm.P2POp("isend", t, peer, self.group)  # noqa: E731
+        if self.failed is not None:  # no data: status 2 (if a frame is expected), then who failed
+            failure = torch.zeros(_HEADER, dtype=torch.int64, device=self._device)
+            failure[0], failure[1] = _FAILED, self.failed[0]
+            return [send(failure)] if known is None else [send(_frame(None, known, _FAILED_FRAME, self._device)),
+                                                          send(failure)]
+        tensor = self._outgoing(a)
+        shape = (tuple(tensor.shape), tensor.dtype)
+        frame = send(_frame(tensor, shape, _OK, self._device))
+        self.sent_shapes[key] = shape
+        if known == shape:
+            return [frame]
+        header = send(_header(tensor, self._device))
+        if known is None:
+            return [header, frame]
+        return [send(_frame(None, known, _RESHAPED, self._device)), header, frame]
+
+    def _post(self, a: Action) -> tuple[torch.Tensor, comm.Work] | None:
+        """Post the receive of `a`'s frame, if its shape is known (else its header must come first)."""
+        known = self.recv_shapes.get(_key(a))
+        if known is None:
+            return None
+        frame = _frame(None, known, _OK, self._device)
+        return frame, comm.irecv(frame, self._peer(a), self.group)
+
+    def _prefetch(self, peer: int) -> None:
+        """On gloo: post the next receive from `peer` now, so it arrives while this rank computes."""
+        queue, i = self.recvs_from[peer], self.next_recv[peer]
+        if self.prefetch and peer not in self.posted and i < len(queue):
+            posted = self._post(queue[i])
+            if posted is not None:
+                self.posted[peer] = (queue[i], *posted)
+
+    def _receive(self, a: Action) -> None:
+        peer, key = self._peer(a), _key(a)
+        assert self.recvs_from[peer][self.next_recv[peer]] == a, "receives are taken in schedule order"
+        self.next_recv[peer] += 1
+        early = self.posted.pop(peer, None)
+        posted = early[1:] if early is not None else self._post(a)
+        status = None
+        if posted is not None:
+            frame, work = posted
+            work.wait()
+            status = int(frame[-1].item())
+        if status != _OK:  # a header comes: a new shape, a changed one, or a failure
             header = torch.zeros(_HEADER, dtype=torch.int64, device=self._device)
             comm.irecv(header, peer, self.group).wait()
             if header[0].item() == _FAILED:  # no data follows
+                if self.failed is None and self.on_failure is not None:
+                    self.on_failure()
                 self.failed = self.failed or (int(header[1].item()), None)
-                continue
-            buffer = _empty_from_header(header)
-            comm.irecv(buffer, peer, self.group).wait()
-            self.inbox[(F if a.kind == RECV_F else B, a.stage, a.microbatch)] = buffer
+                self._prefetch(peer)
+                return
+            shape = _shape_from_header(header)
+            frame = _frame(None, shape, _OK, self._device)
+            comm.irecv(frame, peer, self.group).wait()
+            self.recv_shapes[key] = shape
+        self._prefetch(peer)
+        self.inbox[(F if a.kind == RECV_F else B, a.stage, a.microbatch)] = frame[:-1].view(self.recv_shapes[key][0])
+
+    def _peer(self, a: Action) -> int:
+        """The global rank a send goes to or a receive comes from."""
+        stage = a.stage + 1 if a.kind in (SEND_F, RECV_B) else a.stage - 1
+        return self.ranks[self.where[stage]]
     # --8<-- [end:communicate]
 
     @property
@@ -265,9 +345,31 @@ def _header(t: torch.Tensor, device) -> torch.Tensor:
                         dtype=torch.int64, device=device)
 
 
-def _empty_from_header(h: torch.Tensor) -> torch.Tensor:
+def _shape_from_header(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     code, ndim, *sizes = h.tolist()
-    return torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=h.device)
+    return tuple(sizes[:ndim]), _DTYPES[code]
+
+
+def _key(a: Action) -> tuple[str, int, int]:
+    """The same for a send and its receive: (direction, receiving stage, micro-batch)."""
+    if a.kind in (SEND_F, SEND_B):
+        return ("F", a.stage + 1, a.microbatch) if a.kind == SEND_F else ("B", a.stage - 1, a.microbatch)
+    return ("F" if a.kind == RECV_F else "B", a.stage, a.microbatch)
+
+
+def _frame(t: torch.Tensor | None, shape: tuple, status: int, device) -> torch.Tensor:
+    """(numel + 1,): `t`'s elements (uninitialised when t is None) and the status element."""
+    size, dtype = shape
+    n = torch.Size(size).numel()
+    frame = torch.empty(n + 1, dtype=dtype, device=device)
+    if t is not None:
+        frame[:n].copy_(t.reshape(-1))
+    frame[n] = status
+    return frame
+
+
+def group_backend(group) -> str:
+    return dist.get_backend(group) if dist.is_initialized() else "gloo"
 
 
 # --8<-- [start:tied]

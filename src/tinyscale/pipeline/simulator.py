@@ -2,7 +2,10 @@
 
 Each rank runs its action list in order. A compute action starts when its rank is free and
 its inputs are there; a receive waits until the matching send has been issued; sends are
-non-blocking (like isend) and take no time on the rank, their data arriving `latency` later.
+non-blocking (like isend), their data arriving `latency` after the send. `message_cost` is
+what each send and each receive holds its rank for (posting it, copying the frame, the
+transport's work on a shared core): 0 by default, as in the closed forms; measured on CPU
+ranks it is what the measured bubble shows beyond the compute (benchmarks/pipeline.py).
 A schedule that breaks a dependency within a rank (a backward before its forward, a forward
 with no receive for its input) or in which every remaining rank waits on a receive that
 nobody will send (deadlock) raises `ScheduleError` naming the actions.
@@ -128,13 +131,14 @@ def _check_message_order(schedule: Schedule, where: dict[int, int]) -> None:
 
 
 def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action], float] | None = None,
-             *, latency: float = 0) -> Simulation:
+             *, latency: float = 0, message_cost: float | Callable[[Action], float] = 0) -> Simulation:
     """Run `schedule` (per-rank lists, lowered by `add_communication`) on the given costs."""
     if callable(costs):
         cost_of = costs
     else:
         table = {**DEFAULT_COSTS, **(costs or {})}
         cost_of = lambda a: table[a.kind]  # noqa: E731
+    message_cost_of = message_cost if callable(message_cost) else (lambda a: message_cost)  # noqa: E731
     where, num_stages, microbatches = _check_layout(schedule)
     num_ranks = len(schedule)
     done: dict[Action, float] = {}  # executed actions -> end time
@@ -196,7 +200,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
                 if ready is None:
                     break
                 start = max(clock[rank], ready)
-                end = start if a.kind in COMM_KINDS else start + cost_of(a)
+                end = start + (message_cost_of(a) if a.kind in COMM_KINDS else cost_of(a))
                 if a.kind in (SEND_F, SEND_B):
                     sent[a] = end + latency
                 if a.kind == F:

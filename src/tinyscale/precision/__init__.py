@@ -13,7 +13,7 @@ hysteresis, min_loss_scale}``). Tests: ``pytest -k mixed_precision``.
 
 | piece | file | what it does |
 | --- | --- | --- |
-| `DynamicLossScaler` | `scaler.py` | DeepSpeed's rule: halve on overflow (after `hysteresis` of them), double after `loss_scale_window` clean steps |
+| `DynamicLossScaler` | `scaler.py` | DeepSpeed's rule: halve on overflow (after `hysteresis` of them), double on the clean step after `loss_scale_window` of them |
 | `StaticLossScaler` | `scaler.py` | a fixed scale; overflowing steps are still skipped |
 | `found_overflow` | `scaler.py` | inf/nan anywhere on any rank -> True on every rank (one all-reduce MAX) |
 | `MixedPrecisionOptimizer` | `optimizer.py` | fp32 masters and states, unscale, clip, step, round back |

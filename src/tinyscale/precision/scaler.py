@@ -20,17 +20,29 @@ One step, in order (`MixedPrecisionOptimizer` and ZeRO's sharded step both follo
         ...clip, optimizer step...
     scaler.update(overflow)                   # -> skipped; S for the next step
 
-The dynamic rule (hysteresis h, window W, both DeepSpeed's):
+The order matters on a growth step: unscale with the S the loss was multiplied by, then let
+`update` double it. DeepSpeed 0.19.8 updates first (`_update_scale` before
+`unscale_and_clip_grads`, in FP16_Optimizer and in ZeRO's optimizers), so its growth steps
+apply half the gradient; tinyscale keeps this order (lesson 04; ``pytest -k deepspeed_agreement``
+runs DeepSpeed's engine and shows it).
+
+The dynamic rule (hysteresis h, window W, both DeepSpeed's; c = clean steps in a row since the
+last overflow or the start, this one included):
 
     overflow     if h_left == 1: S = max(S / 2, min_loss_scale)   (raises if S was already the min)
                  else:           h_left -= 1                        (S unchanged)
-                 the step is skipped either way; the clean-step count restarts
-    no overflow  clean += 1; if clean == W: S *= 2, clean = 0, h_left = h
+                 the step is skipped either way; c restarts at 0
+    no overflow  c += 1; if the rule says grow: S *= 2, h_left = h
                  with consecutive_hysteresis, every clean step resets h_left = h
+    grow         "deepspeed" (the default, and DeepSpeed's ZeRO optimizers' DynamicLossScaler):
+                 c - 1 is a positive multiple of W, i.e. clean steps W+1, 2W+1, ... (its
+                 stable_interval = it - last_overflow - 1 counts the clean steps before this one)
+                 "torch" (torch.amp.GradScaler's growth_interval): c is a multiple of W
 
 So with h = 2 the first overflow only uses up the spare, and every later one halves S, until
-W clean steps in a row double S and restore the spare. With h = 1 it is torch.amp.GradScaler's
-rule (growth 2, backoff 0.5, growth_interval W), which the tests check step by step.
+a run of clean steps doubles S and restores the spare. With h = 1 and growth "torch" it is
+torch.amp.GradScaler's rule (growth 2, backoff 0.5, growth_interval W); with growth
+"deepspeed" it is DeepSpeed's. The tests check both step by step against the real ones.
 """
 
 from __future__ import annotations
@@ -136,7 +148,7 @@ class DynamicLossScaler(LossScaler):
 
     def __init__(self, initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, consecutive_hysteresis: bool = False,
-                 raise_at_min_scale: bool = True):
+                 raise_at_min_scale: bool = True, growth: str = "deepspeed"):
         _require(isinstance(initial_scale_power, int) and 0 <= initial_scale_power <= 64, "initial_scale_power",
                  initial_scale_power, "it must be an int in [0, 64] (the first scale is 2**initial_scale_power)")
         _require(isinstance(loss_scale_window, int) and loss_scale_window > 0, "loss_scale_window",
@@ -147,14 +159,16 @@ class DynamicLossScaler(LossScaler):
         _require(min_loss_scale <= 2.0**initial_scale_power, "min_loss_scale", min_loss_scale,
                  f"it must not exceed the initial scale 2**{initial_scale_power}; lower it or raise "
                  "initial_scale_power")
+        _require(growth in ("deepspeed", "torch"), "growth", growth, "use 'deepspeed' or 'torch'")
         super().__init__(2.0**initial_scale_power)
+        self.growth = growth
         self.window = loss_scale_window
         self.hysteresis = hysteresis
         self.min_scale = float(min_loss_scale)
         self.consecutive_hysteresis = consecutive_hysteresis
         self.raise_at_min_scale = raise_at_min_scale
         self.hysteresis_left = hysteresis
-        self.clean_steps = 0  # clean steps since the last overflow or growth
+        self.clean_steps = 0  # clean steps in a row since the last overflow (or the start)
 
     # --8<-- [start:update]
     def update(self, overflow: bool) -> bool:
@@ -175,9 +189,9 @@ class DynamicLossScaler(LossScaler):
         if self.consecutive_hysteresis:
             self.hysteresis_left = self.hysteresis
         self.clean_steps += 1
-        if self.clean_steps == self.window:
+        before = self.clean_steps - (self.growth == "deepspeed")  # DeepSpeed counts the clean steps before this one
+        if before > 0 and before % self.window == 0:
             self.scale *= 2
-            self.clean_steps = 0
             self.hysteresis_left = self.hysteresis
         return False
     # --8<-- [end:update]

@@ -12,6 +12,10 @@ rank stores and multiplies 1/t of it; activations are exchanged inside every lay
     random.py         dropout: Megatron's RNG tracker, or exact_dropout (one process's masks)
     apply.py          apply_tensor_parallel(gpt, mesh_or_group, sequence_parallel=...) in place,
                       full_state_dict_from_tp(model) its inverse
+    auto.py           AutoTP: find_plan(model, tp, tp_plan) and apply_autotp(model, group, plan)
+                      split a model tinyscale did not write (a transformers Llama), by name
+    fused.py          FusedColumnLinear (fused q/k/v split chunk by chunk), RowParallelConv1D:
+                      transformers' Conv1D layers (GPT-2) in their own (in, out) layout
 
     model = GPT(cfg, seed=0)                      # the same full model on every rank
     apply_tensor_parallel(model, ParallelMesh(tp=2), sequence_parallel=True)
@@ -28,6 +32,7 @@ from tinyscale.tensor_parallel.apply import (
     full_state_dict_from_tp,
     parallelize_block,
 )
+from tinyscale.tensor_parallel.auto import apply_autotp, find_plan
 from tinyscale.tensor_parallel.comm_ops import (
     copy_to_region,
     gather_from_region,
@@ -52,9 +57,11 @@ __all__ = [
     "SequenceParallelRMSNorm",
     "TensorParallelGPT",
     "VocabParallelEmbedding",
+    "apply_autotp",
     "apply_tensor_parallel",
     "check_tensor_parallel",
     "copy_to_region",
+    "find_plan",
     "full_state_dict_from_tp",
     "gather_from_region",
     "gather_from_sequence",

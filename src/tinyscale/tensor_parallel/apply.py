@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tinyscale.dist import ParallelMesh
-from tinyscale.models.gpt import GPT, Block, _check_ids, _compute_dtype
+from tinyscale.models.gpt import GPT, Block, SwiGLU, _check_ids, _compute_dtype
 from tinyscale.tensor_parallel.comm_ops import copy_to_region, gather_from_region, gather_from_sequence
 from tinyscale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear
@@ -99,11 +99,12 @@ def parallelize_block(block: Block, group, *, sequence_parallel: bool = False, n
         else:
             setattr(attn, name, ColumnParallelLinear.from_linear(full, group, **col))
     attn.wo = RowParallelLinear.from_linear(attn.wo, group, sequence_parallel=sp)
-    mlp.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, **col)
-    mlp.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, **col)
-    mlp.w_down = RowParallelLinear.from_linear(mlp.w_down, group, sequence_parallel=sp)
     attn.register_forward_pre_hook(_enter_region(group, sp))
-    mlp.register_forward_pre_hook(_enter_region(group, sp))
+    if isinstance(mlp, SwiGLU):  # an MoE feed-forward (tinyscale.moe) stays whole on every TP rank
+        mlp.w_gate = ColumnParallelLinear.from_linear(mlp.w_gate, group, **col)
+        mlp.w_up = ColumnParallelLinear.from_linear(mlp.w_up, group, **col)
+        mlp.w_down = RowParallelLinear.from_linear(mlp.w_down, group, sequence_parallel=sp)
+        mlp.register_forward_pre_hook(_enter_region(group, sp))
     if sp:
         block.attn_norm = SequenceParallelRMSNorm(block.attn_norm, group)
         block.mlp_norm = SequenceParallelRMSNorm(block.mlp_norm, group)
@@ -176,7 +177,7 @@ class TensorParallelGPT(GPT):
         local_logits = local_logits.reshape(B * T, -1).to(_compute_dtype(local_logits.dtype))  # (B*T, Vp/t)
         losses = vocab_parallel_cross_entropy(local_logits, targets.reshape(B * T).long(), group,
                                               vocab_size=cfg.vocab_size)  # (B*T,)
-        return losses.mean()
+        return self.add_aux_losses(losses.mean())  # an MoE GPT's aux losses (tinyscale.moe) train with it
 
 
 @torch.no_grad()

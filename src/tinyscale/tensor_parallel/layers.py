@@ -197,12 +197,14 @@ class VocabParallelEmbedding(nn.Module):
         self.local_rows = padded_size(num_embeddings, tp) // tp  # ceil(V/t)
         self.vocab_start = rank * self.local_rows  # this rank's ids: [vocab_start, vocab_start + local_rows)
         self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim, device=device, dtype=dtype))  # (Vp/t, C)
+        self.padding_idx = None  # nn.Embedding's: that row gets no gradient (set by from_embedding)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group, **kwargs) -> VocabParallelEmbedding:
         w = embedding.weight
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, device=w.device, dtype=w.dtype,
                     **kwargs)
+        layer.padding_idx = embedding.padding_idx
         with torch.no_grad():
             layer.weight.copy_(_shard_rows(w, layer.local_rows, group))  # padding rows: zeros
         return _keep_frozen(layer, embedding)
@@ -211,7 +213,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start  # (B, T)
         outside = (local < 0) | (local >= self.local_rows)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
+        pad = None if self.padding_idx is None else self.padding_idx - self.vocab_start
+        pad = pad if pad is not None and 0 <= pad < self.local_rows else None  # this rank's, if it holds it
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=pad)  # (B, T, C)
         # Zero the rows of ids another rank owns; their gradient is zero too, so row 0 of this
         # shard (used as a stand-in index) gets nothing from them.
         partial = rows.masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C)

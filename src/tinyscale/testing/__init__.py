@@ -14,6 +14,8 @@ from tinyscale.testing.equivalence import (
     assert_state_dicts_close,
     max_abs_diff,
     state_dict_cpu,
+    vocab_shard_boundary_ids,
+    with_vocab_boundary_ids,
 )
 from tinyscale.testing.pool import DEFAULT_TIMEOUT_S, RankPool, close_pools, get_pool, run_on_ranks
 from tinyscale.testing.seams import implementations, resolve
@@ -27,6 +29,8 @@ __all__ = [
     "assert_losses_close",
     "assert_state_dicts_close",
     "close_pools",
+    "vocab_shard_boundary_ids",
+    "with_vocab_boundary_ids",
     "get_pool",
     "implementations",
     "max_abs_diff",

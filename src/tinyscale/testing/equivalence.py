@@ -86,3 +86,29 @@ def assert_every_rank_trained_like(per_rank: Sequence[tuple], expected_losses: S
         if list(state) != list(expected):
             raise AssertionError(f"{what}, rank {rank}: keys {list(state)} differ from the model's {list(expected)}")
         assert_state_dicts_close(state, expected, what=f"{what}, rank {rank}")
+
+
+def vocab_shard_boundary_ids(vocab_size: int, degrees: tuple[int, ...]) -> list[int]:
+    """The token ids on either side of every vocab-shard boundary at each TP degree (a shard
+    holds ceil(V / t) rows), and the first and last ids: sorted, each once."""
+    ids = {0, vocab_size - 1}
+    for t in degrees:
+        rows = -(-vocab_size // t)
+        for r in range(1, t):
+            ids |= {i for i in (r * rows - 1, r * rows) if i < vocab_size}
+    return sorted(ids)
+
+
+def with_vocab_boundary_ids(batches: list, vocab_size: int, degrees: tuple[int, ...]) -> list:
+    """`batches` [(inputs, targets)] with the first row's leading inputs and targets replaced by
+    `vocab_shard_boundary_ids`, so that an end-to-end test looks up and scores every id a
+    sharded table splits at (random ids hit a boundary only by chance)."""
+    ids = torch.tensor(vocab_shard_boundary_ids(vocab_size, degrees))
+    out = []
+    for k, (inputs, targets) in enumerate(batches):
+        inputs, targets = inputs.clone(), targets.clone()
+        n = min(len(ids), inputs.shape[1])
+        inputs[0, :n] = ids.roll(k)[:n]  # a different id at each position from batch to batch
+        targets[0, :n] = ids.roll(k + 1)[:n]
+        out.append((inputs, targets))
+    return out

@@ -110,6 +110,7 @@ class ShardedOptimizer:
         # The ranks that agree on an overflow: this group, unless the caller widens it (the
         # engine: the whole world, whose other axes hold the rest of the model).
         self.overflow_group = process_group
+        self.last_grad_norm: float | None = None  # the last clipping norm (none without clipping)
         if param_dtype is not None:  # masters above hold the full-precision values; round the model's
             with torch.no_grad():
                 for unit in self.units:
@@ -191,7 +192,7 @@ class ShardedOptimizer:
         if scaler is not None:
             scaler.unscale_(self.grad)
         if max_norm > 0:
-            self.clip_grad_norm_(max_norm)
+            self.last_grad_norm = self.clip_grad_norm_(max_norm)  # read by the engine's monitor
         self.step(publish, used)
         if scaler is not None:
             scaler.update(False)

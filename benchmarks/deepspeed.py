@@ -1,0 +1,100 @@
+"""tinyscale's engine against DeepSpeed's at ZeRO stages 0-3: same GPT, config and batches, same run.
+
+    python benchmarks/deepspeed.py [--world-size 2] [--model small] [--steps 10] [--micro 4] [--json PATH]
+
+Needs DeepSpeed (the `peers` extra: pip install -e ".[peers]"; `make setup` installs it). It
+runs in a process of its own (`tinyscale.testing.deepspeed_peer`, with DS_ACCELERATOR=cpu and
+gloo); the first run builds DeepSpeed's shared-memory op, which takes minutes once. On the same
+rank processes, for each stage, both engines train their own float32 copy of the GPT from the
+same seed on the same batches (AdamW, torch's on both sides: DeepSpeed's "torch_adam": true),
+one optimizer step at a time, alternating which goes first, so that changes in the machine's
+load hit both alike. The first two steps of each are warm-up and dropped. A step is, on
+tinyscale's side, `engine.train_batch(batch)`; on DeepSpeed's, `engine(x, y)`,
+`engine.backward(loss)` and `engine.step()` over this rank's micro-batches (the rows tinyscale
+gives this rank); rank 0 times each after a barrier.
+
+It prints the median step time of each (and the spread, fastest .. slowest), the ratio
+tinyscale / DeepSpeed (below 1: tinyscale is faster), and checks that the losses agree: both
+train in float32 and reduce in different orders, and Adam can turn rounding-level gradients
+into updates of either sign, so the check is 1e-3 relative (a wrong gradient scale or a lost
+micro-batch moves the loss by far more within a few steps). --json writes the ratios under
+`zero0_vs_deepspeed` .. `zero3_vs_deepspeed`. Tests: `pytest -k deepspeed_agreement`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from tinyscale.data import sample_batches, stdlib_corpus
+from tinyscale.models import GPTConfig
+from tinyscale.testing import deepspeed_peer
+
+WARMUP = 2
+LOSS_REL = 1e-3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--model", default="small", choices=["tiny", "small"])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per engine and stage (after 2 warm-up)")
+    parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
+    parser.add_argument("--stages", default="0,1,2,3")
+    parser.add_argument("--json", metavar="PATH", help="write the ratios here")
+    args = parser.parse_args(argv)
+    console = Console()
+    if not deepspeed_peer.available():
+        console.print("DeepSpeed is not installed: pip install -e '.[peers]' (make setup does), then rerun")
+        return 1
+    cfg = GPTConfig.preset(args.model)
+    seq = min(cfg.max_seq_len, 128)
+    rows = args.micro * args.world_size
+    batches = sample_batches(stdlib_corpus().tokens, num_batches=WARMUP + args.steps, batch_size=rows,
+                             seq_len=seq, seed=0)
+    stages = [int(s) for s in args.stages.split(",")]
+    payload = {
+        "world_size": args.world_size, "stages": stages, "seed": 0, "dtype": "float32", "interleave": True,
+        "parameters": False, "model": dataclasses.asdict(cfg), "timeout_s": 3000,
+        "batches": [[t.tolist() for t in b] for b in batches],
+        "config": {"train_batch_size": rows, "train_micro_batch_size_per_gpu": args.micro,
+                   "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}},
+    }
+    console.print(f"GPT {args.model} ({cfg.num_params():,} parameters), {args.world_size} ranks, "
+                  f"{args.micro} x {seq} tokens per rank per step, {args.steps} timed steps (+{WARMUP} warm-up)")
+    result = deepspeed_peer.run("train", payload, timeout_s=3600)
+
+    table = Table(title="one training step, median (fastest .. slowest), rank 0")
+    for col in ("ZeRO stage", "tinyscale ms", "DeepSpeed ms", "tinyscale / DeepSpeed", "loss max rel. diff"):
+        table.add_column(col, justify="right")
+    ratios, ok = {}, True
+    for stage in stages:
+        runs = result[str(stage)]
+        ours, theirs = (runs[side]["seconds"][WARMUP:] for side in ("tinyscale", "deepspeed"))
+        diff = max(abs(a - b) / abs(b) for a, b in zip(runs["tinyscale"]["losses"], runs["deepspeed"]["losses"]))
+        ok &= diff < LOSS_REL and all(map(math.isfinite, runs["tinyscale"]["losses"]))
+        ratio = statistics.median(ours) / statistics.median(theirs)
+        ratios[f"zero{stage}_vs_deepspeed"] = round(ratio, 3)
+        table.add_row(str(stage), *(f"{1e3 * statistics.median(t):.1f} ({1e3 * min(t):.1f} .. {1e3 * max(t):.1f})"
+                                    for t in (ours, theirs)), f"{ratio:.2f}x", f"{diff:.1e}")
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ratios, f, indent=2)
+        console.print(f"wrote {args.json}")
+    if not ok:
+        console.print(f"[red]the losses differ by more than {LOSS_REL:g} relative[/red]")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

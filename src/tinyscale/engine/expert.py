@@ -1,0 +1,110 @@
+"""Expert parallelism and MoE models in the engine: `parallel.expert`.
+
+    {"parallel": {"expert": 2}}     # an MoE GPT (GPTConfig.moe_experts > 0), experts split over 2 ranks
+
+The ep axis lives inside dp (DeepSpeed-MoE's and Megatron's layout; `tinyscale.moe.parallel`):
+each (pp, cp, tp) coordinate's dp ranks are cut into runs of ep consecutive dp ranks, the ep
+groups; with tensor parallelism the ep group is made of ranks with the same tp coordinate,
+with a pipeline of ranks with the same stages. Placed in the engine's order after the pipeline
+partition and tensor parallelism (`apply`, called by `engine/parallelize.py`): the MoE layers
+of this rank's stages each compute E / ep experts and exchange tokens over the ep group by
+all-to-all. Every rank routes its own micro-batch's tokens (capacity and the aux losses from
+its own tokens, as one process routes each micro-batch), so the layout equals one process.
+
+Parameters: attention, norms, embeddings, the routers and shared experts are data-parallel as
+before (replicated over dp; split by tp where tp splits them). The expert tensors are kept whole
+on every rank (`tinyscale.moe.parallel`): a rank's gradient is zero outside its experts, so the
+reduction over dp that DDP or ZeRO already make sums, per expert, exactly its expert-data-parallel
+ranks' gradients, and ZeRO shards the expert tensors over dp with the rest. What this does not
+do yet is the memory-saving form (each rank stores only its E / ep experts and reduces them over
+dp / ep ranks): see lessons/13-moe.md, and `placements` stays that of replicated tensors.
+
+Under a pipeline the loss is computed on the last stage only, so each MoE layer adds its aux
+loss's gradient itself (`tinyscale.moe.AddAuxLoss`, scaled as the executor scales the loss:
+S / m) and the aux losses' values join the reported loss (`take_aux` after each forward action).
+
+ZeRO 0-3, tensor parallelism (without SP), every pipeline schedule and non-re-entrant activation
+checkpointing (a full checkpoint runs the forward's all-to-alls again in backward) compose with it.
+Refused, with the reason (`check_layout`, run by `plan_layout`): `parallel.expert` > 1 without an MoE
+GPT, or with an ep that divides neither dp nor the expert count; an MoE GPT with context
+parallelism or sequence parallelism (each rank would route a slice of the sequence: capacity
+and the aux loss are functions of the whole micro-batch's routing, so they would differ from one
+process), and with re-entrant activation checkpointing (its forward runs without autograd, so
+the aux losses, which leave the block beside its output, would not train the router).
+Lesson: lessons/13-moe.md. Tests: `pytest tests/moe -k "moe_engine or expert_parallel"`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.dist import ParallelMesh
+from tinyscale.models.gpt import GPT
+from tinyscale.moe import apply_expert_parallel, expert_groups, moe_layers
+
+
+def _is_moe(model) -> bool:
+    return isinstance(model, GPT) and model.config.moe_experts > 0
+
+
+def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
+                 mesh: ParallelMesh | None = None) -> None:
+    """Refuse an ep layout or an MoE model's layout that cannot equal one process (no collectives)."""
+    par, ep = config.parallel, config.parallel.expert
+    moe = _is_moe(model)
+    if ep > 1 and not moe:
+        raise ConfigError(f"parallel.expert={ep}: expert parallelism splits the experts of an MoE GPT "
+                          "(GPTConfig.moe_experts > 0), and this model has none; use parallel.expert 1")
+    if not moe:
+        return
+    problems = []
+    if par.context > 1:
+        problems.append(f"parallel.context={par.context} with an MoE GPT: each cp rank would route a slice of the "
+                        "sequence, and capacity and the aux loss depend on the whole micro-batch's routing; use "
+                        "parallel.context 1")
+    if par.sequence_parallel:
+        problems.append("parallel.sequence_parallel with an MoE GPT: each tp rank would route a slice of the "
+                        "sequence (capacity and the aux loss depend on the whole micro-batch's routing); set "
+                        "sequence_parallel false")
+    ac = config.activation_checkpointing
+    if ac.use_reentrant and ac.policy != "none":
+        problems.append("activation_checkpointing.use_reentrant=true with an MoE GPT: a re-entrant checkpoint runs "
+                        "the block's forward without autograd, so the aux loss (which leaves the block beside its "
+                        "output) would not train the router; set use_reentrant false")
+    dp = world_size // (par.tensor * par.pipeline * par.context)
+    if dp % ep:
+        problems.append(f"parallel.expert={ep} must divide the data-parallel size {dp} (= world {world_size} / "
+                        f"(tensor x pipeline x context)): the ep groups are runs of ep dp ranks; choose among "
+                        f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
+    if model.config.moe_experts % ep:
+        problems.append(f"parallel.expert={ep} must divide GPTConfig.moe_experts={model.config.moe_experts} (each "
+                        f"ep rank computes the same number of experts)")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> None:
+    """The MoE layers of this rank's model (its stages) compute their ep share of the experts."""
+    ep = config.parallel.expert
+    if ep > 1:
+        ep_group, _ = expert_groups(mesh.layout, ep)
+        apply_expert_parallel(model, ep_group)
+
+
+# --8<-- [start:pipeline]
+def set_aux_grad_scale(model: torch.nn.Module, scale: float | None) -> None:
+    """Under a pipeline: every MoE layer backpropagates its aux loss with `scale` (the loss's S / m)."""
+    for layer in moe_layers(model):
+        layer.aux_grad_scale = scale
+
+
+def take_aux(model: torch.nn.Module) -> float:
+    """The aux losses of the MoE layers that ran a forward since the last call (their values)."""
+    total = 0.0
+    for layer in moe_layers(model):
+        if layer.aux_loss is not None:
+            total += float(layer.aux_loss.detach())
+            layer.aux_loss = None
+    return total
+# --8<-- [end:pipeline]

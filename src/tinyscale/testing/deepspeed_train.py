@@ -1,0 +1,128 @@
+"""DeepSpeed's engine and tinyscale's, side by side on the same ranks: the same GPT, config and rows.
+
+Runs inside `tinyscale.testing.deepspeed_peer` (``train`` task), never in a test process:
+`train(payload)` launches `world_size` gloo ranks (`tinyscale.dist.launch`); each builds the GPT
+from the same seed, and for each ZeRO stage asked for trains it once through
+``deepspeed.initialize`` (``engine(x, y)``, ``engine.backward(loss)``, ``engine.step()`` per
+micro-batch) and once through ``tinyscale.initialize`` (``train_batch``), optionally alternating
+step by step (``interleave``, for timing), and returns the losses, the final full parameters and
+the seconds of every step from rank 0.
+
+Rows as tinyscale's engine splits them (`tinyscale.data.local_micro_batches`): rank r takes
+the r-th contiguous block of each global batch, cut into contiguous micro-batches. DeepSpeed's
+loss per step is the mean of its micro-batch losses averaged over ranks, as tinyscale reports.
+The optimizer is the config's: ``SGD`` (given to DeepSpeed as a torch optimizer, which needs
+``zero_allow_untested_optimizer``, as DeepSpeed's config has no SGD) or ``AdamW`` with
+``torch_adam: true`` (torch's AdamW on both sides).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _deepspeed_engine(model, config: dict):
+    import deepspeed
+
+    ds_config = copy.deepcopy(config)
+    opt = ds_config.get("optimizer", {})
+    optimizer = None
+    if opt.get("type") == "SGD":  # not a DeepSpeed optimizer type: hand it torch's
+        ds_config.pop("optimizer")
+        p = opt.get("params", {})
+        optimizer = torch.optim.SGD(model.parameters(), lr=p["lr"], momentum=p.get("momentum", 0.0),
+                                    weight_decay=p.get("weight_decay", 0.0))
+        ds_config["zero_allow_untested_optimizer"] = True
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
+                                      config=ds_config)
+    return engine
+
+
+def _full_parameters(engine, stage: int) -> dict:
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    if stage == 3:  # each rank holds a shard: gather them for reading
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {k: v.detach().clone().tolist() for k, v in params.items()}
+    return {k: v.detach().clone().tolist() for k, v in params.items()}
+
+
+def _deepspeed_step(engine, batch, rank: int, world: int, gas: int) -> float:
+    import torch.distributed as dist
+
+    from tinyscale.data import local_micro_batches
+
+    total = 0.0
+    micro_rows = batch[0].shape[0] // (world * gas)
+    for micro in local_micro_batches(batch, dp_rank=rank, dp_size=world, micro_batch_size=micro_rows):
+        loss = engine(*micro)
+        engine.backward(loss)
+        engine.step()  # steps the optimizer only at the accumulation boundary
+        total += loss.detach().double().item()
+    mean = torch.tensor(total / gas, dtype=torch.float64)
+    dist.all_reduce(mean)
+    return mean.item() / world
+
+
+def _rank(payload: dict) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+
+    import tinyscale as ts
+    from tinyscale.models import GPT, GPTConfig
+
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the group launch made
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[payload.get("dtype", "float64")]
+    torch.set_num_threads(payload.get("threads", 1))
+    cfg = GPTConfig(**payload["model"])
+    batches = [tuple(torch.tensor(t) for t in b) for b in payload["batches"]]
+    gas = payload["config"].get("gradient_accumulation_steps", 1)
+    out = {}
+    for stage in payload["stages"]:
+        config = copy.deepcopy(payload["config"])
+        config.setdefault("zero_optimization", {})["stage"] = stage
+        runs = {}
+        engines = {}
+        for side in payload.get("sides", ["deepspeed", "tinyscale"]):
+            model = GPT(cfg, seed=payload["seed"], dtype=dtype)
+            engines[side] = _deepspeed_engine(model, config) if side == "deepspeed" else ts.initialize(model, config)
+            runs[side] = {"losses": [], "seconds": []}
+        order = list(engines)
+        if payload.get("interleave"):  # for timing: step by step, alternating who goes first
+            for step, batch in enumerate(batches):
+                for side in order if step % 2 == 0 else order[::-1]:
+                    runs[side]["losses"].append(_one(engines[side], side, batch, rank, world, gas, runs[side]))
+        else:
+            for side in order:
+                for batch in batches:
+                    runs[side]["losses"].append(_one(engines[side], side, batch, rank, world, gas, runs[side]))
+        for side, engine in engines.items():
+            full = _full_parameters(engine, stage) if side == "deepspeed" else {
+                k: v.tolist() for k, v in engine.full_state_dict().items()}
+            if payload.get("parameters", True):
+                runs[side]["parameters"] = full
+        out[str(stage)] = runs
+    return out if rank == 0 else {}
+
+
+def _one(engine, side, batch, rank, world, gas, run) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    loss = _deepspeed_step(engine, batch, rank, world, gas) if side == "deepspeed" else engine.train_batch(batch)
+    run["seconds"].append(time.perf_counter() - start)
+    return float(loss)
+
+
+def train(payload: dict) -> dict:
+    from tinyscale.dist import launch
+
+    return launch(_rank, payload["world_size"], payload, timeout_s=payload.get("timeout_s", 600))[0]

@@ -1,0 +1,177 @@
+"""An MoE GPT trained by the engine with expert parallelism equals the single-process MoE.
+
+The GPT: vocab 33, 3 layers with blocks 0 and 2 MoE (block 1 dense), 4 experts (6 tokens per
+micro-batch: k * 6 / 4 assignments per expert, not a whole number), capacity factors that drop
+assignments, top-1 and top-2, softmax and sigmoid routers, a shared expert, tied embeddings,
+GQA, clipping, weight decay, 2 micro-batches per rank. Each layout's losses and
+`full_state_dict()` equal `tinyscale.reference.train` in float64 at rtol 1e-10 on every rank
+(sums of a few hundred float64 products reordered by the all-to-all: ~1e-15 relative; a token
+sent to the wrong expert, a missed reduction or an aux loss without its gradient is off by
+1e-3 or more). Layouts: ep 2 (world 2); ep 4, dp 2 x ep 2 (ZeRO 1 and 3), tp 2 x ep 2 and
+pp 2 x ep 2 (world 4, one pooled call); under --thorough also ZeRO 2, full and selective
+activation checkpointing, the zb_h1 and AFAB schedules. A checkpoint saved at one ep degree
+(and ZeRO stage) resumes at another and continues like one process (`-k moe_engine_checkpoint`).
+Refusals: `-k moe_engine_refuses`.
+Run: `pytest tests/moe/test_moe_engine.py` (keys moe, expert_parallel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import tinyscale as ts
+from tinyscale.config import ConfigError
+from tinyscale.data import synthetic_token_batches
+from tinyscale.models import GPT, GPTConfig
+from tinyscale.moe import moe_layers, moe_stats
+from tinyscale.testing import assert_every_rank_trained_like, run_on_ranks
+
+VOCAB, SEQ, STEPS, M = 33, 6, 2, 2
+
+
+def layout(*, world, dp=1, ep=1, tp=1, pp=1, stage=0, k=1, cf=1.0, router="softmax", shared=0, ac="none",
+           schedule="1f1b") -> tuple:
+    return tuple(sorted(locals().items()))
+
+
+def gpt(spec: dict) -> GPT:
+    cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=3, n_head=4, n_kv_head=2, d_model=8, ffn_hidden=12,
+                    tie_embeddings=True, moe_experts=4, moe_top_k=spec["k"], moe_capacity_factor=spec["cf"],
+                    moe_layers=(0, 2), moe_router=spec["router"], moe_shared_experts=spec["shared"],
+                    moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01)
+    return GPT(cfg, seed=5, dtype=torch.float64)
+
+
+def engine_config(spec: dict) -> dict:
+    return {"train_batch_size": M * spec["dp"], "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": M,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.05}}, "gradient_clipping": 0.5,
+            "zero_optimization": {"stage": spec["stage"]},
+            "activation_checkpointing": {"policy": spec["ac"]},
+            "parallel": {"expert": spec["ep"], "tensor": spec["tp"], "pipeline": spec["pp"]}
+            | ({"pipeline_schedule": spec["schedule"]} if spec["pp"] > 1 else {})}
+
+
+def batches(spec: dict):
+    return synthetic_token_batches(num_batches=STEPS, batch_size=M * spec["dp"], seq_len=SEQ, vocab_size=VOCAB, seed=3)
+
+
+def _train(layouts: list[tuple]):
+    out = []
+    for item in layouts:
+        spec = dict(item)
+        engine = ts.initialize(gpt(spec), engine_config(spec))
+        losses = [engine.train_batch(b) for b in batches(spec)]
+        assert engine.last_step["moe"]["assignments"] == len(moe_layers(engine.model)) * SEQ * spec["k"]
+        out.append((losses, engine.full_state_dict(), engine.comm_ledger.calls("all_to_all"),
+                    len(moe_layers(engine.model))))
+    return out
+
+
+@functools.cache
+def results(world: int, layouts: tuple) -> list:
+    return run_on_ranks(_train, world, list(layouts), timeout_s=300)
+
+
+def reference(spec: dict):
+    model = gpt(spec)
+    flat = engine_config(spec | {"dp": 1, "stage": 0, "ac": "none"}) | {"parallel": {}}
+    flat |= {"train_batch_size": M * spec["dp"], "gradient_accumulation_steps": M * spec["dp"]}
+    losses = ts.reference.train(model, batches(spec), flat)
+    return losses, model.state_dict(), moe_stats(model)
+
+
+WORLD2 = [layout(world=2, dp=2, ep=2, k=1, cf=0.7)]
+WORLD4 = [
+    layout(world=4, dp=4, ep=4, k=2, cf=0.8, stage=1),                        # ep 4
+    layout(world=4, dp=4, ep=2, k=2, cf=0.9, router="sigmoid", shared=1),     # dp 2 x ep 2
+    layout(world=4, dp=4, ep=2, k=1, cf=0.7, stage=3),                        # dp 2 x ep 2, ZeRO 3
+    layout(world=4, dp=2, ep=2, tp=2, k=2, cf=0.8),                           # tp 2 x ep 2
+    layout(world=4, dp=2, ep=2, pp=2, k=1, cf=0.7),                           # pp 2 x ep 2
+]
+IDS = ["ep4-zero1-top2", "dp2xep2-sigmoid-shared", "dp2xep2-zero3-top1", "tp2xep2-top2", "pp2xep2-top1"]
+
+
+def _check(world: int, layouts: list[tuple], index: int) -> None:
+    spec = dict(layouts[index])
+    losses, state, stats = reference(spec)
+    assert stats["dropped"] > 0, "the capacity factor is chosen to drop assignments"
+    ranks = [r[index] for r in results(world, tuple(layouts))]
+    # this rank's MoE layers x micro-batches x (counts + rows out and back, forward and backward): 5 each,
+    # and the forward's 3 again when a full checkpoint recomputes the block in backward; zero-bubble's
+    # B pass (input gradients) and W pass (weights) each run the backward's all-to-alls on the later stages
+    calls = 5 + (3 if spec["ac"] == "full" else 0)
+    counts = [r[2] / (r[3] * M * STEPS) if r[3] else 0 for r in ranks]
+    later = [spec["pp"] > 1 and rank >= len(ranks) // spec["pp"] for rank in range(len(ranks))]  # not stage 0
+    assert counts == [calls + (2 if spec["schedule"] == "zb_h1" and late else 0) for late in later], \
+        "every MoE layer went through the all-to-all"
+    assert_every_rank_trained_like([r[:2] for r in ranks], losses, state,
+                                   what=f"{spec} full_state_dict after {STEPS} steps")
+
+
+def test_moe_engine_expert_parallel_2_equals_one_process():
+    _check(2, WORLD2, 0)
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=IDS)
+def test_moe_engine_expert_parallel_layouts_equal_one_process(index):
+    _check(4, WORLD4, index)
+
+
+# --thorough: ZeRO 2, activation checkpointing (the aux losses through recomputed blocks, the
+# all-to-all rerun), the other pipeline schedules, pp x tp x ep.
+THOROUGH = [
+    layout(world=4, dp=4, ep=4, k=2, cf=0.8, stage=2, router="sigmoid"),
+    layout(world=4, dp=4, ep=2, k=2, cf=0.8, ac="full"),
+    layout(world=4, dp=2, ep=2, tp=2, k=1, cf=0.7, ac="selective", stage=1),
+    layout(world=4, dp=2, ep=2, pp=2, k=2, cf=0.8, schedule="zb_h1", stage=1),
+    layout(world=4, dp=2, ep=2, pp=2, k=1, cf=0.7, schedule="afab", ac="full", shared=1),
+]
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize("index", range(len(THOROUGH)))
+def test_moe_engine_expert_parallel_more_layouts_equal_one_process(index):
+    _check(4, THOROUGH, index)
+
+
+@pytest.mark.parametrize("parallel,model_changes,match", [
+    ({"expert": 2}, {"moe_experts": 0}, "parallel.expert=2: expert parallelism splits"),
+    ({"expert": 4, "tensor": 2}, {}, "must divide the data-parallel size 2"),
+    ({"expert": 2}, {"moe_experts": 3}, "must divide GPTConfig.moe_experts=3"),
+    ({"context": 2}, {}, "parallel.context=2 with an MoE GPT"),
+    ({"tensor": 2, "sequence_parallel": True}, {}, "sequence_parallel with an MoE GPT"),
+    ({}, {"reentrant": True}, "use_reentrant=true with an MoE GPT"),
+])
+def test_moe_engine_refuses_layouts_that_cannot_equal_one_process(parallel, model_changes, match):
+    from tinyscale.engine.plan import plan_layout
+    spec = dict(layout(world=4))
+    reentrant = model_changes.pop("reentrant", False)
+    model = GPT(gpt(spec).config.with_(**model_changes))
+    config = ts.EngineConfig.load({"train_batch_size": 4, "parallel": parallel} | (
+        {"activation_checkpointing": {"policy": "full", "use_reentrant": True}} if reentrant else {}))
+    with pytest.raises(ConfigError, match=match):
+        plan_layout(config, model, 4)
+
+
+def _save_then_load(path: str, save: tuple, load: tuple):
+    """Train one step in layout `save`, save, load into layout `load` (same world), train the second step."""
+    first, second = batches(dict(save))
+    engine = ts.initialize(gpt(dict(save)), engine_config(dict(save)))
+    engine.train_batch(first)
+    engine.save_checkpoint(path)
+    engine = ts.initialize(gpt(dict(load) | {"k": dict(save)["k"]}), engine_config(dict(load)))
+    engine.load_checkpoint(path)
+    return engine.train_batch(second), engine.full_state_dict()
+
+
+@pytest.mark.parametrize("save_ep,load_ep", [(4, 2), pytest.param(1, 4, marks=pytest.mark.thorough)])
+def test_moe_engine_checkpoint_reshards_across_expert_parallel_degrees(tmp_path, save_ep, load_ep):
+    save = layout(world=4, dp=4, ep=save_ep, k=2, cf=0.8, stage=1)
+    load = layout(world=4, dp=4, ep=load_ep, k=2, cf=0.8, stage=0)
+    losses, state, _ = reference(dict(save))
+    out = run_on_ranks(_save_then_load, 4, str(tmp_path / "ckpt"), save, load, timeout_s=300)
+    assert_every_rank_trained_like([([losses[0], r[0]], r[1]) for r in out], losses, state,
+                                   what=f"saved at ep {save_ep}, resumed at ep {load_ep}")

@@ -167,6 +167,12 @@ def cmd_train(args: argparse.Namespace, console: Console) -> int:
             return 0
     elif spec.world_size == 1:
         result = train_rank(spec)
+    elif args.resume_on_failure:
+        from tinyscale.recovery import train_with_recovery
+
+        console.print(f"launching {spec.world_size} ranks, restarting at most {args.resume_on_failure} times...")
+        result, _ = train_with_recovery(spec, max_restarts=args.resume_on_failure, timeout_s=args.timeout,
+                                        log=console.print)
     else:
         console.print(f"launching {spec.world_size} ranks (gloo on CPU unless there is a GPU per rank)...")
         result = dist.launch(train_rank, spec.world_size, spec, timeout_s=args.timeout)[0]
@@ -313,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=0, help="also save every N steps (default: only at the end)")
     t.add_argument("--resume", action="store_true",
                    help="continue from --save-dir's checkpoint: its step, its next batch, its random state")
+    t.add_argument("--resume-on-failure", type=int, default=0, metavar="N",
+                   help="after a crash, relaunch from the latest checkpoint, at most N times (needs --save-every)")
     t.add_argument("--run-dir", help="where to write metrics.jsonl, summary.json, loss.png")
     t.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
     t.add_argument("--timeout", type=float, default=3600, help="seconds before a stuck run is stopped")

@@ -201,7 +201,6 @@ def rank_model_state_bytes(cfg: GPTConfig, plan, *, dtype_bytes: int = 4, comput
     B, M, stage = compute_bytes or dtype_bytes, dtype_bytes, plan.zero_stage
     n_group = plan.dp * plan.cp
     layout = MeshLayout(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp)
-    groups = layout.flat_groups(("dp", "cp"))
     out = {}
     for rank in range(_world(plan)) if ranks is None else ranks:
         tensors = rank_tensors(cfg, plan, rank)
@@ -213,7 +212,8 @@ def rank_model_state_bytes(cfg: GPTConfig, plan, *, dtype_bytes: int = 4, comput
         units, persistent = zero_units(tensors, stage, bucket_bytes=reduce_bucket_size * (2 if compute_bytes else M),
                                        element_bytes=M, persistence_threshold=stage3_param_persistence_threshold,
                                        pipeline=plan.pp > 1)
-        r = sorted(next(g for g in groups if rank in g)).index(rank)
+        where = layout.coords(rank)  # its index in the sorted dp x cp group: ranks grow with dp, then cp
+        r = where["dp"] * plan.cp + where["cp"]
         S, R, f = shard_share(units, n_group, r, sub_group_size)
         whole = sum(sum(u) for u in units[len(units) - persistent:])  # stage 3's persistent tensors
         params = B * (S - sum(-(-sum(u) // n_group) for u in units[len(units) - persistent:]) + whole) \

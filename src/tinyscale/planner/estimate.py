@@ -28,7 +28,11 @@ as latency (the bubble is what it adds over the slowest rank's busy time); dp's 
 overlapped with the last micro-batch's backward (stage 3: gathers per micro-batch, overlapped with
 it), stage 1-2's parameter all-gather after the step exposed; the optimizer at HBM speed, or over
 PCIe and the host's Adam when offloaded. Every collective costs its alpha-beta time on the link
-its group crosses (`cluster.py`). Not modelled: kernel launch and framework overhead, stragglers.
+its group crosses (`cluster.py`), plus the host's overhead per layer per micro-batch
+(`Cluster.launch_overhead`). MFU counts attention's full T x T square (PaLM's and Megatron-LM's
+convention, `tinyscale.mfu`'s default) while the time counts the causal half a fused kernel
+computes, so at long sequences MFU can exceed `efficiency`. Not modelled: matmul efficiency falling for small shapes, overlap
+inside tp, stragglers. A cluster without overlap (`Cluster.overlap=False`, CPU ranks) hides nothing.
 """
 
 from __future__ import annotations
@@ -237,10 +241,9 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
     if lay.offload != "none":
         host, masters, states = masters + states, 0, 0
     stages = _partition(cfg, lay.pp, lay.virtual_stages) if lay.pp > 1 else None
-    try:
-        sched = _schedule(lay.schedule, lay.pp, m, lay.virtual_stages) if lay.pp > 1 else None
-    except ValueError as exc:
-        return Estimate(lay, {}, {}, 0.0, False, str(exc))
+    if lay.schedule == "interleaved_1f1b" and m % lay.pp:
+        return Estimate(lay, {}, {}, 0.0, False, f"interleaved 1F1B needs {m} micro-batches to be a multiple of pp {lay.pp}")
+    sched = _schedule(lay.schedule, lay.pp, m, lay.virtual_stages) if lay.pp > 1 and simulate_pipeline else None
     in_flight = _in_flight(lay.schedule, lay.pp, m, lay.virtual_stages, simulate_pipeline) if stages else None
     layer = layer_activation_bytes(cfg, b, s, p, lay.policy, tp=tp, sp=sp, cp=cp)
     whole = layer_activation_bytes(cfg, b, s, p, "none", tp=tp, sp=sp, cp=cp)

@@ -84,7 +84,7 @@ def table(result: PlanResult, top: int) -> list[Table]:
     parts.add_column("seconds", justify="right")
     for k, v in best.time.items():
         parts.add_row(k, f"{v:.4f}")
-    return [ranked, alt, parts]
+    return [ranked, alt, parts] if result.alternatives else [ranked, parts]
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:

@@ -1,0 +1,54 @@
+"""Restart a crashed run from its latest complete checkpoint: `tinyscale train --resume-on-failure N`.
+
+    result, restarts = train_with_recovery(spec, max_restarts=3)
+
+A rank that dies (an exception, a killed process, a hung collective caught by the launcher's
+timeout) stops the whole launch: `dist.launch` re-raises it and ends the other ranks. Then, at
+most `max_restarts` times, the ranks are launched again with `resume=True`: each loads the latest
+*complete* checkpoint of `save_dir` (checkpoints are written under a temporary name and made live
+by a rename, so a crash during a write leaves the previous one live) and continues from its data
+position, with its random state, exactly as an uninterrupted run would (the engine's resume is
+bit for bit: `pytest -k resume_exact`). Only the engine's public `save_checkpoint` /
+`load_checkpoint` (through `train_rank`) are used. Without a checkpoint to resume from, or after
+`max_restarts` restarts, the error is raised. Under torchrun, use its own `--max-restarts`.
+Lesson: lessons/12-engine.md. Tests: `pytest -k resume_on_failure`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+
+def has_checkpoint(save_dir: str | None) -> bool:
+    """Whether `save_dir` holds anything to resume from (what is in it is `load_checkpoint`'s to judge)."""
+    from pathlib import Path
+
+    return bool(save_dir) and Path(save_dir).is_dir() and any(Path(save_dir).iterdir())
+
+
+def train_with_recovery(spec, *, max_restarts: int, rank_fn: Callable | None = None, timeout_s: float = 3600,
+                        log: Callable[[str], None] = print):
+    """Launch `rank_fn` (default `train.train_rank`) on spec.world_size ranks; on a failure,
+    relaunch from the latest complete checkpoint, at most `max_restarts` times. Returns (rank 0's
+    result of the last launch, how many restarts it took)."""
+    from tinyscale import dist
+    from tinyscale.train import train_rank
+
+    if max_restarts < 0:
+        raise ValueError(f"--resume-on-failure {max_restarts}: give a count >= 0")
+    if max_restarts and not (spec.save_dir and spec.save_every):
+        raise ValueError("--resume-on-failure needs --save-dir and --save-every: a restart resumes from the "
+                         "latest checkpoint, so the run must write them as it goes")
+    rank_fn = rank_fn or train_rank
+    restarts = 0
+    while True:
+        try:
+            return dist.launch(rank_fn, spec.world_size, spec, timeout_s=timeout_s)[0], restarts
+        except Exception as exc:  # noqa: BLE001 - any rank's failure; relaunch or re-raise
+            if restarts >= max_restarts or not has_checkpoint(spec.save_dir):
+                raise
+            restarts += 1
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log(f"run failed ({first_line}); restart {restarts} of {max_restarts} from {spec.save_dir}")
+            spec = dataclasses.replace(spec, resume=True)

@@ -34,6 +34,8 @@ $(STAMP): pyproject.toml
 	# torch in .venv (no build isolation, which would fetch a second, CUDA, torch to build with).
 	$(PY) -m pip install --quiet setuptools wheel
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[peers]"
+	# DeepSpeed compiles its CPU shared-memory op on first use (about 50 s on 2 cores): here, not in the tests
+	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 	touch $(STAMP)
 
 demo: setup

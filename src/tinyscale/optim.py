@@ -51,9 +51,11 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimizerConfi
     return torch.optim.SGD(params, lr=p.lr, momentum=p.momentum, nesterov=p.nesterov, weight_decay=p.weight_decay)
 
 
-def lr_at(step: int, config: EngineConfig) -> float:
-    """Learning rate of the `step`-th applied optimizer step (0-based), as DeepSpeed gives it."""
-    base = config.optimizer.params.lr
+def lr_at(step: int, config: EngineConfig, base: float | None = None) -> float:
+    """Learning rate of the `step`-th applied optimizer step (0-based), as DeepSpeed gives it.
+    `base`: the optimizer's own lr (`schedule_base_lr`), which DeepSpeed's schedulers read from
+    the optimizer they wrap (WarmupLR's default peak, WarmupCosineLR's scale); default the config's."""
+    base = config.optimizer.params.lr if base is None else base
     sched = config.scheduler
     if sched is None:
         return base
@@ -78,6 +80,21 @@ def lr_at(step: int, config: EngineConfig) -> float:
         gamma = 1.0 if sched.type == "WarmupLR" else max(
             0.0, float(p.total_num_steps - i) / float(max(1.0, p.total_num_steps - warmup)))
     return low + (peak - low) * gamma
+
+
+def schedule_base_lr(optimizer: torch.optim.Optimizer, config: EngineConfig) -> float | None:
+    """The lr a config's scheduler scales: the one every parameter group of `optimizer` starts
+    with (a caller's optimizer may have its own, not the config's). None without a scheduler.
+    Groups with different lrs are refused: DeepSpeed scales each group's own, one schedule here."""
+    if config.scheduler is None:
+        return None
+    lrs = sorted({group["lr"] for group in optimizer.param_groups})
+    if len(lrs) > 1:
+        raise ConfigError(
+            f"scheduler: the optimizer's parameter groups start at different learning rates {lrs}, and "
+            "tinyscale's schedule sets one lr for every group; give the groups one lr, or remove the "
+            "config's scheduler section and keep the optimizer's own lrs")
+    return lrs[0]
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -37,7 +37,7 @@ import torch
 from tinyscale.config import EngineConfig
 from tinyscale.data import micro_batches
 from tinyscale.models.dropout import set_dropout_clock
-from tinyscale.optim import OptimizerFactory, lr_at, optimizer_factory, set_lr
+from tinyscale.optim import OptimizerFactory, lr_at, optimizer_factory, schedule_base_lr, set_lr
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 
 Batch = Sequence[torch.Tensor]
@@ -57,8 +57,9 @@ def _micro_batch_size(config: EngineConfig, rows: int) -> int:
 
 # --8<-- [start:train-step]
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
-               config: EngineConfig, step: int, schedule_lr: bool = True) -> float:
-    """One optimizer step on one global batch; returns its mean loss."""
+               config: EngineConfig, step: int, schedule_lr: bool = True, base_lr: float | None = None) -> float:
+    """One optimizer step on one global batch; returns its mean loss (`base_lr`: the lr the
+    config's scheduler scales, `tinyscale.optim.schedule_base_lr`; default the config's)."""
     device = next(model.parameters()).device
     batch = tuple(t.to(device) for t in batch)
     micro = _micro_batch_size(config, batch[0].shape[0])
@@ -75,7 +76,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
         total += loss.detach().double()
     mean_loss = (total / len(chunks)).item()
     if mixed:
-        mixed_precision_step(optimizer, config, step, schedule_lr)
+        mixed_precision_step(optimizer, config, step, schedule_lr, base_lr)
         return mean_loss
     if not math.isfinite(mean_loss):
         raise FloatingPointError(f"reference: the loss at step {step} is {mean_loss}; training diverged")
@@ -83,7 +84,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     if config.gradient_clipping > 0:
         torch.nn.utils.clip_grad_norm_(params, config.gradient_clipping)
     if schedule_lr:  # False: a caller's own optimizer with no config scheduler keeps its lr
-        set_lr(optimizer, lr_at(step, config))
+        set_lr(optimizer, lr_at(step, config, base_lr))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return mean_loss
@@ -91,12 +92,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 def mixed_precision_step(optimizer: MixedPrecisionOptimizer, config: EngineConfig, step: int,
-                         schedule_lr: bool) -> bool:
+                         schedule_lr: bool, base_lr: float | None = None) -> bool:
     """fp16/bf16's step, as the engine takes it: overflow check, unscale, clip and step on the
     fp32 masters; a skipped step (True) does not advance the learning-rate schedule."""
     if schedule_lr:
         skipped = optimizer.loss_scaler.overflows if optimizer.loss_scaler is not None else 0
-        set_lr(optimizer, lr_at(step - skipped, config))
+        set_lr(optimizer, lr_at(step - skipped, config, base_lr))
     skipped_now = optimizer.step(max_norm=config.gradient_clipping)
     optimizer.zero_grad(set_to_none=True)
     return skipped_now
@@ -126,10 +127,12 @@ def train(model: torch.nn.Module, batches: Iterable[Batch], config,
         optimizer = MixedPrecisionOptimizer(groups, make, dtype=dtype, loss_scaler=scaler)
     else:
         optimizer = make(groups)
+    inner = optimizer.optimizer if isinstance(optimizer, MixedPrecisionOptimizer) else optimizer
+    base_lr = schedule_base_lr(inner, config) if schedule_lr else None  # a caller's optimizer: its own lr
     model.train()
     losses = []
     for step, batch in enumerate(batches):
-        losses.append(train_step(model, optimizer, batch, config, step, schedule_lr))
+        losses.append(train_step(model, optimizer, batch, config, step, schedule_lr, base_lr))
         if on_step is not None:
             on_step(step, losses[-1])
     return losses

@@ -118,6 +118,32 @@ def test_custom_optimizer_keeps_its_lr_unless_the_config_schedules_it():
         assert_state_dicts_close(state, ref_state)
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_custom_optimizer_schedule_scales_the_optimizer_s_own_lr(stage):
+    """DeepSpeed's schedulers read the lr of the optimizer they wrap: WarmupLR's default peak and
+    WarmupCosineLR's scale are Lion's own 3e-3 here, not the config's default optimizer lr (1e-3,
+    which tinyscale used, 3x too low). Step 3 (the 4th): i = 2 of a linear warm-up over 8."""
+    warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 8, "warmup_type": "linear"}}
+    cosine = {"type": "WarmupCosineLR", "params": {"total_num_steps": 20, "warmup_num_steps": 8,
+                                                   "warmup_type": "linear"}}
+    for scheduler, expected in ((warmup, 3e-3 * 2 / 8), (cosine, 3e-3 * 2 / 8)):
+        ref_losses, ref_state = _reference("lion", scheduler)
+        for losses, state, lrs in run_on_ranks(_train, 2, {"stage": stage}, "lion", scheduler):
+            assert lrs and all(lr == pytest.approx(expected, rel=1e-12) for lr in lrs), (scheduler["type"], lrs)
+            assert_losses_close(losses, ref_losses)
+            assert_state_dicts_close(state, ref_state)
+
+
+def test_custom_optimizer_schedule_refuses_groups_with_different_lrs():
+    def two_lrs(groups):
+        params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+        return torch.optim.SGD([{"params": params[:1], "lr": 0.1}, {"params": params[1:], "lr": 0.01}])
+    warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 8}}
+    with pytest.raises(ConfigError, match=r"different learning rates \[0.01, 0.1\]"):
+        ts.initialize(UnusedMLP(), _config({"stage": 0}, warmup), optimizer=two_lrs)
+    ts.initialize(UnusedMLP(), _config({"stage": 0}), optimizer=two_lrs)  # no schedule: their own lrs stand
+
+
 def test_custom_optimizer_refused_with_a_config_optimizer_or_a_bad_factory():
     config = {**_config({"stage": 0}), "optimizer": {"type": "SGD"}}
     with pytest.raises(ConfigError, match="'optimizer' and initialize"):

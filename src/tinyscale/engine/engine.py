@@ -96,7 +96,8 @@ from tinyscale.engine.throughput import Throughput
 from tinyscale.mfu import StepProfiler
 from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.moe import moe_stats
-from tinyscale.optim import OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory, set_lr
+from tinyscale.optim import (OptimizerFactory, check_elementwise_state, lr_at, optimizer_factory,
+                             schedule_base_lr, set_lr)
 from tinyscale.precision import MixedPrecisionOptimizer, make_loss_scaler
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 from tinyscale.zero.optimizer import COMM_DTYPES
@@ -244,6 +245,8 @@ class Engine:
                         for p in self.model.parameters():
                             if not p.requires_grad and p.is_floating_point():
                                 p.data = p.data.to(self.compute_dtype)
+        # the lr a config's scheduler scales: the optimizer's own (a caller's may differ from the config's)
+        self._lr_base = schedule_base_lr(self._torch_optimizer(), config) if self._schedules_lr else None
         self._grad_norm: GradNorm | None = None
         self.last_grad_norm: float | None = None  # stage 0 fp32: the last clipping norm (monitor.grad_norm_of)
         self._pending: concurrent.futures.Future | None = None  # an async save in flight
@@ -303,7 +306,7 @@ class Engine:
             return
         line = f"step {self.step}: loss {mean_loss:.6g}"
         if self._schedules_lr:  # the lr this step used (a skipped step used the next one's)
-            line += f", lr {lr_at(self.step - 1 - self.skipped_steps + int(skipped), self.config):.6g}"
+            line += f", lr {lr_at(self.step - 1 - self.skipped_steps + int(skipped), self.config, self._lr_base):.6g}"
         if self.loss_scaler is not None:
             line += f", loss scale {self.loss_scaler.scale:g}, skipped steps {self.skipped_steps}"
         logging.getLogger("tinyscale.engine").info(line)
@@ -416,7 +419,7 @@ class Engine:
                     compression.after_sync(self, self.model.tp_group)
         self._before_step_report = self.memory_report()  # the step's peak of model states
         # a skipped step does not advance the schedule
-        lr = lr_at(self.step - self.skipped_steps, self.config) if self._schedules_lr else None
+        lr = lr_at(self.step - self.skipped_steps, self.config, self._lr_base) if self._schedules_lr else None
         skipped = False
         try:
             # ZeRO's gathers, fp16's overflow flag

@@ -269,7 +269,7 @@ class PipelineStep:
             raise FloatingPointError(f"train_batch: the loss at step {engine.step} is {mean_loss}; training "
                                      "diverged (the step was dropped on every rank)")
         engine._before_step_report = engine.memory_report()  # the step's peak of model states
-        lr = lr_at(engine.step - engine.skipped_steps, engine.config) if engine._schedules_lr else None
+        lr = lr_at(engine.step - engine.skipped_steps, engine.config, engine._lr_base) if engine._schedules_lr else None
         try:
             with comm.record(engine.comm_ledger), profiler.phase("optimizer"):
                 skipped = self._optimizer_step(engine, lr, used)

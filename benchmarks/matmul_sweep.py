@@ -7,7 +7,7 @@ slower repeats measure the neighbours), as FLOP/s = 2 m n k / seconds. On CUDA t
 rows run twice, with TF32 off and on. The vendor peaks come from `tinyscale.mfu`'s table.
 Each row also carries what can be checked on any device (`check_matmul`): the FLOPs torch's
 FlopCounterMode counts (2 m n k, aligned or odd: an odd size is slower, not more work) and
-the error against float64 on the same rounded inputs, over its bound \gamma_k |A||B|.
+the error against float64 on the same rounded inputs, over its rounding bound.
 
     .venv/bin/python benchmarks/matmul_sweep.py [--device cuda] [--sizes 512 1024 2048]
 
@@ -55,10 +55,12 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 def check_matmul(n: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict:
     """FLOPs counted by torch for an n x n x n matmul in `dtype`, and its largest error against
-    float64 on the same (rounded) inputs, as a fraction of the classical bound
-    |fl(AB) - AB| <= gamma_n |A||B|, gamma_n = n u / (1 - n u) (Higham, Thm 3.5), u the
-    dtype's unit roundoff: a dtype whose kernel accumulated in less precision, or dropped a
-    term, would exceed it."""
+    float64 on the same (rounded) inputs, as a fraction of a rounding bound. For float32 and
+    float64, the classical |fl(AB) - AB| <= gamma_n |A||B|, gamma_n = n u / (1 - n u) (Higham,
+    Thm 3.5), u the dtype's unit roundoff. For 16-bit dtypes that bound is vacuous from n = 256
+    (bf16: n u = 1); their kernels (oneDNN here, tensor cores on a GPU) accumulate in float32
+    and round the result once, so the bound is u16 |AB| + (1 + u16) gamma_n(u32) |A||B|. A
+    kernel that accumulated in less precision, or dropped a term, exceeds it."""
     from torch.utils.flop_counter import FlopCounterMode
 
     g = torch.Generator().manual_seed(seed)
@@ -67,9 +69,14 @@ def check_matmul(n: int, dtype: torch.dtype, device: torch.device, seed: int = 0
     with FlopCounterMode(display=False) as counter:
         c = torch.mm(a, b)
     a64, b64 = a.double(), b.double()
-    err = (c.double() - a64 @ b64).abs()
+    exact = a64 @ b64
+    err = (c.double() - exact).abs()
     u = unit_roundoff(dtype)
-    bound = n * u / (1 - n * u) * (a64.abs() @ b64.abs())
+    acc = min(u, unit_roundoff(torch.float32))  # the accumulator's roundoff
+    gamma = n * acc / (1 - n * acc)
+    bound = gamma * (a64.abs() @ b64.abs())
+    if acc < u:  # one rounding of the float32 sum to the 16-bit output
+        bound = u * exact.abs() + (1 + u) * bound
     return {"counted_flops": counter.get_total_flops(), "max_abs_err": err.max().item(),
             "err_over_bound": (err / bound).max().item()}
 

@@ -26,10 +26,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+# --8<-- [start:chain]
 def bias_gelu_dropout_residual(x: torch.Tensor, bias: torch.Tensor, keep: torch.Tensor,
                                residual: torch.Tensor, p: float = 0.1) -> torch.Tensor:
     """residual + dropout(gelu(x + bias)), with the dropout's keep-mask (0/1) given."""
     return residual + F.gelu(x + bias) * keep * (1.0 / (1.0 - p))
+# --8<-- [end:chain]
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -29,6 +29,7 @@ import torch
 IGNORE = -100  # F.cross_entropy's default ignore_index
 
 
+# --8<-- [start:group]
 def pad_micro_batches(lengths: list[int], size: int) -> list[list[int]]:
     """Indices of the sequences in each micro-batch, in arrival order."""
     return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
@@ -44,6 +45,7 @@ def padded_fraction(lengths: list[int], groups: list[list[int]]) -> float:
     """Padding tokens over computed tokens, each micro-batch padded to its longest sequence."""
     computed = sum(len(g) * max(lengths[i] for i in g) for g in groups)
     return 1 - sum(lengths) / computed
+# --8<-- [end:group]
 
 
 def collate(seqs: list[torch.Tensor], group: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,16 +36,21 @@ RTOL = 1e-10  # see the module docstring
 DROPOUT = 0.1
 
 
-def gpt(seed: int = 7, vocab: int = VOCAB, dropout: float = 0.0) -> GPT:
-    cfg = GPTConfig(vocab_size=vocab, max_seq_len=SEQ, n_layer=3, n_head=6, n_kv_head=2, d_model=12,
+def gpt(seed: int = 7, vocab: int = VOCAB, dropout: float = 0.0, n_layer: int = 3) -> GPT:
+    cfg = GPTConfig(vocab_size=vocab, max_seq_len=SEQ, n_layer=n_layer, n_head=6, n_kv_head=2, d_model=12,
                     ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter")
     return GPT(cfg, seed=seed, dtype=torch.float64)
 
 
-def config(dp: int = 1, pp: int = 1, tp: int = 1, stage: int = 0, sp: bool = False, **extra) -> dict:
+def config(dp: int = 1, pp: int = 1, tp: int = 1, stage: int = 0, sp: bool = False, cp: int = 1,
+           virtual: int = 1, **extra) -> dict:
     parallel = {"tensor": tp, "pipeline": pp}
     if sp:
         parallel["sequence_parallel"] = True
+    if cp > 1:
+        parallel["context"] = cp
+    if virtual > 1:
+        parallel |= {"virtual_stages": virtual, "pipeline_schedule": "interleaved_1f1b"}
     return {"train_batch_size": ROWS, "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": ROWS // dp, "gradient_clipping": 0.3,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
@@ -55,8 +60,8 @@ def config(dp: int = 1, pp: int = 1, tp: int = 1, stage: int = 0, sp: bool = Fal
 BATCHES = synthetic_token_batches(num_batches=6, batch_size=ROWS, seq_len=SEQ, vocab_size=VOCAB, seed=9)
 
 
-def _uninterrupted(steps: int, dropout: float = 0.0) -> tuple[list[float], dict]:
-    engine = ts.initialize(gpt(dropout=dropout), config())
+def _uninterrupted(steps: int, dropout: float = 0.0, n_layer: int = 3) -> tuple[list[float], dict]:
+    engine = ts.initialize(gpt(dropout=dropout, n_layer=n_layer), config())
     return [engine.train_batch(b) for b in BATCHES[:steps]], engine.full_state_dict()
 
 
@@ -148,32 +153,47 @@ CHAIN = [  # (world, layout, steps before its save): 4 -> 2 -> 1 -> 4, tp, pp an
 ]
 
 
-def _segment(path: str, index: int) -> tuple[list[float], dict]:
-    _, layout, steps = CHAIN[index]
+CHAIN_CP_VIRTUAL = [  # 4 -> 2 -> 4: context parallelism and virtual stages changing
+    (4, {"dp": 2, "cp": 2, "stage": 2}, 2),
+    (2, {"pp": 2, "virtual": 2, "stage": 1}, 1),
+    (4, {"cp": 2, "tp": 2, "stage": 3}, 1),
+]
+CHAINS = {"tp-pp-world": CHAIN, "cp-virtual": CHAIN_CP_VIRTUAL}
+LAYERS = {"tp-pp-world": 3, "cp-virtual": 4}  # 2 ranks x 2 virtual stages need 4 blocks
+
+
+def _segment(path: str, index: int, chain: str = "tp-pp-world") -> tuple[list[float], dict]:
+    links = CHAINS[chain]
+    _, layout, steps = links[index]
     # later segments: other weights; counter dropout masks, a function of (seed, step, layer, position)
-    engine = ts.initialize(gpt(seed=7 if index == 0 else index, dropout=DROPOUT), config(**layout))
+    engine = ts.initialize(gpt(seed=7 if index == 0 else index, dropout=DROPOUT, n_layer=LAYERS[chain]),
+                           config(**layout))
     if index:
         engine.load_checkpoint(f"{path}/{index - 1}")
     start = engine.step
     losses = [engine.train_batch(b) for b in BATCHES[start:start + steps]]
-    if index < len(CHAIN) - 1:
+    if index < len(links) - 1:
         engine.save_checkpoint(f"{path}/{index}")
     return losses, engine.full_state_dict()
 
 
-def test_dcp_reshard_save_and_load_across_layouts_continues_exactly(tmp_path):
-    """dp 2 x tp 2 (ZeRO 1, SP) -> pp 2 (tied table on two stages) -> one process (ZeRO 3) ->
-    dp 2 x pp 2 (ZeRO 3): each segment loads the previous one's checkpoint into other weights,
-    and the losses and final parameters equal the uninterrupted run's, dropout included: counter
-    masks (GPTConfig.dropout_masks="counter") need only the step, which the checkpoint holds.
-    Stream masks (torch's generator) resume exactly only on the same world size, and
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_dcp_reshard_save_and_load_across_layouts_continues_exactly(tmp_path, chain):
+    """tp-pp-world: dp 2 x tp 2 (ZeRO 1, SP) -> pp 2 (tied table on two stages) -> one process
+    (ZeRO 3) -> dp 2 x pp 2 (ZeRO 3); cp-virtual: dp 2 x cp 2 (ZeRO 2) -> pp 2 with 2 virtual
+    stages each (interleaved 1F1B, ZeRO 1) -> cp 2 x tp 2 (ZeRO 3). Each segment loads the
+    previous one's checkpoint into other weights, and the losses and final parameters equal the
+    uninterrupted run's, dropout included: counter masks (GPTConfig.dropout_masks="counter")
+    need only the step, which the checkpoint holds. Stream masks (torch's generator) resume
+    exactly only on the same world size, and
     `checkpoint.restore_rng` warns otherwise (`pytest -k resume_exact` tests that)."""
     losses = []
-    for i, (world, _, _) in enumerate(CHAIN):
-        got = run_on_ranks(_segment, world, str(tmp_path), i) if world > 1 else [_segment(str(tmp_path), i)]
+    for i, (world, _, _) in enumerate(CHAINS[chain]):
+        got = (run_on_ranks(_segment, world, str(tmp_path), i, chain) if world > 1
+               else [_segment(str(tmp_path), i, chain)])
         losses += got[0][0]
         final = got[0][1]
-    expected, state = _uninterrupted(len(losses), DROPOUT)
+    expected, state = _uninterrupted(len(losses), DROPOUT, LAYERS[chain])
     assert_losses_close(losses, expected, rtol=RTOL)
     assert_state_dicts_close(final, state, rtol=RTOL)
 
@@ -390,6 +410,6 @@ def test_dcp_reshard_eight_ranks_dp_pp_tp_to_two_ranks_thorough(tmp_path):
     for i, (world, _, _) in enumerate(WIDE):
         got = run_on_ranks(_wide_segment, world, str(tmp_path), i)
         losses += got[0][0]
-    expected, state = _uninterrupted(len(losses), DROPOUT)
+    expected, state = _uninterrupted(len(losses), DROPOUT, LAYERS[chain])
     assert_losses_close(losses, expected, rtol=RTOL)
     assert_state_dicts_close(got[0][1], state, rtol=RTOL)

@@ -50,7 +50,7 @@ import sys
 import torch
 
 from tinyscale.checkpointing.formula import block_saved_bytes
-from tinyscale.models.config import PRESETS, GPTConfig
+from tinyscale.models.config import GPTConfig
 from tinyscale.zero.estimate import comm_bytes_per_rank, model_state_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from tinyscale.checkpointing.formula import block_saved_bytes
 from tinyscale.dist.mesh import MeshLayout
 from tinyscale.engine.layout_memory import _partition, rank_model_state_bytes, rank_tensors
 from tinyscale.engine.plan import LayoutPlan

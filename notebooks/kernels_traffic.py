@@ -62,6 +62,12 @@ def fused_traffic(kernel: str, *, e: int = 4, **s) -> int:
     if kernel == "rmsnorm":  # load x (R, N) and w (N); store y (R, N) and rstd (R,) float32
         R, N = s["R"], s["N"]
         return 2 * R * N * e + N * e + 4 * R
+    if kernel == "fused_norm":  # load x, residual (R, N), w, b (N); store y, h (R, N), mean, rstd (R,) float32
+        R, N = s["R"], s["N"]
+        return 4 * R * N * e + 2 * N * e + 8 * R
+    if kernel == "fused_norm_backward":  # load h, dy, dh, w, mean, rstd; store dx, dresidual and float32
+        R, N = s["R"], s["N"]  # dw partials (R, N); torch then sums the partials and dy over rows
+        return 5 * R * N * e + N * e + 8 * R + 2 * 4 * R * N + R * N * e
     if kernel == "adamw":  # load p, g, m, v; store p, m, v: 7 passes over n elements
         return 7 * s["n"] * e
     if kernel == "quantize":  # load x; store int8 codes and one float32 scale per block

@@ -176,8 +176,8 @@ class _FusedNorm(torch.autograd.Function):
         _bwd[(B * T,)](h, weight.contiguous(), dy2, dh.reshape(B * T, C).contiguous(), mean, rstd, rows, positions,
                        dres, dx, dw_part, key_, threshold, scale, T, C, DROPOUT=p > 0,
                        BLOCK=triton.next_power_of_2(C))
-        dw, db = dw_part.sum(0).to(weight.dtype), dy2.float().sum(0).to(ln_bias_dtype)
-        dbias = None if bias_dtype is None else dx.float().sum(0).to(bias_dtype)
+        dw, db = dw_part.sum(0).to(weight.dtype), dy2.sum(0, dtype=torch.float32).to(ln_bias_dtype)
+        dbias = None if bias_dtype is None else dx.sum(0, dtype=torch.float32).to(bias_dtype)
         return dx.view(B, T, C), dres.view(B, T, C), dw, db, dbias, None, None, None, None, None
 
 

@@ -199,3 +199,25 @@ def test_kernels_fused_norm_checks_fail_on_the_planted_erratum_bugs(bug, check):
     check(_planted(None))  # the bug-free torch version passes the check...
     with pytest.raises(AssertionError):
         check(_planted(bug))  # ...and its planted bug does not
+
+
+def test_kernels_fused_norm_eager_moves_three_and_a_half_times_the_kernels_bytes():
+    """Lesson 11's count: eager `LayerNorm(residual + F.dropout(x))` traced on meta tensors (as the
+    CPU dispatches it: F.dropout is empty_like, bernoulli_, div_, mul) against the kernel's loads
+    and stores (x, residual in; y, h out; weight, bias; mean, rstd per row)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "notebooks"))
+    import kernels_traffic as kt
+
+    B, T, N = 8, 1024, 4096
+    R, e = B * T, 2
+    x, residual = (torch.empty(B, T, N, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    w, b = (torch.empty(N, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    eager = lambda: F.layer_norm(residual + F.dropout(x, 0.1, training=True), (N,), w, b)  # noqa: E731
+    assert kt.eager_ops(eager) == ["empty_like", "bernoulli_", "div_", "mul", "add", "native_layer_norm"]
+    _, eager_bytes = kt.eager_traffic(eager)
+    fused = kt.fused_traffic("fused_norm", e=e, R=R, N=N)
+    assert fused == 4 * R * N * e + 2 * N * e + 8 * R
+    assert eager_bytes == 14 * R * N * e + 2 * N * e + 8 * R, eager_bytes / (R * N * e)

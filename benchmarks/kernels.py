@@ -11,7 +11,8 @@ byte and FLOP counts are `notebooks/kernels_traffic.py`'s, from the shapes.
                                                            # interpreter: checks the script runs, times nothing
 
 Measured once, on one H100 SXM (torch 2.11.0+cu130, Triton 3.6.0, 2026-11-26): the table is in
-lessons/11-kernels.md ("Measured on an H100"). No other GPU has run it.
+lessons/11-kernels.md ("Measured on an H100"). No other GPU has run it. The LN+dropout+residual
+rows (DS-32) were added after that run and have not run on a GPU.
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from tinyscale.kernels import (HAS_TRITON, attention_reference, dequantize_int8, flash_attention, fused_adamw_,
                                fused_linear_cross_entropy, quantize_int8, quantize_reference, rms_norm,
                                rms_norm_reference)
+from tinyscale.kernels.fused_norm import counter_site, fused_dropout_residual_layer_norm, fused_norm_reference
 from tinyscale.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from tinyscale.models.dropout import SITE_MLP, DropoutClock, residual_dropout
 
 DEVICE = os.environ.get("TINYSCALE_KERNEL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 pytestmark = [
@@ -212,9 +214,6 @@ def test_kernels_gpu_fused_norm_forward_backward_and_the_models_mask(dtype, B, T
     """DS-32 compiled: dropout (counter mask) + residual + LayerNorm at widths that are not powers of
     two, y, h and all five gradients against float64 (truth) and eager in the format (baseline),
     and the mask bit-equal to the model's `residual_dropout` at the same clock."""
-    from tinyscale.kernels.fused_norm import counter_site, fused_dropout_residual_layer_norm, fused_norm_reference
-    from tinyscale.models.dropout import SITE_MLP, DropoutClock, residual_dropout
-
     p, clock = 0.1, DropoutClock(seed=3, step=7, row0=12)
     key, rows, positions = counter_site(clock, 2, SITE_MLP, B, T, DEVICE)
     ones = torch.ones(B, T, C, device=DEVICE, dtype=dtype)
@@ -247,7 +246,6 @@ def test_kernels_gpu_fused_norm_keep_rate_and_independent_draws_on_4m_elements()
     elements: the 5-sigma bound on the keep rate is then 7e-4. Float32: in bf16 the stored
     1/(1-p) is itself rounded (1/0.9 -> 1.109375, 0.16% low), which the mean check would see."""
     from tests.kernels.test_fused_norm import check_keep_rate, check_row_independence
-    from tinyscale.kernels.fused_norm import fused_dropout_residual_layer_norm
 
     fn = _on_device(fused_dropout_residual_layer_norm, torch.float32)
     for p in (0.1, 0.3):

@@ -12,7 +12,7 @@ byte and FLOP counts are `notebooks/kernels_traffic.py`'s, from the shapes.
 
 Measured once, on one H100 SXM (torch 2.11.0+cu130, Triton 3.6.0, 2026-11-26): the table is in
 lessons/11-kernels.md ("Measured on an H100"). No other GPU has run it. The LN+dropout+residual
-rows (DS-32) were added after that run and have not run on a GPU.
+rows (DS-32) were added later and ran on the same kind of H100 on the same day (lesson 11, DS-32).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from tinyscale.mfu.peak import PEAK_TFLOPS, device_key
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "notebooks"))
 import kernels_traffic as kt  # noqa: E402 - the byte and FLOP counts the notebook uses
 from tinyscale.bench import add_json_argument, write_json
+from tinyscale.kernels.fused_norm import backward_programs  # noqa: E402
 
 # HBM bandwidth, TB/s, from the same NVIDIA datasheets as tinyscale.mfu's peak table.
 PEAK_HBM_TBS = {"H100 SXM": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "H200 SXM": 4.8, "H200 NVL": 4.8,
@@ -100,7 +101,8 @@ def cases(device: torch.device, dtype: torch.dtype, smoke: bool) -> list[dict]:
     out.append(dict(name="LN+dropout+residual fwd", fused=fused_norm, eager={"eager": eager_norm}, bytes=norm_bytes))
     out.append(dict(name="LN+dropout+residual fwd+bwd", fused=lambda: fwd_bwd(fused_norm),
                     eager={"eager": lambda: fwd_bwd(eager_norm)},
-                    bytes=norm_bytes + kt.fused_traffic("fused_norm_backward", e=x3.element_size(), R=R, N=N)))
+                    bytes=norm_bytes + kt.fused_traffic("fused_norm_backward", e=x3.element_size(), R=R, N=N,
+                                                                     P=backward_programs(R, x3.device))))
 
     p, grad_ = randn(n, dt=torch.float32), randn(n, dt=torch.float32)
     m, v = torch.zeros_like(p), torch.zeros_like(p)  # AdamW's moments (v >= 0: it is square-rooted)

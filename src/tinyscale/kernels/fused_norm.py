@@ -22,8 +22,11 @@ read back, a quarter more than the bf16 forward's 8 bytes per element), and, lik
 activation recomputation, redraws it from nothing but the coordinates. The cost is the hash's
 three 64-bit multiply-xorshift rounds per element, again. The backward saves h (the residual
 stream, kept alive by the next layer anyway) and mean, rstd per row. Sums over rows (the
-LayerNorm weight's gradient) are per-row float32 partials summed by torch, as in `rmsnorm.py`:
-no atomics, deterministic.
+LayerNorm weight's and bias's gradients) are float32 partials, one per backward program: P
+programs (`backward_programs`, 4 per SM) each walk rows pid, pid + P, ... and sum their dW and
+db in registers, then torch sums the (P, C) partials. No atomics, deterministic; the first
+version wrote one partial per row, an (R, C) float32 copy that made the backward slower than
+eager on an H100 (lesson 11, DS-32).
 
 Float32 arithmetic inside for every input dtype; h is rounded to its dtype before it is
 normalised, so y is the LayerNorm of the h that is returned (as eager computes it).
@@ -122,24 +125,46 @@ def _fwd(x_ptr, bias_ptr, res_ptr, w_ptr, b_ptr, rows_ptr, pos_ptr, y_ptr, h_ptr
 
 @jit
 def _bwd(h_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dres_ptr, dx_ptr, dw_part_ptr,
-         key, threshold, scale, T, N, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+         db_part_ptr, key, threshold, scale, R, T, N, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
+    pid, programs = tl.program_id(0), tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    offs = row.to(tl.int64) * N + cols
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + row)
-    x_hat = tl.where(mask, (h - tl.load(mean_ptr + row)) * rstd, 0.0)  # recomputed, not stored
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    # LayerNorm's backward, plus the gradient that reaches h along the residual stream
-    dh = rstd * (g - tl.sum(g, axis=0) / N - x_hat * (tl.sum(g * x_hat, axis=0) / N))
-    dh += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dres_ptr + offs, dh.to(dres_ptr.dtype.element_ty), mask=mask)
-    if DROPOUT:  # the same mask, redrawn from the counter
-        dh = tl.where(_keep(key, threshold, rows_ptr, pos_ptr, row, T, cols), dh * scale, 0.0)
-    tl.store(dx_ptr + offs, dh.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_part_ptr + offs, dy * x_hat, mask=mask)  # this row's share of the weight's gradient
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)  # this program's share of the weight's and bias's gradients,
+    db = tl.zeros((BLOCK,), dtype=tl.float32)  # summed over its rows in registers: one (C,) partial each
+    for row in range(pid, R, programs):
+        offs = tl.cast(row, tl.int64) * N + cols  # (a plain int under the interpreter)
+        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = tl.where(mask, (h - tl.load(mean_ptr + row)) * rstd, 0.0)  # recomputed, not stored
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = dy * w
+        # LayerNorm's backward, plus the gradient that reaches h along the residual stream
+        dh = rstd * (g - tl.sum(g, axis=0) / N - x_hat * (tl.sum(g * x_hat, axis=0) / N))
+        dh += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dres_ptr + offs, dh.to(dres_ptr.dtype.element_ty), mask=mask)
+        if DROPOUT:  # the same mask, redrawn from the counter
+            dh = tl.where(_keep(key, threshold, rows_ptr, pos_ptr, row, T, cols), dh * scale, 0.0)
+        tl.store(dx_ptr + offs, dh.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+        db += dy
+    tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw, mask=mask)
+    tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=mask)
+
+
+def backward_programs(rows: int, device: torch.device) -> int:
+    """Backward programs: a few per SM on a GPU (each sums its rows' dW in registers), a handful interpreted."""
+    if device.type != "cuda":
+        return min(rows, 4)
+    return min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+WARPS: int | None = None  # warps per row's program; None: `_warps`'s rule (scripts/gpu_fused_norm.py sweeps it)
+
+
+def _warps(block: int) -> int:
+    """Warps for a row of `block` lanes: about 8 uint64 lanes per thread keeps the hash in registers."""
+    return WARPS or max(4, min(16, block // 512))
 
 
 def _dropout_args(p: float, key: int) -> tuple:
@@ -160,7 +185,7 @@ class _FusedNorm(torch.autograd.Function):
         block = triton.next_power_of_2(C)
         _fwd[(B * T,)](x2, x2 if bias is None else bias.contiguous(), r2, weight.contiguous(), ln_bias.contiguous(),
                        rows, positions, y, h, mean, rstd, key_, threshold, scale, T, C, eps,
-                       HAS_BIAS=bias is not None, DROPOUT=p > 0, BLOCK=block)
+                       HAS_BIAS=bias is not None, DROPOUT=p > 0, BLOCK=block, num_warps=_warps(block))
         ctx.save_for_backward(h, weight, mean, rstd, rows, positions)
         ctx.args = (p, key, None if bias is None else bias.dtype, ln_bias.dtype, B, T, C)
         return y.view(B, T, C), h.view(B, T, C)
@@ -170,13 +195,15 @@ class _FusedNorm(torch.autograd.Function):
         h, weight, mean, rstd, rows, positions = ctx.saved_tensors
         p, key, bias_dtype, ln_bias_dtype, B, T, C = ctx.args
         dres, dx = torch.empty_like(h), torch.empty_like(h)
-        dw_part = torch.empty(B * T, C, dtype=torch.float32, device=h.device)  # (R, C) per-row partials
+        programs = backward_programs(B * T, h.device)
+        dw_part = torch.empty(programs, C, dtype=torch.float32, device=h.device)  # (P, C): one row per program
+        db_part = torch.empty_like(dw_part)
         key_, threshold, scale = _dropout_args(p, key)
         dy2 = dy.reshape(B * T, C).contiguous()
-        _bwd[(B * T,)](h, weight.contiguous(), dy2, dh.reshape(B * T, C).contiguous(), mean, rstd, rows, positions,
-                       dres, dx, dw_part, key_, threshold, scale, T, C, DROPOUT=p > 0,
-                       BLOCK=triton.next_power_of_2(C))
-        dw, db = dw_part.sum(0).to(weight.dtype), dy2.sum(0, dtype=torch.float32).to(ln_bias_dtype)
+        _bwd[(programs,)](h, weight.contiguous(), dy2, dh.reshape(B * T, C).contiguous(), mean, rstd, rows, positions,
+                          dres, dx, dw_part, db_part, key_, threshold, scale, B * T, T, C, DROPOUT=p > 0,
+                          BLOCK=triton.next_power_of_2(C), num_warps=_warps(triton.next_power_of_2(C)))
+        dw, db = dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(ln_bias_dtype)
         dbias = None if bias_dtype is None else dx.sum(0, dtype=torch.float32).to(bias_dtype)
         return dx.view(B, T, C), dres.view(B, T, C), dw, db, dbias, None, None, None, None, None
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.config import ActivationCheckpointingConfig, ConfigError, EngineConfig, ZeroConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.dist.mesh import MeshLayout
 from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -58,6 +58,14 @@ class LayoutPlan:
     zero_stage: int = 0
     ep: int = 1  # expert parallelism: runs of ep dp ranks split the experts (engine/expert.py)
     moe: bool = False  # the model is an MoE GPT (its routing is logged in engine.last_step["moe"])
+    # What the transforms read besides the degrees, copied from the config here: after plan_layout
+    # nothing reads the config's parallel or zero_optimization section (`pytest -k layout_plan`).
+    tensor_dropout: str = "exact"  # how TP ranks draw stream dropout masks (parallel.tensor_dropout)
+    autotp: tuple[tuple[str, str], ...] = ()  # AutoTP's plan as found by the check: (module name, style)
+    context_sharding: str = "zigzag"  # how cp cuts the sequence (zigzag, contiguous)
+    pipeline_reshard_after_forward: bool = False  # ZeRO 3 under a pipeline: free a stage after each pass
+    checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)  # the section DP/ZeRO is built from (stage: zero_stage)
 
     @property
     def layout(self) -> MeshLayout:
@@ -99,10 +107,11 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     problems = parallelize.check_config(config) + compression.check_config(config)
     if problems:  # the config alone: the "not supported" list, as check_supported words it
         problems = ["not supported by this engine yet:\n  " + "\n  ".join(problems)]
+    autotp = None  # what check_tensor_layout found for a model tinyscale did not write, applied as found
     for check in (context.check_layout, pipeline_layout.check_layout, parallelize.check_tensor_layout,
                   expert.check_layout):
         try:
-            check(config, model, world_size, mesh)
+            autotp = check(config, model, world_size, mesh) or autotp
         except ConfigError as exc:
             problems.append(str(exc))
     if len(problems) == 1:
@@ -115,7 +124,11 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
                       virtual_stages=par.virtual_stages, schedule=par.pipeline_schedule,
                       sequence_parallel=par.sequence_parallel, context_algorithm=par.context_algorithm,
                       zero_stage=config.zero_optimization.stage, ep=par.expert,
-                      moe=bool(getattr(getattr(model, "config", None), "moe_experts", 0)))
+                      moe=bool(getattr(getattr(model, "config", None), "moe_experts", 0)),
+                      tensor_dropout=par.tensor_dropout, autotp=tuple((autotp or {}).items()),
+                      context_sharding=par.context_sharding,
+                      pipeline_reshard_after_forward=par.pipeline_reshard_after_forward,
+                      checkpointing=config.activation_checkpointing, zero=config.zero_optimization)
 
 
 # --8<-- [start:placement]
@@ -216,7 +229,7 @@ def placements(engine, include_frozen: bool = False) -> dict[str, Placement]:
     copy, ZeRO's fragments (call it between steps, on every rank or just this one: no collectives).
     `include_frozen`: frozen parameters too (checkpoints hold them; they are never ZeRO-sharded)."""
     model, pipeline, zero = engine.model, engine.pipeline, engine.zero
-    tp = engine.config.parallel.tensor
+    tp = engine.plan.tp
     if pipeline is not None:  # the original model's shapes, under its names
         global_shapes = pipeline.full_shapes()
     else:

@@ -122,13 +122,16 @@ class Engine:
                  param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None, peak_flops: float | None = None,
                  optimizer: OptimizerFactory | None = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
+        self.device = device()
+        notes = runtime_notes(config, has_gpu=self.device.type == "cuda")  # read with the layout, logged below
         # The layout decided once: every refusal in one ConfigError, before any process group is made.
+        # From here on the layout (the parallel and zero_optimization sections) is read from the plan.
         self.plan = plan_layout(config, model, world, mesh)
         self.config = config
         make = optimizer_factory(config, optimizer)  # the config's optimizer, or the caller's own
         # A caller's optimizer keeps its own learning rate unless the config has a schedule.
         self._schedules_lr = optimizer is None or config.scheduler is not None
-        mesh = parallelize.build_mesh(self.plan, mesh)  # from here on the layout is read from the plan
+        mesh = parallelize.build_mesh(self.plan, mesh)
         self.mesh = mesh
         self.dp_group = mesh.group("dp") if mesh is not None else None
         self.dp_rank = mesh.rank("dp") if mesh is not None else 0
@@ -137,9 +140,8 @@ class Engine:
         self.reduce_group, self.reduce_rank, self.reduce_size = context.reduce_group(mesh)
         self.cp_size = self.plan.cp
         self.batch = config.batch(self.dp_size)
-        self.device = device()
         # DeepSpeed keys accepted with no effect here: said once, with the reason (rank 0).
-        self.config_notes = (*config.notes, *runtime_notes(config, has_gpu=self.device.type == "cuda"))
+        self.config_notes = (*config.notes, *notes)
         log_notes(self.config_notes)
         self.model = model.to(self.device)
         # Pipeline partition first: from here on the model holds this rank's stages only, and

@@ -6,10 +6,17 @@
     GradNorm(engine)                                # engine/grad_norm.py: the clipping norm read from them
 
 `plan_layout` runs every check the engine has (the config's own, the compression section's,
-then tensor, context and pipeline parallelism's with the model and the world) and raises ONE
-`ConfigError` listing every problem, so a reader fixes a config in one round instead of one
-error per run. What it returns is the grid and each axis's job; `Engine.__init__` builds the
-mesh from it and applies the transforms in the order `engine/parallelize.py` writes down.
+then tensor, context, pipeline and expert parallelism's with the model and the world) and raises
+ONE `ConfigError` listing every problem, so a reader fixes a config in one round instead of one
+error per run. What it returns is the grid, each axis's job, and every setting the transforms
+read: the schedule and virtual stages, SP, the cp algorithm and sharding, TP's dropout mode,
+AutoTP's plan (found by the check, carried here and applied as found: not searched twice), the
+activation-checkpointing policy, the ZeRO section and stage 3's resharding under a pipeline.
+`Engine.__init__` builds the mesh from it and applies the transforms in the order
+`engine/parallelize.py` writes down, each given the plan, not the config: the validators that
+`plan_layout` calls are the only code under engine/ that reads the config's `parallel` or
+`zero_optimization` section (`pytest -k layout_plan` scans for any other reader, and builds and
+trains engines whose config loses those sections as soon as `plan_layout` returns).
 
 `placements(engine)` describes, for every parameter this rank holds, where it sits on each
 axis: its tp split (replicated; a shard along a dim, maybe padded; a copy of a K/V head), the

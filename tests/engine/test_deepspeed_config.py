@@ -448,6 +448,31 @@ def _comm_dtype_run(stage, dtype):
     return engine.full_state_dict(), sum(r.bytes for r in grads), {r.dtype for r in grads}
 
 
+def _comm_dtype_reduce_scatters(stage):
+    engine = ts.initialize(TinyMLP(seed=0), {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1,
+                                             "optimizer": _SGD, "zero_optimization": {"stage": stage},
+                                             "communication_data_type": "bf16"})
+    engine.comm_ledger.clear()
+    engine.train_batch(synthetic_regression_batches(num_batches=1, batch_size=6, dim=8, seed=0)[0])
+    sent = [r for r in engine.comm_ledger.rows if r.op == "reduce_scatter"]
+    return (sum(r.bytes for r in sent), {r.dtype for r in sent}, engine.batch.gradient_accumulation_steps,
+            sum(u.padded_numel for u in engine.zero.sharded.units))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_config_communication_data_type_zero2_reduces_every_micro_batch_as_deepspeed(stage):
+    # DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py, reduce_ready_partitions_and_remove_grads):
+    # stage 2 (partition_gradients) reduces each micro-batch's gradients as backward makes them,
+    # stage 1 only at the accumulation boundary; once per step at stage 2 is its opt-in
+    # engine.coalesce_grad_reduction(), which this engine does not offer. Bytes: one bf16
+    # reduce-scatter of the padded flat gradient per reduction.
+    from tinyscale.testing import run_on_ranks
+
+    for sent, dtypes, accumulation, padded in run_on_ranks(_comm_dtype_reduce_scatters, 3, stage):
+        assert accumulation == 2 and dtypes == {"bfloat16"}
+        assert sent == (accumulation if stage == 2 else 1) * padded * 2
+
+
 def _sgd_with_row_gradient_sums():
     """One process, SGD on the mean loss; also, per parameter element, the sum over steps and
     rows of |that row's contribution to the gradient| (what rounding a reduction scales with)."""

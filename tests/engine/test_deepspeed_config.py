@@ -94,7 +94,7 @@ def _field(path: str):
 
 
 def test_deepspeed_config_honoured_keys_are_fields_and_every_field_is_in_the_table():
-    honoured = {k.path for k in KEYS if k.kind == "honoured"}
+    honoured = {k.field or k.path for k in KEYS if k.kind == "honoured"}  # a renamed key: the field it becomes
     for path in honoured:
         _field(path)
     ours = {"parallel", "compression", "monitor", "activation_checkpointing.policy", "activation_checkpointing.every_k",
@@ -127,6 +127,21 @@ def test_deepspeed_config_other_optimizer_and_scheduler_types_are_refused_with_t
         for name, why in types.items():
             with pytest.raises(ConfigError, match=re.escape(why)):
                 EngineConfig.load(_put(path, name.upper()))
+
+
+def test_deepspeed_config_autotp_size_is_parallel_tensor():
+    # DeepSpeed's AutoTP degree is tinyscale's tensor degree: the same config, so the same engine
+    for size, tensor in ((0, 1), (1, 1), (2, 2), (4, 4)):
+        cfg = EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": size}})
+        assert cfg == EngineConfig.load({**BASE, "parallel": {"tensor": tensor}}) and cfg.notes == ()
+    assert EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": 2}, "parallel": {"tensor": 2}}).parallel.tensor == 2
+    with pytest.raises(ConfigError, match=r"autotp_size' = 2 and parallel.tensor = 4 disagree"):
+        EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": 2}, "parallel": {"tensor": 4}})
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ConfigError, match=r"'tensor_parallel.autotp_size' = .*an integer >= 0"):
+            EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": bad}})
+    with pytest.raises(ConfigError, match=r"'tensor_parallel' = \{\"tp_overlap_comm\": true\} is refused"):
+        EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}})
 
 
 def test_deepspeed_config_typos_are_still_unknown_keys():

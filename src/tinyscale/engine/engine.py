@@ -179,7 +179,11 @@ class Engine:
         # --8<-- [end:overflow-group]
         with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
             if self.plan.zero_stage == 0:
-                if self.compute_dtype is not None:
+                if compression.owns_communication(config):  # 1-bit Adam averages over dp itself; asked for
+                    # first, so mixed precision cannot silently replace it (it refuses fp16/bf16 by name)
+                    self.optimizer = compression.optimizer(groups, config, self.reduce_group, self.model,
+                                                           self.pipeline)
+                elif self.compute_dtype is not None:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, make, dtype=self.compute_dtype,
                         loss_scaler=self.loss_scaler, process_group=overflow_group)  # rounds frozen ones too
@@ -189,9 +193,6 @@ class Engine:
                         self.optimizer.clip_grad_norm_ = lambda max_norm: self.grad_norm().clip_(
                             max_norm, [(p, m.grad) for p, m in zip(mp.params, mp.masters)])
                     # --8<-- [end:mixed-precision-clip]
-                elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
-                    self.optimizer = compression.optimizer(groups, config, self.reduce_group, self.model,
-                                                           self.pipeline)
                 else:
                     self.optimizer = make(groups)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.

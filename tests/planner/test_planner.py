@@ -38,8 +38,9 @@ from tests.planner.activations import SavedPeak
 from tinyscale.data import synthetic_token_batches
 from tinyscale.engine.layout_memory import CATEGORIES
 from tinyscale.models import GPT, GPTConfig
-from tinyscale.planner import Cluster, Layout, Link, estimate
+from tinyscale.planner import Cluster, Layout, estimate
 from tinyscale.planner.estimate import model_state_bytes
+from tinyscale.planner.measure import cpu_cluster
 from tinyscale.testing import run_on_ranks
 
 
@@ -129,25 +130,9 @@ RANK_LAYOUTS = [Layout(dp=2, micro_batch=4), Layout(dp=2, micro_batch=4, policy=
 def _time_layouts(layouts: list[Layout], rounds: int) -> dict:
     """This machine's parameters, then each layout's step time (the fastest of `rounds`, the
     layouts taken in turn so that a burst of load hits them alike)."""
-    from tinyscale.mfu import measured_peak
+    from tinyscale.planner.measure import measure_machine
 
-    peak = measured_peak("cpu", torch.float32, max_seconds=0.5)
-
-    def all_reduce_s(n: int) -> float:
-        x, best = torch.zeros(n), float("inf")
-        for _ in range(5):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    small, big = all_reduce_s(2), all_reduce_s(1 << 20)
-    tiny, idx, launch = GPT(RANK_CFG, seed=1), torch.zeros(1, 1, dtype=torch.long), float("inf")
-    for _ in range(5):  # one token: the host's work per layer, nothing to compute
-        start = time.perf_counter()
-        tiny(idx, idx).backward()
-        launch = min(launch, (time.perf_counter() - start) / (3 * (RANK_CFG.n_layer + 1)))
+    machine = measure_machine(RANK_CFG)
     engines = []
     for lay in layouts:
         config = lay.config(RANK_BATCH) | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -162,8 +147,7 @@ def _time_layouts(layouts: list[Layout], rounds: int) -> dict:
             start = time.perf_counter()
             engine.train_batch(batch)
             times[i] = min(times[i], time.perf_counter() - start)
-    return {"peak": peak, "alpha": small / 2, "beta": 4 * (1 << 20) / max(big - small, 1e-9), "launch": launch,
-            "times": times}
+    return machine | {"times": times}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -186,9 +170,7 @@ def test_planner_spearman_is_rank_correlation():
 @pytest.mark.thorough
 def test_planner_ranks_cpu_layouts_like_measured_step_times():
     m = run_on_ranks(_time_layouts, 2, RANK_LAYOUTS, 3, timeout_s=1200)[0]
-    # the all-reduce of 2 floats costs 2 alpha on 2 ranks; of 2^20 floats 2 alpha + n/beta
-    cluster = Cluster(gpus=2, gpus_per_node=2, gpu_mem=1e12, peak_flops=m["peak"], efficiency=1.0,
-                      intra=Link(m["alpha"], m["beta"]), hbm_bw=10e9, overlap=False, launch_overhead=m["launch"])
+    cluster = cpu_cluster(2, m)  # what `tinyscale autotune` plans with (planner/measure.py)
     predicted = [estimate(RANK_CFG, lay, cluster, global_batch=RANK_BATCH, seq_len=64, dtype_bytes=4,
                           compute_bytes=None).time["total"] for lay in RANK_LAYOUTS]
     rho = spearman(predicted, m["times"])
@@ -244,3 +226,4 @@ def test_planner_says_when_nothing_fits():
 
     with pytest.raises(ValueError, match="no layout of 69.0B parameters fits 2 GPUs"):
         plan("llama2-70b", Cluster(gpus=2), global_batch=2, seq_len=4096)
+

@@ -20,6 +20,8 @@
   between predicted and measured step times >= 0.8. --thorough because it times real steps on a
   machine shared with other work: its timings then move with the neighbours' load, and one run
   takes ~30 s idle, minutes under load.
+- Llama 2 70B on 1,024 A100s (`test_planner_llama2_70b_on_1024_a100s_pins_its_choice_next_to_nemo_s_layout`):
+  the planner's answer pinned, and NeMo's published layout costed beside it (lesson 12).
 Run: `pytest tests/planner -k planner` (--thorough for the ranking and the 6-16-rank layouts).
 """
 
@@ -227,3 +229,40 @@ def test_planner_says_when_nothing_fits():
     with pytest.raises(ValueError, match="no layout of 69.0B parameters fits 2 GPUs"):
         plan("llama2-70b", Cluster(gpus=2), global_batch=2, seq_len=4096)
 
+
+# Llama 2 70B on A100-80GB (Touvron et al. 2023, table 2: the GPU; 200 Gbps end-points: 25 GB/s), on
+# NeMo-Framework-Launcher's llama2_70b.yaml's 128 nodes x 8, with Llama 2's 4M-token batch
+# (lessons/12-engine.md, "Llama 2 70B: the published recipe and the planner's choice")
+A100_ARGS = ["--gpus", "1024", "--gpus-per-node", "8", "--gpu-mem", "80", "--peak-tflops", "312", "--intra-bw", "300",
+             "--inter-bw", "25", "--global-batch", "1024", "--seq-len", "4096", "--max-cp", "1"]
+
+
+def test_planner_llama2_70b_on_1024_a100s_pins_its_choice_next_to_nemo_s_layout(capsys):
+    """Pins the planner's answer for that cluster (a change to the model that moves it shows
+    here) and NeMo's published layout (tp 4 + SP x pp 4 with 20 virtual chunks, b 1, no
+    recomputation, distributed optimizer) costed by the same model."""
+    import dataclasses
+    import json
+
+    from tinyscale.cli import main
+    from tinyscale.planner import Link, resolve_model
+
+    assert main(["plan", "--model", "llama2-70b", *A100_ARGS, "--json", "--top", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cluster = Cluster(gpus=1024, gpu_mem=80 * 1e9, peak_flops=312 * 1e12, intra=Link(5 * 1e-6, 300 * 1e9),
+                      inter=Link(10 * 1e-6, 25 * 1e9))  # as the CLI multiplies its flags
+    assert out["cluster"] == json.loads(json.dumps(dataclasses.asdict(cluster)))  # the cluster the lesson states
+    best = out["ranked"][0]
+    assert best["describe"] == "tp 4 sp x pp 4 zb_h1 x dp 64, ZeRO 1, AC none, b 1"
+    # 4 significant digits: the model is deterministic; any change to its costs moves them
+    assert best["time_s"]["total"] == pytest.approx(8.948, abs=5e-4) and best["mfu"] == pytest.approx(0.652, abs=5e-4)
+    assert best["memory_bytes"]["total"] / 1e9 == pytest.approx(60.13, abs=5e-3)
+    assert (out["considered"], out["fitting"]) == (4392, 1920)
+    kw = dict(global_batch=1024, seq_len=4096)
+    cfg = resolve_model("llama2-70b")
+    nemo = estimate(cfg, Layout(dp=64, tp=4, pp=4, virtual_stages=20, schedule="interleaved_1f1b", zero_stage=1), cluster, **kw)
+    assert nemo.fits and nemo.time["total"] == pytest.approx(8.927, abs=5e-4)
+    assert abs(nemo.time["total"] / best["time_s"]["total"] - 1) < 0.005  # a tie: within 0.5%
+    # the planner's search interleaves 2 chunks only, and 2 do not fit: why it did not find NeMo's
+    two = estimate(cfg, Layout(dp=64, tp=4, pp=4, virtual_stages=2, schedule="interleaved_1f1b", zero_stage=1), cluster, **kw)
+    assert not two.fits and two.memory["total"] > 0.9 * 80e9

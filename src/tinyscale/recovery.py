@@ -11,7 +11,9 @@ position, with its random state, exactly as an uninterrupted run would (the engi
 bit for bit: `pytest -k resume_exact`). Only the engine's public `save_checkpoint` /
 `load_checkpoint` (through `train_rank`) are used. Without a checkpoint to resume from, or after
 `max_restarts` restarts, the error is raised. Under torchrun, use its own `--max-restarts`.
-Lesson: lessons/12-engine.md. Tests: `pytest -k resume_on_failure`.
+A restart here uses the same world size; `elastic_world_sizes` lists the others a restart could
+use without changing the global batch (DeepSpeed's `elasticity` config computes the same).
+Lesson: lessons/12-engine.md ("Faults and recovery"). Tests: `pytest -k "resume_on_failure or elastic"`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def train_with_recovery(spec, *, max_restarts: int, rank_fn: Callable | None = N
                          "latest checkpoint, so the run must write them as it goes")
     rank_fn = rank_fn or train_rank
     restarts = 0
+    # --8<-- [start:restart-loop]
     while True:
         try:
             return dist.launch(rank_fn, spec.world_size, spec, timeout_s=timeout_s)[0], restarts
@@ -52,3 +55,28 @@ def train_with_recovery(spec, *, max_restarts: int, rank_fn: Callable | None = N
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log(f"run failed ({first_line}); restart {restarts} of {max_restarts} from {spec.save_dir}")
             spec = dataclasses.replace(spec, resume=True)
+    # --8<-- [end:restart-loop]
+
+
+# --8<-- [start:elastic]
+def elastic_world_sizes(global_batch: int, micro_batches: list[int], *, min_gpus: int = 1,
+                        max_gpus: int | None = None, model_parallel: int = 1) -> list[tuple[int, int, int]]:
+    """The GPU counts a job can restart on and keep its global batch: (gpus, micro-batch,
+    accumulation steps) with gpus = dp x model_parallel in [min_gpus, max_gpus] and
+    global_batch = dp x micro-batch x accumulation for one of `micro_batches` (the largest that
+    fits is taken, as DeepSpeed's elasticity does). model_parallel: tp x pp x cp, fixed."""
+    if global_batch < 1 or model_parallel < 1 or not micro_batches or min(micro_batches) < 1:
+        raise ValueError(f"global_batch={global_batch}, micro_batches={micro_batches}, model_parallel="
+                         f"{model_parallel}: give positive ints (and at least one micro-batch size)")
+    max_gpus = max_gpus or global_batch * model_parallel
+    out = []
+    for dp in range(1, global_batch + 1):
+        gpus = dp * model_parallel
+        if global_batch % dp or not min_gpus <= gpus <= max_gpus:
+            continue
+        fitting = [b for b in micro_batches if (global_batch // dp) % b == 0]
+        if fitting:
+            b = max(fitting)
+            out.append((gpus, b, global_batch // (dp * b)))
+    return out
+# --8<-- [end:elastic]

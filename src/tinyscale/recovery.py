@@ -1,6 +1,7 @@
 """Restart a crashed run from its latest complete checkpoint: `tinyscale train --resume-on-failure N`.
 
     result, restarts = train_with_recovery(spec, max_restarts=3)
+    tinyscale elastic --global-batch 1024 --micro-batches 1,2,4 [--model-parallel 16] [--min-gpus 512]
 
 A rank that dies (an exception, a killed process, a hung collective caught by the launcher's
 timeout) stops the whole launch: `dist.launch` re-raises it and ends the other ranks. Then, at
@@ -80,3 +81,30 @@ def elastic_world_sizes(global_batch: int, micro_batches: list[int], *, min_gpus
             out.append((gpus, b, global_batch // (dp * b)))
     return out
 # --8<-- [end:elastic]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("elastic", help="the GPU counts a restart may use with the global batch unchanged")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step, kept fixed")
+    p.add_argument("--micro-batches", default="1", help="micro-batch sizes allowed, comma-separated (default 1)")
+    p.add_argument("--model-parallel", type=int, default=1, help="GPUs per model replica: tp x pp x cp")
+    p.add_argument("--min-gpus", type=int, default=1)
+    p.add_argument("--max-gpus", type=int, default=None)
+
+
+def cmd_elastic(args, console) -> int:
+    from rich.table import Table
+
+    try:
+        micro = [int(x) for x in args.micro_batches.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--micro-batches {args.micro_batches!r}: give sizes like 1,2,4") from None
+    rows = elastic_world_sizes(args.global_batch, micro, min_gpus=args.min_gpus, max_gpus=args.max_gpus,
+                               model_parallel=args.model_parallel)
+    table = Table(title=f"global batch {args.global_batch}: {len(rows)} GPU counts keep it")
+    for col in ("GPUs", "data parallel", "micro-batch", "accumulation"):
+        table.add_column(col, justify="right")
+    for gpus, b, acc in rows:
+        table.add_row(str(gpus), str(gpus // args.model_parallel), str(b), str(acc))
+    console.print(table)
+    return 0 if rows else 1

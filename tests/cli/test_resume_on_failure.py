@@ -110,3 +110,13 @@ def test_elastic_world_sizes_keep_the_global_batch_and_miss_none():
                         assert got[gpus] == max(ways), (batch, mbs, mp, gpus)
     with pytest.raises(ValueError, match="micro_batches"):
         elastic_world_sizes(8, [])
+
+
+def test_elastic_cli_lists_the_gpu_counts(capsys):
+    from tinyscale.cli import main
+
+    assert main(["elastic", "--global-batch", "12", "--micro-batches", "2,3", "--model-parallel", "2"]) == 0
+    rows = [line.split("│")[1:5] for line in capsys.readouterr().out.splitlines() if line.count("│") == 5]
+    assert [[int(c) for c in r] for r in rows] == [[2, 1, 3, 4], [4, 2, 3, 2], [6, 3, 2, 2], [8, 4, 3, 1],
+                                                   [12, 6, 2, 1]]
+    assert main(["elastic", "--global-batch", "12", "--micro-batches", "5"]) == 1  # no count keeps it

@@ -237,8 +237,8 @@ KEYS: tuple[Key, ...] = (
        _never),
     _n("nebula", "DeepSpeed's asynchronous checkpoint service", _disabled, _OFF),
     _n("compile", "DeepSpeed can torch.compile the model; tinyscale runs it eagerly", _disabled, _OFF),
-    _r("autotuning", "DeepSpeed's autotuner launches trial runs to pick a layout; tinyscale has none "
-       "(tinyscale estimate computes memory)", _disabled, _OFF),
+    _r("autotuning", "DeepSpeed's autotuner launches trial runs to pick a layout; tinyscale's is a command of "
+       "its own, tinyscale autotune --config (lesson 12)", _disabled, _OFF),
     # --- other topics
     _r("pipeline", "DeepSpeed's pipeline engine; tinyscale's pipeline is parallel.pipeline, "
        "parallel.pipeline_schedule and parallel.virtual_stages", _never),
@@ -248,7 +248,8 @@ KEYS: tuple[Key, ...] = (
     _r("tensor_parallel", "DeepSpeed's AutoTP settings other than autotp_size (tp_overlap_comm, dtype, "
        "partition_config, ...); tinyscale's tensor parallelism is parallel.tensor (which autotp_size sets), "
        "its GPT by its own plan (lesson 07), another model by AutoTP with parallel.tp_plan (lesson 12)", _never),
-    _r("elasticity", "DeepSpeed picks batch sizes valid for a range of world sizes; not built", _disabled, _OFF),
+    _r("elasticity", "DeepSpeed picked a batch valid for a range of world sizes (DeepSpeed 0.19.8 has removed it); "
+       "tinyscale.recovery.elastic_world_sizes lists the world sizes a fixed batch allows", _disabled, _OFF),
     _r("disable_allgather", "DeepSpeed can broadcast instead of all-gather; tinyscale all-gathers",
        _is(False), _FALSE),
     *(_r(name, _NOT_BUILT, _disabled, _OFF) for name in (

@@ -8,8 +8,8 @@
   bucket's hook output is the mean over this TP rank's dp group of the top-k of (its bucket +
   its residual), computed here from the buckets the hook received; each parameter steps on its
   bucket's output, a TP-replicated one on its owner's (TP rank 0, or a K/V head's first copy);
-- lossy settings (top-k 0.3, random-k 0.3, QSGD 4 bits, PowerSGD rank 1, 1-bit Adam after its
-  freeze) keep every copy of one parameter identical: TP replicas and a pipeline's tied table;
+- lossy settings (top-k 0.3, random-k 0.3, the max-norm quantiser at 4 bits (`QSGD(norm="max")`),
+  PowerSGD rank 1, 1-bit Adam after its freeze) keep every copy of one parameter identical: TP replicas and a pipeline's tied table;
 - the dp-axis bytes of a top-k step are the uncompressed step's minus, per bucket of n elements,
   (n x 8 - TopK.ledger_bytes(n)) exactly, per layout, from the comm ledger
   (`tinyscale.engine.plan.traffic_by_axis`); lessons/10-compression.md prints them;
@@ -187,7 +187,7 @@ def test_layout_compression_lossless_equals_the_reference(case, pytestconfig):
 @pytest.mark.parametrize("case", _params("lossy"))
 def test_layout_compression_lossy_keeps_every_copy_of_a_parameter_identical(case, pytestconfig):
     """Without `agree_replicas` the replicated norm weights (and under 1-bit Adam the tied table)
-    drift apart: top-k's selection, QSGD's scale and 1-bit Adam's chunks see the whole bucket."""
+    drift apart: top-k's selection, the quantiser's scale and 1-bit Adam's chunks see the whole bucket."""
     got = results(LAYOUTS[case[0]][0], pytestconfig.getoption("--thorough"))[case]
     for rank, (losses, _, agree, *_) in enumerate(got):
         assert losses == got[0][0] and all(torch.isfinite(torch.tensor(losses))), (case, rank)
@@ -278,7 +278,7 @@ def test_layout_compression_topk_under_tp_is_each_shards_dp_mean():
 
 # The final loss (mean of the last 5 of 20 steps, lr 3e-2) may exceed uncompressed training's in
 # the same layout by at most this factor. Measured (float64, so the same on any machine; worst of
-# dp2-tp2, dp2-pp2, dp2-cp2): top-k 1.15, random-k 1.52, QSGD 1.34, PowerSGD 1.37, 1-bit Adam
+# dp2-tp2, dp2-pp2, dp2-cp2): top-k 1.15, random-k 1.52, max-norm 4-bit 1.34, PowerSGD 1.37, 1-bit Adam
 # (freeze at step 5) 1.91; each margin ~10% above. Uncompressed goes from 4.11 to 1.70.
 CONVERGE = {"topk": 1.25, "randomk": 1.65, "qsgd": 1.45, "powersgd": 1.5, "onebit_adam": 2.1}
 CONVERGE_STEPS = 20

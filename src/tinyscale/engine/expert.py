@@ -41,7 +41,7 @@ import torch
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.models.gpt import GPT
-from tinyscale.moe import apply_expert_parallel, expert_groups, moe_layers
+from tinyscale.moe import apply_expert_parallel, expert_groups, expert_shard, moe_layers, shard_experts
 
 
 def _is_moe(model) -> bool:
@@ -88,8 +88,21 @@ def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | Non
     """The MoE layers of this rank's model (its stages) compute their ep share of the experts."""
     ep = config.parallel.expert
     if ep > 1:
-        ep_group, _ = expert_groups(mesh.layout, ep)
+        ep_group, edp_group = expert_groups(mesh.layout, ep)
         apply_expert_parallel(model, ep_group)
+        shard_experts(model, edp_group, mesh.size("dp"))  # E / ep experts stored here, tagged for DDP / ZeRO
+
+
+# --8<-- [start:placement]
+def expert_placement(param, local_global_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """An expert shard's global shape: the stacked tensor of every expert (dim 0: E)."""
+    return (expert_shard(param).num_experts, *local_global_shape[1:])
+
+
+def expert_fields(param) -> dict:
+    """An expert shard's `Placement` fields: the experts it holds, reduced over edp."""
+    return {"ep_range": expert_shard(param).experts, "reduce_over": "edp"}
+# --8<-- [end:placement]
 
 
 # --8<-- [start:pipeline]

@@ -29,6 +29,8 @@ Lesson: lessons/13-moe.md. Tests: `pytest tests/moe -k expert_parallel`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.distributed as dist
 from torch import nn
 
@@ -81,16 +83,40 @@ def apply_expert_parallel(model: nn.Module, group) -> nn.Module:
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """What a stored expert shard tells data parallelism (DeepSpeed-MoE tags its expert parameters
+    the same way, `param.allreduce = False` and `group_name`): it is reduced, and ZeRO-sharded, over
+    `group` (the expert-data-parallel ranks holding the same experts) and averaged over `mean_over`
+    ranks (dp: every dp rank's tokens reached it through one of the ep groups); it holds experts
+    `experts` = [start, stop) of the `num_experts` of the stacked tensor (dim 0)."""
+
+    group: object
+    mean_over: int
+    experts: tuple[int, int]
+    num_experts: int
+
+
+def expert_shard(param) -> ExpertShard | None:
+    """The tag `shard_experts` put on `param`, or None for every other parameter."""
+    return getattr(param, "expert_shard", None)
+
+
 # --8<-- [start:shard]
-def shard_experts(model: nn.Module) -> nn.Module:
+def shard_experts(model: nn.Module, edp_group=None, dp_size: int | None = None) -> nn.Module:
     """After `apply_expert_parallel`: keep only this rank's experts (dim 0 of each expert tensor), in place.
-    `Experts.first` is then the global index of the first one held."""
+    `Experts.first` is then the global index of the first one held. With `edp_group` (the engine),
+    each shard is tagged for the data-parallel machinery (`expert_shard`): reduced and ZeRO-sharded
+    over `edp_group`, its gradient averaged over the `dp_size` ranks of dp."""
     for layer in moe_layers(model):
         ex = layer.experts
         start, stop = ex.local
         for name in EXPERT_PARAMS:
             full = getattr(ex, name)
-            setattr(ex, name, nn.Parameter(full.detach()[start:stop].clone(), requires_grad=full.requires_grad))
+            shard = nn.Parameter(full.detach()[start:stop].clone(), requires_grad=full.requires_grad)
+            if edp_group is not None:
+                shard.expert_shard = ExpertShard(edp_group, dp_size, (start, stop), layer.num_experts)
+            setattr(ex, name, shard)
         ex.local, ex.first = (0, stop - start), start
     return model
 

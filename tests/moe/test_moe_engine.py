@@ -25,6 +25,8 @@ import torch
 import tinyscale as ts
 from tinyscale.config import ConfigError
 from tinyscale.data import synthetic_token_batches
+from tinyscale.engine.layout_memory import CATEGORIES, rank_model_state_bytes
+from tinyscale.engine.plan import LayoutPlan
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.moe import moe_layers, moe_stats
 from tinyscale.testing import assert_every_rank_trained_like, run_on_ranks
@@ -65,9 +67,23 @@ def _train(layouts: list[tuple]):
         engine = ts.initialize(gpt(spec), engine_config(spec))
         losses = [engine.train_batch(b) for b in batches(spec)]
         assert engine.last_step["moe"]["assignments"] == len(moe_layers(engine.model)) * SEQ * spec["k"]
+        report = engine.memory_report(when="before_step")
         out.append((losses, engine.full_state_dict(), engine.comm_ledger.calls("all_to_all"),
-                    len(moe_layers(engine.model))))
+                    len(moe_layers(engine.model)), {c: report.bytes(c) for c in CATEGORIES},
+                    _expert_traffic(engine)))
     return out
+
+
+def _expert_traffic(engine) -> dict:
+    """This rank's expert shards: elements held, and the ledger's gradient-reduction bytes over edp
+    (groups of dp / ep ranks; none when that is 1) against those over dp."""
+    from tinyscale.moe import expert_shard
+    held = sum(p.numel() for p in engine.model.parameters() if expert_shard(p) is not None)
+    edp = engine.plan.dp // engine.plan.ep
+    ops = ("all_reduce", "reduce_scatter")
+    rows = [r for r in engine.comm_ledger.rows if r.op in ops]
+    return {"held": held, "edp_bytes": sum(r.bytes for r in rows if edp > 1 and r.group_size == edp),
+            "dp_bytes": sum(r.bytes for r in rows if r.group_size == engine.plan.dp)}
 
 
 @functools.cache
@@ -90,8 +106,10 @@ WORLD4 = [
     layout(world=4, dp=4, ep=2, k=1, cf=0.7, stage=3),                        # dp 2 x ep 2, ZeRO 3
     layout(world=4, dp=2, ep=2, tp=2, k=2, cf=0.8),                           # tp 2 x ep 2
     layout(world=4, dp=2, ep=2, pp=2, k=1, cf=0.7),                           # pp 2 x ep 2
+    layout(world=4, dp=4, ep=2, k=2, cf=0.8, stage=1),                        # dp 2 x ep 2, ZeRO 1
 ]
-IDS = ["ep4-zero1-top2", "dp2xep2-sigmoid-shared", "dp2xep2-zero3-top1", "tp2xep2-top2", "pp2xep2-top1"]
+IDS = ["ep4-zero1-top2", "dp2xep2-sigmoid-shared", "dp2xep2-zero3-top1", "tp2xep2-top2", "pp2xep2-top1",
+       "dp2xep2-zero1-top2"]
 
 
 def _check(world: int, layouts: list[tuple], index: int) -> None:
@@ -118,6 +136,28 @@ def test_moe_engine_expert_parallel_2_equals_one_process():
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=IDS)
 def test_moe_engine_expert_parallel_layouts_equal_one_process(index):
     _check(4, WORLD4, index)
+
+
+def _plan(spec: dict) -> LayoutPlan:
+    return LayoutPlan(world_size=spec["world"], dp=spec["dp"], pp=spec["pp"], cp=1, tp=spec["tp"],
+                      zero_stage=spec["stage"], ep=spec["ep"], moe=True)
+
+
+@pytest.mark.parametrize("world,layouts,index", [(2, WORLD2, 0), (4, WORLD4, 2), (4, WORLD4, 5)],
+                         ids=["ep2-zero0", "dp2xep2-zero3", "dp2xep2-zero1"])
+def test_moe_engine_expert_parallel_memory_equals_layout_memory(world, layouts, index):
+    """Each rank's memory_report(before_step) model states == `layout_memory`'s count, which holds
+    E / ep experts per rank, sharded over the dp / ep ranks of its edp group under ZeRO (ep 2 at
+    stage 0; dp 2 x ep 2 at ZeRO 1 and 3)."""
+    spec = dict(layouts[index])
+    expected = rank_model_state_bytes(gpt(spec).config, _plan(spec), dtype_bytes=8)
+    replicated = rank_model_state_bytes(gpt(spec).config, _plan(spec | {"ep": 1}), dtype_bytes=8)
+    for rank, r in enumerate(results(world, tuple(layouts))):
+        assert r[index][4] == expected[rank], f"rank {rank}"
+        if spec["stage"] < 3:  # not vacuous: the replicated layout holds every expert's parameters
+            assert r[index][4]["parameters"] < replicated[rank]["parameters"]
+        else:  # ZeRO-3 sharded them over dp already: E X / dp = (E / ep) X / (dp / ep) per rank
+            assert r[index][4]["parameters"] == replicated[rank]["parameters"]
 
 
 # --thorough: ZeRO 2, activation checkpointing (the aux losses through recomputed blocks, the

@@ -184,14 +184,17 @@ def test_moe_engine_expert_parallel_more_layouts_equal_one_process(index):
     ({"context": 2}, {}, "parallel.context=2 with an MoE GPT"),
     ({"tensor": 2, "sequence_parallel": True}, {}, "sequence_parallel with an MoE GPT"),
     ({}, {"reentrant": True}, "use_reentrant=true with an MoE GPT"),
+    ({"expert": 2}, {"onebit": True}, "onebit_adam\" with parallel.expert=2"),
 ])
 def test_moe_engine_refuses_layouts_that_cannot_equal_one_process(parallel, model_changes, match):
     from tinyscale.engine.plan import plan_layout
     spec = dict(layout(world=4))
     reentrant = model_changes.pop("reentrant", False)
+    onebit = model_changes.pop("onebit", False)
     model = GPT(gpt(spec).config.with_(**model_changes))
     config = ts.EngineConfig.load({"train_batch_size": 4, "parallel": parallel} | (
-        {"activation_checkpointing": {"policy": "full", "use_reentrant": True}} if reentrant else {}))
+        {"activation_checkpointing": {"policy": "full", "use_reentrant": True}} if reentrant else {}) | (
+        {"compression": {"type": "onebit_adam"}, "optimizer": {"type": "AdamW"}} if onebit else {}))
     with pytest.raises(ConfigError, match=match):
         plan_layout(config, model, 4)
 

@@ -7,10 +7,13 @@ GQA, clipping, weight decay, 2 micro-batches per rank. Each layout's losses and
 `full_state_dict()` equal `tinyscale.reference.train` in float64 at rtol 1e-10 on every rank
 (sums of a few hundred float64 products reordered by the all-to-all: ~1e-15 relative; a token
 sent to the wrong expert, a missed reduction or an aux loss without its gradient is off by
-1e-3 or more). Layouts: ep 2 (world 2); ep 4, dp 2 x ep 2 (ZeRO 1 and 3), tp 2 x ep 2 and
-pp 2 x ep 2 (world 4, one pooled call); under --thorough also ZeRO 2, full and selective
-activation checkpointing, the zb_h1 and AFAB schedules. A checkpoint saved at one ep degree
-(and ZeRO stage) resumes at another and continues like one process (`-k moe_engine_checkpoint`).
+1e-3 or more). Layouts: ep 2 (world 2); ep 4 (ZeRO 1), dp 2 x ep 2 (ZeRO 0, 1 and 3), tp 2 x ep 2
+and pp 2 x ep 2 (world 4, one pooled call); under --thorough also ZeRO 2, full and selective
+activation checkpointing, the zb_h1 and AFAB schedules. Each rank stores only its E / ep experts:
+its model states equal `layout_memory`'s count (`-k moe_engine_expert_parallel_memory`), and the
+expert shards' gradients are the only traffic over their expert-data-parallel pair
+(`-k edp_pair`). A checkpoint chain ep 4 -> 2 -> 1 -> 4 (ZeRO 1, 3, 2, 0) continues like one
+process (`-k moe_engine_checkpoint`).
 Refusals: `-k moe_engine_refuses`.
 Run: `pytest tests/moe/test_moe_engine.py` (keys moe, expert_parallel).
 """
@@ -18,6 +21,7 @@ Run: `pytest tests/moe/test_moe_engine.py` (keys moe, expert_parallel).
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -77,13 +81,12 @@ def _train(layouts: list[tuple]):
 def _expert_traffic(engine) -> dict:
     """This rank's expert shards: elements held, and the ledger's gradient-reduction bytes over edp
     (groups of dp / ep ranks; none when that is 1) against those over dp."""
-    from tinyscale.moe import expert_shard
-    held = sum(p.numel() for p in engine.model.parameters() if expert_shard(p) is not None)
-    edp = engine.plan.dp // engine.plan.ep
-    ops = ("all_reduce", "reduce_scatter")
-    rows = [r for r in engine.comm_ledger.rows if r.op in ops]
-    return {"held": held, "edp_bytes": sum(r.bytes for r in rows if edp > 1 and r.group_size == edp),
-            "dp_bytes": sum(r.bytes for r in rows if r.group_size == engine.plan.dp)}
+    from tinyscale.moe import expert_group_ranks
+    held = sum(math.prod(s) for n, s in engine._tp_shapes.items() if ".experts." in n)
+    rank = torch.distributed.get_rank()
+    edp = next(tuple(g) for g in expert_group_ranks(engine.mesh.layout, engine.plan.ep)[1] if rank in g)
+    rows = [r for r in engine.comm_ledger.rows if r.op in ("all_reduce", "reduce_scatter")]
+    return {"held": held, "edp_bytes": sum(r.bytes for r in rows if len(edp) > 1 and r.ranks == edp)}
 
 
 @functools.cache
@@ -158,6 +161,18 @@ def test_moe_engine_expert_parallel_memory_equals_layout_memory(world, layouts, 
             assert r[index][4]["parameters"] < replicated[rank]["parameters"]
         else:  # ZeRO-3 sharded them over dp already: E X / dp = (E / ep) X / (dp / ep) per rank
             assert r[index][4]["parameters"] == replicated[rank]["parameters"]
+
+
+@pytest.mark.parametrize("index", [1, 5], ids=["dp2xep2-zero0", "dp2xep2-zero1"])
+def test_moe_engine_expert_parallel_reduces_expert_shards_over_the_edp_pair(index):
+    """dp 4 x ep 2: each rank stores 2 of the 4 experts (2 MoE layers x 3 tensors x 2 x 8 x 12
+    elements), and the only reduction over its expert-data-parallel pair is of those shards' gradients,
+    once per step: DDP's all-reduce or ZeRO 1's reduce-scatter of them (their units divide evenly)."""
+    spec = dict(WORLD4[index])
+    for r in results(4, tuple(WORLD4)):
+        traffic = r[index][5]
+        assert traffic["held"] == 2 * 3 * 2 * 8 * 12
+        assert traffic["edp_bytes"] == STEPS * traffic["held"] * 8, spec  # float64
 
 
 # --thorough: ZeRO 2, activation checkpointing (the aux losses through recomputed blocks, the

@@ -175,6 +175,19 @@ def test_moe_engine_expert_parallel_reduces_expert_shards_over_the_edp_pair(inde
         assert traffic["edp_bytes"] == STEPS * traffic["held"] * 8, spec  # float64
 
 
+def test_moe_engine_expert_parallel_planner_counts_e_over_ep_experts():
+    """The planner's model-state bytes (layout_memory of its Layout's plan) know an MoE GPT: at ep 2
+    a rank holds 2 of the 4 experts of each MoE block, so (fp16 parameters, 2 bytes) its parameter
+    bytes fall by 2 experts x 3 tensors x C x F_e x 2 MoE blocks x 2 bytes, at ZeRO 0 and 1."""
+    from tinyscale.planner.estimate import Layout, model_state_bytes
+    cfg = gpt(dict(layout(world=4))).config
+    saved = 2 * 3 * cfg.d_model * cfg.expert_dim * 2 * 2
+    for stage in (0, 1):
+        one, two = (model_state_bytes(cfg, Layout(dp=4, ep=ep, zero_stage=stage)) for ep in (1, 2))
+        assert all(one[r]["parameters"] - two[r]["parameters"] == saved for r in range(4))
+    assert Layout(dp=4, ep=2).config(8)["parallel"]["expert"] == 2
+
+
 # --thorough: ZeRO 2, activation checkpointing (the aux losses through recomputed blocks, the
 # all-to-all rerun), the other pipeline schedules, pp x tp x ep.
 THOROUGH = [

@@ -189,13 +189,15 @@ def test_moe_engine_expert_parallel_planner_counts_e_over_ep_experts():
 
 
 # --thorough: ZeRO 2, activation checkpointing (the aux losses through recomputed blocks, the
-# all-to-all rerun), the other pipeline schedules, pp x tp x ep.
+# all-to-all rerun), the other pipeline schedules, pp x tp x ep, ZeRO 3 under a pipeline.
 THOROUGH = [
     layout(world=4, dp=4, ep=4, k=2, cf=0.8, stage=2, router="sigmoid"),
     layout(world=4, dp=4, ep=2, k=2, cf=0.8, ac="full"),
     layout(world=4, dp=2, ep=2, tp=2, k=1, cf=0.7, ac="selective", stage=1),
     layout(world=4, dp=2, ep=2, pp=2, k=2, cf=0.8, schedule="zb_h1", stage=1),
     layout(world=4, dp=2, ep=2, pp=2, k=1, cf=0.7, schedule="afab", ac="full", shared=1),
+    layout(world=4, dp=4, ep=2, k=1, cf=0.7, stage=2, router="sigmoid"),     # ZeRO 2 over an edp pair
+    layout(world=4, dp=2, ep=2, pp=2, k=2, cf=0.8, stage=3),                 # ZeRO 3 under a pipeline
 ]
 
 

@@ -28,6 +28,8 @@ clipping counts each expert once (at stage 0 the expert squares are summed over 
 expert (a checkpoint reshards across ep degrees), and `layout_memory` counts E / ep experts per
 rank. Under ZeRO-3 a rank's expert bytes are the same as when every rank kept every expert
 (E X / dp either way); the saving there is in the gathers (E / ep experts, over dp / ep ranks).
+A DDP compression hook (`compression.type` topk, powersgd, ...) compresses the buckets only: the
+expert shards are reduced uncompressed over their edp group. Measured: benchmarks/moe_expert_bytes.py.
 
 Under a pipeline the loss is computed on the last stage only, so each MoE layer adds its aux
 loss's gradient itself (`tinyscale.moe.AddAuxLoss`, scaled as the executor scales the loss:

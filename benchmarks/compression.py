@@ -11,7 +11,7 @@ backward with gradient communication, AdamW step) of:
     torch DDP + torch PowerSGD     torch's own `powerSGD_hook`, rank --rank
     torch DDP + our PowerSGD       tinyscale.compression.powersgd_hook on torch's DDP
     BucketedDDP                    ours, uncompressed
-    BucketedDDP + <compressor>     top-k 1%, random-k 1%, QSGD 8 and 4 bits (error feedback on),
+    BucketedDDP + <compressor>     top-k 1%, random-k 1%, max-norm 8 and 4 bits (error feedback on),
                                    our PowerSGD (compression_hook / powersgd_hook)
     1-bit Adam                     the optimizer communicates (freeze step 2, so most steps are 1-bit)
 
@@ -84,8 +84,8 @@ def _variants(rank: int) -> dict:
         "BucketedDDP": lambda m: (BucketedDDP(m), None),
         "BucketedDDP + top-k 1%": ours(compression_hook, lambda: CompressionState(TopK(0.01))),
         "BucketedDDP + random-k 1%": ours(compression_hook, lambda: CompressionState(RandomK(0.01))),
-        "BucketedDDP + QSGD 8-bit": ours(compression_hook, lambda: CompressionState(QSGD(8))),
-        "BucketedDDP + QSGD 4-bit": ours(compression_hook, lambda: CompressionState(QSGD(4))),
+        "BucketedDDP + max-norm 8-bit": ours(compression_hook, lambda: CompressionState(QSGD(8, norm="max"))),
+        "BucketedDDP + max-norm 4-bit": ours(compression_hook, lambda: CompressionState(QSGD(4, norm="max"))),
         "BucketedDDP + our PowerSGD": ours(powersgd_hook, lambda: PowerSGDState(
             None, matrix_approximation_rank=rank, start_powerSGD_iter=2)),
         "1-bit Adam (no DDP)": None,

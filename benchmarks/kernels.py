@@ -8,10 +8,11 @@ byte and FLOP counts are `notebooks/kernels_traffic.py`'s, from the shapes.
 
     .venv/bin/python benchmarks/kernels.py                 # needs a CUDA GPU; says so and exits 0 without
     .venv/bin/python benchmarks/kernels.py --smoke         # tiny shapes on the CPU under Triton's
-                                                           # interpreter: checks the script runs, times nothing real
+                                                           # interpreter: checks the script runs, times nothing
 
 Measured once, on one H100 SXM (torch 2.11.0+cu130, Triton 3.6.0, 2026-11-26): the table is in
-lessons/11-kernels.md ("Measured on an H100"). No other GPU has run it.
+lessons/11-kernels.md ("Measured on an H100"). No other GPU has run it. The LN+dropout+residual
+rows (DS-32) were added later and ran on the same kind of H100 on the same day (lesson 11, DS-32).
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from tinyscale.kernels import (HAS_TRITON, flash_attention, fused_adamw_, fused_linear_cross_entropy, quantize_int8,
-                               quantize_reference, rms_norm, rms_norm_reference)
+from tinyscale.kernels import (HAS_TRITON, flash_attention, fused_adamw_, fused_dropout_residual_layer_norm,
+                               fused_linear_cross_entropy, quantize_int8, quantize_reference, rms_norm,
+                               rms_norm_reference)
 from tinyscale.mfu.peak import PEAK_TFLOPS, device_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "notebooks"))
 import kernels_traffic as kt  # noqa: E402 - the byte and FLOP counts the notebook uses
 from tinyscale.bench import add_json_argument, write_json
+from tinyscale.kernels.fused_norm import backward_programs  # noqa: E402
 
 # HBM bandwidth, TB/s, from the same NVIDIA datasheets as tinyscale.mfu's peak table.
 PEAK_HBM_TBS = {"H100 SXM": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "H200 SXM": 4.8, "H200 NVL": 4.8,
@@ -79,6 +82,27 @@ def cases(device: torch.device, dtype: torch.dtype, smoke: bool) -> list[dict]:
     x, w = randn(R, N), randn(N)
     out.append(dict(name="RMSNorm fwd", fused=lambda: rms_norm(x, w), eager={"eager": lambda: rms_norm_reference(x, w, 1e-6)},
                     bytes=kt.fused_traffic("rmsnorm", e=x.element_size(), R=R, N=N)))
+
+    # DS-32: h = residual + dropout(x), y = LayerNorm(h); the eager mask is F.dropout's (Philox), ours the counter's
+    Bn = 1 if smoke else 8  # R rows as (B, T) = (8, 1024): a batch of sequences
+    x3, r3 = randn(Bn, R // Bn, N, grad=True), randn(Bn, R // Bn, N, grad=True)
+    wl, bl = randn(N, grad=True), randn(N, grad=True)
+
+    def eager_norm():
+        h = r3 + F.dropout(x3, 0.1, training=True)
+        return F.layer_norm(h, (N,), wl, bl), h
+
+    def fwd_bwd(fn):
+        y, h = fn()
+        return torch.autograd.grad((y, h), (x3, r3, wl, bl), (y, h))  # (y, h) as the incoming gradients: any will do
+
+    fused_norm = lambda: fused_dropout_residual_layer_norm(x3, r3, wl, bl, p=0.1, key=1234)  # noqa: E731
+    norm_bytes = kt.fused_traffic("fused_norm", e=x3.element_size(), R=R, N=N)
+    out.append(dict(name="LN+dropout+residual fwd", fused=fused_norm, eager={"eager": eager_norm}, bytes=norm_bytes))
+    out.append(dict(name="LN+dropout+residual fwd+bwd", fused=lambda: fwd_bwd(fused_norm),
+                    eager={"eager": lambda: fwd_bwd(eager_norm)},
+                    bytes=norm_bytes + kt.fused_traffic("fused_norm_backward", e=x3.element_size(), R=R, N=N,
+                                                                     P=backward_programs(R, x3.device))))
 
     p, grad_ = randn(n, dt=torch.float32), randn(n, dt=torch.float32)
     m, v = torch.zeros_like(p), torch.zeros_like(p)  # AdamW's moments (v >= 0: it is square-rooted)
@@ -163,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in cases(device, dtype, args.smoke):
         for impl, fn in [("tinyscale", case["fused"]), *case["eager"].items()]:
+            if device.type != "cuda":  # the interpreter: a time would be Python's, not the kernel's
+                fn()
+                rows.append({"kernel": case["name"], "impl": impl, "ms": None})
+                table.add_row(case["name"], impl, "-", "-", "-", "-")
+                continue
             seconds = timed(fn, device, args.repeats)
             rows.append({"kernel": case["name"], "impl": impl, "ms": seconds * 1e3})
             if "bytes" in case:
@@ -175,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(case["name"], impl, f"{seconds * 1e3:.3f}", achieved, frac,
                           "-" if peak is None else f"{peak / 2**20:,.0f}")
     console.print(table)
+    if device.type != "cuda":
+        console.print("--smoke: each call ran once under Triton's CPU interpreter; nothing is timed (there a time "
+                      "measures the interpreter, not a kernel).")
     console.print("GB/s: the fused kernel's minimal bytes (notebooks/kernels_traffic.py) over each time, so the "
                   f"eager rows' figure is an effective rate. Peaks: datasheet, {key or 'device not in the table'}"
                   + (f" ({hbm} TB/s HBM, {flops_peak} TFLOP/s dense)" if key else "") + ".")

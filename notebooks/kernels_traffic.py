@@ -62,13 +62,19 @@ def fused_traffic(kernel: str, *, e: int = 4, **s) -> int:
     if kernel == "rmsnorm":  # load x (R, N) and w (N); store y (R, N) and rstd (R,) float32
         R, N = s["R"], s["N"]
         return 2 * R * N * e + N * e + 4 * R
+    if kernel == "fused_norm":  # load x, residual (R, N), w, b (N); store y, h (R, N), mean, rstd (R,) float32
+        R, N = s["R"], s["N"]
+        return 4 * R * N * e + 2 * N * e + 8 * R
+    if kernel == "fused_norm_backward":  # load h, dy, dh, w, mean, rstd; store dx, dresidual and, per
+        R, N, P = s["R"], s["N"], s["P"]  # program (P of them), float32 dw and db partials, summed by torch
+        return 5 * R * N * e + N * e + 8 * R + 2 * 2 * 4 * P * N
     if kernel == "adamw":  # load p, g, m, v; store p, m, v: 7 passes over n elements
         return 7 * s["n"] * e
     if kernel == "quantize":  # load x; store int8 codes and one float32 scale per block
         n = s["n"]
         return n * e + n + 4 * math.ceil(n / s["block"])
     if kernel == "attention":  # forward: Q once, K and V once per query tile, O out, lse float32
-        B, H, K, T, D, BM = s["B"], s["H"], s["K"], s["T"], s["D"], s["BM"]
+        B, H, T, D, BM = s["B"], s["H"], s["T"], s["D"], s["BM"]  # K/V heads: each query head reads its own
         tiles = math.ceil(T / BM)
         kv_reads = 2 * B * H * tiles * T * D * e  # each query head's program reads its K/V head
         if s.get("causal", True):

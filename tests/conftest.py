@@ -10,9 +10,16 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from tinyscale.testing import close_pools
+
+# This process's own work (float64 references, tiny models) gets one thread; rank processes set
+# theirs (cores / ranks, tinyscale.dist.runtime). On the shared 2 cores torch's default 2 threads
+# mostly spin-wait: `tests/engine -k layout_matrix` took 73, 44, 37 s with one thread against
+# 103, 81, 136 s with 2 (pytest's times, 3 alternated pairs in one run, 2026-11-26, load 16 to 48).
+torch.set_num_threads(1)
 
 # Distributed examples take tens of milliseconds to seconds: no per-example deadline, and
 # data generation is cheap compared with the run, so the too-slow check is noise here.

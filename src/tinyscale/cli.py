@@ -4,6 +4,7 @@
     tinyscale estimate --params 7.5e9 [--dp 1 4 16 64] [--zero 3] [--offload cpu]
     tinyscale plan --model llama2-70b --gpus 512 [--global-batch 1024 --seq-len 4096] [--json]
     tinyscale autotune --config ds.json [--world-size 2] [--trials 4] [--out autotune_best.json]
+    tinyscale elastic --global-batch 1024 --micro-batches 1,2,4 [--model-parallel 16]
     tinyscale info
     tinyscale exercise list | start TOPIC | check TOPIC
     tinyscale quiz [--topic T] [--count N] [--seed S]
@@ -351,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_report.add_parser(sub)
     plan_autotune.add_parser(sub)
+    from tinyscale import recovery
+
+    recovery.add_parser(sub)
     exercise.add_parser(sub)
     quiz.add_parser(sub)
     return parser
@@ -368,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
 
         commands = {"train": cmd_train, "info": cmd_info, "estimate": cmd_estimate, "exercise": cmd_exercise,
                     "quiz": cmd_quiz, "plan": cmd_plan, "autotune": cmd_autotune, "checkpoint": cmd_checkpoint}
+        from tinyscale.recovery import cmd_elastic
+
+        commands["elastic"] = cmd_elastic
         return commands[args.command](args, console)
     except ValueError as err:  # bad input: say what and how to fix it, no traceback
         console.print(f"[red]error:[/red] {err}")

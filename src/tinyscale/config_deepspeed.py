@@ -100,6 +100,28 @@ def _check_types(raw: dict, errors: list[str]) -> None:
             del section["type"]
 
 
+def _autotp(raw: dict, errors: list[str]) -> None:
+    """tensor_parallel.autotp_size (DeepSpeed's AutoTP degree; 0, its default, is off) becomes
+    parallel.tensor: tensor parallelism over that many ranks, dp = world / it, as in DeepSpeed."""
+    section = raw.get("tensor_parallel")
+    if not isinstance(section, dict) or "autotp_size" not in section:
+        return
+    size = section.pop("autotp_size")
+    if not section:
+        del raw["tensor_parallel"]
+    if type(size) is not int or size < 0:
+        errors.append(f"config field 'tensor_parallel.autotp_size' = {json.dumps(size, default=str)}: "
+                      "an integer >= 0 (0 or 1: no tensor parallelism)")
+        return
+    parallel = raw.get("parallel", {})
+    tensor = parallel.get("tensor", 1) if isinstance(parallel, dict) else None
+    if size > 1 and tensor not in (1, size):
+        errors.append(f"config field 'tensor_parallel.autotp_size' = {size} and parallel.tensor = "
+                      f"{json.dumps(tensor, default=str)} disagree: both set the tensor-parallel degree; keep one")
+    elif size > 1:
+        raw["parallel"] = {**parallel, "tensor": size}
+
+
 def screen(raw: dict) -> tuple[dict, list[str], list[str]]:
     """(what EngineConfig validates, notes to log at start-up, reasons for refusal) for `raw`."""
     clean = copy.deepcopy(raw)
@@ -107,6 +129,7 @@ def screen(raw: dict) -> tuple[dict, list[str], list[str]]:
     errors: list[str] = []
     resolve_auto(clean, errors)
     _check_types(clean, errors)
+    _autotp(clean, errors)
     for key in KEYS:
         if key.kind == "honoured":
             continue

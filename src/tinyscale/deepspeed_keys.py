@@ -45,10 +45,11 @@ class Key:
     why: str  # what DeepSpeed does with it, and what tinyscale does instead
     same: Same = _never  # values that mean what tinyscale does: accepted without a word
     same_doc: str = ""  # those values, for the docs table
+    field: str = ""  # honoured under another name: the EngineConfig field it becomes (config_deepspeed.py)
 
 
-def _h(path: str, why: str) -> Key:
-    return Key(path, "honoured", why)
+def _h(path: str, why: str, field: str = "") -> Key:
+    return Key(path, "honoured", why, field=field)
 
 
 def _n(path: str, why: str, same: Same = _never, same_doc: str = "") -> Key:
@@ -236,15 +237,19 @@ KEYS: tuple[Key, ...] = (
        _never),
     _n("nebula", "DeepSpeed's asynchronous checkpoint service", _disabled, _OFF),
     _n("compile", "DeepSpeed can torch.compile the model; tinyscale runs it eagerly", _disabled, _OFF),
-    _r("autotuning", "DeepSpeed's autotuner launches trial runs to pick a layout; tinyscale has none "
-       "(tinyscale estimate computes memory)", _disabled, _OFF),
+    _r("autotuning", "DeepSpeed's autotuner launches trial runs to pick a layout; tinyscale's is a command of "
+       "its own, tinyscale autotune --config (lesson 12)", _disabled, _OFF),
     # --- other topics
     _r("pipeline", "DeepSpeed's pipeline engine; tinyscale's pipeline is parallel.pipeline, "
        "parallel.pipeline_schedule and parallel.virtual_stages", _never),
-    _r("tensor_parallel", "DeepSpeed's automatic tensor parallelism (AutoTP) finds the layers to split; "
-       "tinyscale's is parallel.tensor: its GPT by its own plan (lesson 07), another model by AutoTP with "
-       "parallel.tp_plan (lesson 12)", _never),
-    _r("elasticity", "DeepSpeed picks batch sizes valid for a range of world sizes; not built", _disabled, _OFF),
+    _h("tensor_parallel.autotp_size", "AutoTP's degree: becomes parallel.tensor (0, DeepSpeed's default, and 1: "
+       "off); tinyscale's GPT is split by its own plan (lesson 07), another model by AutoTP's names or "
+       "parallel.tp_plan (lesson 12)", field="parallel.tensor"),
+    _r("tensor_parallel", "DeepSpeed's AutoTP settings other than autotp_size (tp_overlap_comm, dtype, "
+       "partition_config, ...); tinyscale's tensor parallelism is parallel.tensor (which autotp_size sets), "
+       "its GPT by its own plan (lesson 07), another model by AutoTP with parallel.tp_plan (lesson 12)", _never),
+    _r("elasticity", "DeepSpeed picked a batch valid for a range of world sizes (DeepSpeed 0.19.8 has removed it); "
+       "tinyscale.recovery.elastic_world_sizes lists the world sizes a fixed batch allows", _disabled, _OFF),
     _r("disable_allgather", "DeepSpeed can broadcast instead of all-gather; tinyscale all-gathers",
        _is(False), _FALSE),
     *(_r(name, _NOT_BUILT, _disabled, _OFF) for name in (

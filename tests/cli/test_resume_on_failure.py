@@ -7,7 +7,9 @@ checkpoint of step 2 and train steps 2 and 3. The final parameters and the last 
 `torch.equal` to an uninterrupted run's. That test spawns the ranks twice (a killed rank cannot
 come back to a pool) and took 249 s on the shared 2-core machine under load: --thorough. The
 default suite keeps the restart logic's test (launch replaced by a failing stub).
-Run: `pytest -k resume_on_failure` (--thorough for the killed rank).
+`elastic_world_sizes` (key: elastic): the world sizes a restart may take with the global batch
+unchanged, none missed and none wrong, checked by brute force.
+Run: `pytest -k "resume_on_failure or elastic"` (--thorough for the killed rank).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import pytest
 import torch
 
-from tinyscale.recovery import train_with_recovery
+from tinyscale.recovery import elastic_world_sizes, train_with_recovery
 from tinyscale.testing import run_on_ranks
 from tinyscale.train import make_spec, train_rank
 
@@ -86,3 +88,35 @@ def test_resume_on_failure_gives_up_after_n_restarts_or_without_checkpoints(tmp_
     with pytest.raises(RuntimeError):  # nothing in its save_dir to resume from: no restart
         train_with_recovery(_spec(tmp_path / "empty"), max_restarts=2, log=lambda s: None)
     assert calls == [False]
+
+
+def test_elastic_world_sizes_keep_the_global_batch_and_miss_none():
+    # 12 = dp x b x accumulation with b in {2, 3}: dp 5 fits neither; the largest b that fits is taken
+    assert elastic_world_sizes(12, [2, 3]) == [(1, 3, 4), (2, 3, 2), (3, 2, 2), (4, 3, 1), (6, 2, 1)]
+    # Llama 2's 1,024 sequences on tp 4 x pp 4 (lesson 12): 512 to 1,024 GPUs
+    assert elastic_world_sizes(1024, [1], min_gpus=512, max_gpus=1024, model_parallel=16) == [
+        (512, 1, 32), (1024, 1, 16)]
+    for batch in range(1, 25):  # brute force: gpus is valid iff some (b, accumulation) makes the batch
+        for mbs in ([1], [2], [2, 3], [4, 6], [8]):
+            for mp in (1, 2, 4):
+                got = {g: (b, a) for g, b, a in elastic_world_sizes(batch, mbs, model_parallel=mp, min_gpus=2,
+                                                                     max_gpus=3 * mp * 4)}
+                for gpus in range(1, 3 * mp * 4 + 2):
+                    ways = [(b, a) for b in mbs for a in range(1, batch + 1)
+                            if gpus % mp == 0 and (gpus // mp) * b * a == batch]
+                    in_range = 2 <= gpus <= 3 * mp * 4
+                    assert (gpus in got) == (bool(ways) and in_range), (batch, mbs, mp, gpus)
+                    if gpus in got:
+                        assert got[gpus] == max(ways), (batch, mbs, mp, gpus)
+    with pytest.raises(ValueError, match="micro_batches"):
+        elastic_world_sizes(8, [])
+
+
+def test_elastic_cli_lists_the_gpu_counts(capsys):
+    from tinyscale.cli import main
+
+    assert main(["elastic", "--global-batch", "12", "--micro-batches", "2,3", "--model-parallel", "2"]) == 0
+    rows = [line.split("│")[1:5] for line in capsys.readouterr().out.splitlines() if line.count("│") == 5]
+    assert [[int(c) for c in r] for r in rows] == [[2, 1, 3, 4], [4, 2, 3, 2], [6, 3, 2, 2], [8, 4, 3, 1],
+                                                   [12, 6, 2, 1]]
+    assert main(["elastic", "--global-batch", "12", "--micro-batches", "5"]) == 1  # no count keeps it

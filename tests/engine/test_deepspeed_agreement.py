@@ -7,7 +7,7 @@ start) and compares every value:
 - learning-rate schedulers: 320 parameter sets, every step equal;
 - the fp16 loss scaler: 240 overflow scripts through DeepSpeed's ZeRO and stage-0 scalers;
 - a growth step's unscale, on DeepSpeed's engine (which is right, shown with a known gradient);
-- 48 configs accepted or refused alike, or the difference listed in docs/deepspeed-config.md;
+- 49 configs accepted or refused alike, or the difference listed in docs/deepspeed-config.md;
 - ZeRO stages 0-3 training the GPT on DeepSpeed's engine and tinyscale's (more under --thorough).
 
 The first run on a machine builds DeepSpeed's shared-memory op (minutes on a busy machine).
@@ -316,6 +316,8 @@ def _config_cases() -> dict[str, dict]:
         "cosine": {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10,
                                                                       "warmup_min_ratio": 0.1}}},
         "warmup_type_unknown": {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}},
+        # DeepSpeed's AutoTP degree: tinyscale's parallel.tensor (dp 1 of the 2 ranks: 8 rows per rank)
+        "autotp_size_2": {"tensor_parallel": {"autotp_size": 2}},
         # types DeepSpeed builds and tinyscale does not
         "optimizer_lamb": {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}},
         "scheduler_onecycle": {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4,

@@ -94,7 +94,7 @@ def _field(path: str):
 
 
 def test_deepspeed_config_honoured_keys_are_fields_and_every_field_is_in_the_table():
-    honoured = {k.path for k in KEYS if k.kind == "honoured"}
+    honoured = {k.field or k.path for k in KEYS if k.kind == "honoured"}  # a renamed key: the field it becomes
     for path in honoured:
         _field(path)
     ours = {"parallel", "compression", "monitor", "activation_checkpointing.policy", "activation_checkpointing.every_k",
@@ -127,6 +127,21 @@ def test_deepspeed_config_other_optimizer_and_scheduler_types_are_refused_with_t
         for name, why in types.items():
             with pytest.raises(ConfigError, match=re.escape(why)):
                 EngineConfig.load(_put(path, name.upper()))
+
+
+def test_deepspeed_config_autotp_size_is_parallel_tensor():
+    # DeepSpeed's AutoTP degree is tinyscale's tensor degree: the same config, so the same engine
+    for size, tensor in ((0, 1), (1, 1), (2, 2), (4, 4)):
+        cfg = EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": size}})
+        assert cfg == EngineConfig.load({**BASE, "parallel": {"tensor": tensor}}) and cfg.notes == ()
+    assert EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": 2}, "parallel": {"tensor": 2}}).parallel.tensor == 2
+    with pytest.raises(ConfigError, match=r"autotp_size' = 2 and parallel.tensor = 4 disagree"):
+        EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": 2}, "parallel": {"tensor": 4}})
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ConfigError, match=r"'tensor_parallel.autotp_size' = .*an integer >= 0"):
+            EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": bad}})
+    with pytest.raises(ConfigError, match=r"'tensor_parallel' = \{\"tp_overlap_comm\": true\} is refused"):
+        EngineConfig.load({**BASE, "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}})
 
 
 def test_deepspeed_config_typos_are_still_unknown_keys():
@@ -446,6 +461,31 @@ def _comm_dtype_run(stage, dtype):
     else:
         grads = [r for r in engine.comm_ledger.rows if r.op == "reduce_scatter"]
     return engine.full_state_dict(), sum(r.bytes for r in grads), {r.dtype for r in grads}
+
+
+def _comm_dtype_reduce_scatters(stage):
+    engine = ts.initialize(TinyMLP(seed=0), {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1,
+                                             "optimizer": _SGD, "zero_optimization": {"stage": stage},
+                                             "communication_data_type": "bf16"})
+    engine.comm_ledger.clear()
+    engine.train_batch(synthetic_regression_batches(num_batches=1, batch_size=6, dim=8, seed=0)[0])
+    sent = [r for r in engine.comm_ledger.rows if r.op == "reduce_scatter"]
+    return (sum(r.bytes for r in sent), {r.dtype for r in sent}, engine.batch.gradient_accumulation_steps,
+            sum(u.padded_numel for u in engine.zero.sharded.units))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_config_communication_data_type_zero2_reduces_every_micro_batch_as_deepspeed(stage):
+    # DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py, reduce_ready_partitions_and_remove_grads):
+    # stage 2 (partition_gradients) reduces each micro-batch's gradients as backward makes them,
+    # stage 1 only at the accumulation boundary; once per step at stage 2 is its opt-in
+    # engine.coalesce_grad_reduction(), which this engine does not offer. Bytes: one bf16
+    # reduce-scatter of the padded flat gradient per reduction.
+    from tinyscale.testing import run_on_ranks
+
+    for sent, dtypes, accumulation, padded in run_on_ranks(_comm_dtype_reduce_scatters, 3, stage):
+        assert accumulation == 2 and dtypes == {"bfloat16"}
+        assert sent == (accumulation if stage == 2 else 1) * padded * 2
 
 
 def _sgd_with_row_gradient_sums():

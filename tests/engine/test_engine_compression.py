@@ -60,10 +60,23 @@ def test_compression_engine_trains_the_gpt_within_its_margin_of_uncompressed():
     ({"type": "onebit_adam"}, {"gradient_clipping": 1.0}, "gradient_clipping"),
     ({"type": "qsgd"}, {"fp16": {"enabled": True}}, "fp16.enabled: .*before the loss scaler can skip"),
     ({"type": "topk"}, {"bf16": {"enabled": True}}, "bf16.enabled: error feedback .* lost, not delayed"),
+    ({"type": "onebit_adam"}, {"fp16": {"enabled": True}}, "onebit_adam\" with fp16.enabled: both replace the opt"),
+    ({"type": "onebit_adam"}, {"bf16": {"enabled": True}}, "onebit_adam\" with bf16.enabled: both replace the opt"),
 ])
 def test_compression_engine_refuses_what_does_not_compose_by_name(section, extra, words):
     config = {"train_batch_size": 4, "compression": section, **extra}
     with pytest.raises(ts.ConfigError, match=words):
+        ts.initialize(GPT(GPTConfig.preset("tiny"), seed=0), config)
+
+
+@pytest.mark.parametrize("section", ["fp16", "bf16"])
+def test_compression_engine_onebit_adam_is_never_replaced_by_mixed_precision(monkeypatch, section):
+    # Past the config check (as if its refusal were lifted), the engine still asks for 1-bit Adam
+    # before mixed precision's optimizer, and refuses the pair by name instead of dropping 1-bit Adam.
+    from tinyscale.engine import compression
+    monkeypatch.setattr(compression, "check_config", lambda config: [])
+    config = {"train_batch_size": 4, "compression": {"type": "onebit_adam"}, section: {"enabled": True}}
+    with pytest.raises(ts.ConfigError, match=f"onebit_adam\" with {section}.enabled: both replace the optimizer"):
         ts.initialize(GPT(GPTConfig.preset("tiny"), seed=0), config)
 
 

@@ -14,19 +14,24 @@ Run: `pytest tests/engine/test_layout_plan.py` (key layout_plan).
 
 from __future__ import annotations
 
+import ast
 import functools
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import tinyscale as ts
+import tinyscale.engine
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import synthetic_token_batches
 from tinyscale.engine.grad_norm import GradNorm
 from tinyscale.engine.plan import Placement, placements, plan_layout
 from tinyscale.models import GPT, GPTConfig
+from tinyscale.testing import assert_losses_close, assert_state_dicts_close
+from tests.tensor_parallel.hf_models import READOUT_PLAN, Readout
 
 VOCAB, SEQ = 61, 8  # a vocab no tp degree divides: the head and embedding carry padding rows
 
@@ -149,3 +154,187 @@ def test_layout_plan_counts_every_parameter_once(index):
     for _, captured, rank in per_rank:
         assert len(captured) == 1
         assert math.isclose(captured[0], expected, rel_tol=1e-10), f"{name} rank {rank}: {captured[0]} != {expected}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A layout is decided once: after `plan_layout` nothing reads the config's parallel or
+# zero_optimization section; the transforms and the engine read the plan.
+
+ENGINE_DIR = Path(tinyscale.engine.__file__).parent
+LAYOUT_SECTIONS = ("parallel", "zero_optimization")
+# The validators: what plan_layout calls (and plan_layout itself), the only readers of those sections.
+VALIDATORS = {("compression.py", "check_config"), ("context.py", "check_config"), ("context.py", "check_layout"),
+              ("expert.py", "check_layout"), ("parallelize.py", "check_config"),
+              ("parallelize.py", "check_tensor_layout"), ("parallelize.py", "check_autotp"),
+              ("pipeline_layout.py", "config_problems"), ("pipeline_layout.py", "check_layout"),
+              ("plan.py", "plan_layout")}
+
+
+def layout_reads(source: str) -> list[tuple[str, int]]:
+    """(enclosing function, line) of every `<...config>.parallel` or `.zero_optimization` in `source`:
+    the attribute read on a name ending in "config" or on an attribute named config (engine.config)."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Attribute) and node.attr in LAYOUT_SECTIONS and (
+                (isinstance(node.value, ast.Name) and node.value.id.endswith("config"))
+                or (isinstance(node.value, ast.Attribute) and node.value.attr == "config")):
+            found.append((function, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_layout_plan_only_the_validators_read_the_layout_sections():
+    """No module under engine/ reads config.parallel or config.zero_optimization outside the
+    validators that plan_layout runs: the transforms and the engine read the plan."""
+    readers = {(path.name, function): line for path in sorted(ENGINE_DIR.glob("*.py"))
+               for function, line in layout_reads(path.read_text())}
+    assert ("plan.py", "plan_layout") in readers, "the scan finds nothing: it no longer sees plan_layout's reads"
+    outside = {f"{name}:{line} in {function}()" for (name, function), line in readers.items()
+               if (name, function) not in VALIDATORS}
+    assert not outside, f"reads of the config's layout after plan_layout (read engine.plan instead): {sorted(outside)}"
+    # the scan itself: an alias, an engine's config and a method's are all seen
+    assert [f for f, _ in layout_reads("def f(config):\n  par = config.parallel\n"
+                                       "def g(engine):\n  return engine.config.zero_optimization.stage\n"
+                                       "class E:\n  def h(self):\n    return self.config.parallel.tensor\n")] == \
+        ["f", "g", "h"]
+
+
+class _Forgotten:
+    """A config section read after plan_layout: any attribute read fails, naming it."""
+
+    def __init__(self, section: str) -> None:
+        object.__setattr__(self, "section", section)
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"config.{self.section}.{name} read after plan_layout: read engine.plan")
+
+
+ODD = dict(vocab_size=VOCAB, max_seq_len=12, n_layer=5, n_head=6, n_kv_head=2, d_model=12, ffn_hidden=20,
+           tie_embeddings=True)  # 5 layers, GQA, a vocab 2 does not divide, tied; T = 12 (cp 2 x tp 2 with SP)
+
+
+def odd_model(kind: str) -> torch.nn.Module:
+    """"counter" / "stream": the odd GPT with dropout 0.1 and those masks; "readout": a model of
+    our own that AutoTP splits by parallel.tp_plan (tests/tensor_parallel/hf_models.py)."""
+    if kind == "readout":
+        return Readout()
+    return GPT(GPTConfig(**ODD, dropout=0.1, dropout_masks=kind), seed=5, dtype=torch.float64)
+
+
+def forgetting_config(dp: int, parallel: dict, stage: int, policy: str) -> dict:
+    return {"train_batch_size": 2 * dp, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage}, "activation_checkpointing": {"policy": policy},
+            "parallel": parallel}
+
+
+# (name, dp, parallel, ZeRO stage, checkpointing policy, model): each setting the plan carries
+# differs from its default somewhere
+FORGETTING = [
+    ("pp2-tp2-sp-interleaved-zero3-reshard", 1, {"pipeline": 2, "tensor": 2, "sequence_parallel": True,
+     "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2, "pipeline_reshard_after_forward": True},
+     3, "full", "counter"),
+    ("cp2-tp2-sp-contiguous-zero2", 1, {"context": 2, "tensor": 2, "sequence_parallel": True,
+     "context_sharding": "contiguous"}, 2, "selective", "counter"),
+    ("dp2-tp2-exact-stream-dropout-zero1", 2, {"tensor": 2}, 1, "none", "stream"),
+    ("dp2-tp2-autotp-tp_plan-zero2", 2, {"tensor": 2, "tp_plan": READOUT_PLAN}, 2, "none", "readout"),
+]
+STREAM_SEED = 17
+CHECKPOINTED = {"none": {"plain"}, "full": {"checkpointed"}, "selective": {"selective"}}
+
+
+def _train_forgetting(runs: list[tuple]) -> list:
+    """Each run's engine built from a config whose layout sections vanish once plan_layout returns."""
+    from tinyscale.checkpointing.policies import policy_of  # noqa: PLC0415
+    from tinyscale.engine import engine as engine_module, parallelize  # noqa: PLC0415
+
+    real, find_plan, found = engine_module.plan_layout, parallelize.find_plan, []
+
+    def plan_then_forget(config, *args, **kwargs):
+        plan = real(config, *args, **kwargs)
+        for section in LAYOUT_SECTIONS:
+            object.__setattr__(config, section, _Forgotten(section))
+        return plan
+    out = []
+    engine_module.plan_layout = plan_then_forget
+    parallelize.find_plan = lambda *args, **kwargs: found.append(args) or find_plan(*args, **kwargs)
+    try:
+        for _, dp, parallel, stage, policy, kind in runs:
+            found.clear()
+            model = odd_model(kind)  # (its nn.Linear init draws from the global RNG)
+            torch.manual_seed(STREAM_SEED)  # stream masks: one process's draws, from the same seed
+            engine = ts.initialize(model, forgetting_config(dp, parallel, stage, policy))
+            assert isinstance(engine.config.parallel, _Forgotten), "the config was not replaced"
+            losses = [engine.train_batch(b) for b in synthetic_token_batches(
+                num_batches=2, batch_size=2 * dp, seq_len=ODD["max_seq_len"], vocab_size=VOCAB, seed=6)]
+            pipe, model = engine.pipeline, engine.model
+            cp_state = getattr(model, "context_parallel", None)
+            built = {"mesh": {a: engine.mesh.size(a) for a in ("pp", "dp", "cp", "tp")},
+                     "stages here": len(pipe.stages) if pipe is not None else 1,
+                     "sequence parallel": pipe.sequence_parallel if pipe is not None
+                     else bool(getattr(model, "sequence_parallel", False)),
+                     "cp sharding": pipe.cp_sharding if pipe is not None and pipe.cp_group is not None
+                     else cp_state.sharding if cp_state is not None else None,
+                     "zero": type(engine.zero).__name__ if engine.zero is not None else None,
+                     "reshard after forward": pipe.stage3.reshard if pipe is not None and pipe.stage3 else None,
+                     "checkpointing": set(policy_of(model)) - {"elsewhere"} if isinstance(model, GPT) else None,
+                     "AutoTP plans found": len(found)}
+            out.append((losses, engine.full_state_dict(), built))
+    finally:
+        engine_module.plan_layout, parallelize.find_plan = real, find_plan
+    return out
+
+
+@functools.cache
+def forgetting_results() -> list:
+    return ts.testing.run_on_ranks(_train_forgetting, 4, FORGETTING)
+
+
+@pytest.mark.parametrize("index", range(len(FORGETTING)), ids=[run[0] for run in FORGETTING])
+def test_layout_plan_engine_builds_and_trains_with_the_config_layout_gone(index):
+    """After plan_layout the config's parallel and zero_optimization sections are replaced by
+    objects that fail on any read: the engine still builds the layout the config asked for (mesh,
+    virtual stages, SP, cp sharding, ZeRO class, stage 3's resharding, checkpointing) and trains
+    it exactly like one process (float64, losses and final weights at rtol 1e-10)."""
+    name, dp, parallel, stage, policy, kind = FORGETTING[index]
+    model = odd_model(kind)
+    reference = forgetting_config(dp, {}, 0, "none")
+    torch.manual_seed(STREAM_SEED)
+    expected_losses = ts.reference.train(model, synthetic_token_batches(
+        num_batches=2, batch_size=2 * dp, seq_len=ODD["max_seq_len"], vocab_size=VOCAB, seed=6), reference)
+    pp, cp, tp = (parallel.get(k, 1) for k in ("pipeline", "context", "tensor"))
+    asked = {"mesh": {"pp": pp, "dp": dp, "cp": cp, "tp": tp},
+             "stages here": parallel.get("virtual_stages", 1),
+             "sequence parallel": parallel.get("sequence_parallel", False),
+             "cp sharding": parallel.get("context_sharding", "zigzag") if cp > 1 else None,
+             "zero": {0: None, 1: "ZeroStage1", 2: "ZeroStage2",
+                      3: "ZeroStage3Manual" if pp > 1 else "ZeroStage3"}[stage],
+             "reshard after forward": parallel.get("pipeline_reshard_after_forward", False) if pp > 1 and stage == 3
+             else None,
+             "checkpointing": CHECKPOINTED[policy] if kind != "readout" else None,
+             "AutoTP plans found": int(kind == "readout")}  # once, by plan_layout's check; applied as found
+    for rank, per_rank in enumerate(forgetting_results()):
+        losses, state, built = per_rank[index]
+        assert built == asked, f"{name} rank {rank}: built {built}, asked {asked}"
+        assert_losses_close(losses, expected_losses)
+        assert_state_dicts_close(state, model.state_dict(), what=f"{name} rank {rank}")
+
+
+def test_layout_plan_autotp_plan_is_found_once_and_applied_as_found(monkeypatch):
+    """AutoTP's plan is found by the check inside plan_layout, carried on the plan, and applied
+    from it: one find_plan per engine (the plan below is what the transform applies)."""
+    from tinyscale.engine import parallelize  # noqa: PLC0415
+
+    calls = []
+    real = parallelize.find_plan
+    monkeypatch.setattr(parallelize, "find_plan", lambda *a, **k: calls.append(a) or real(*a, **k))
+    cfg = EngineConfig.load(config(1, tp=2) | {"parallel": {"tensor": 2, "tp_plan": READOUT_PLAN}})
+    plan = plan_layout(cfg, Readout(), world_size=2)
+    assert len(calls) == 1
+    assert dict(plan.autotp) == real(Readout(), 2, READOUT_PLAN) == READOUT_PLAN
+    assert plan_layout(EngineConfig.load(config(1, tp=2)), gpt(), world_size=2).autotp == ()

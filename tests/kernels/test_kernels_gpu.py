@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from tinyscale.kernels import (HAS_TRITON, attention_reference, dequantize_int8, flash_attention, fused_adamw_,
                                fused_linear_cross_entropy, quantize_int8, quantize_reference, rms_norm,
                                rms_norm_reference)
+from tinyscale.kernels.fused_norm import counter_site, fused_dropout_residual_layer_norm, fused_norm_reference
 from tinyscale.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from tinyscale.models.dropout import SITE_MLP, DropoutClock, residual_dropout
 
 DEVICE = os.environ.get("TINYSCALE_KERNEL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 pytestmark = [
@@ -195,3 +197,57 @@ def test_kernels_gpu_grouped_gemm_forward_and_backward(dtype):
     _assert_within(y, y64, yb, dtype, "y")
     _assert_within(dx, dx64, dxb, dtype, "dx")
     _assert_within(dw, dw64, dwb, dtype, "dw")
+
+
+def _on_device(fn, dtype):
+    """fn run on DEVICE in `dtype`, its outputs back on the CPU in float32 (the CPU checks' harness)."""
+    def run(*args, **kwargs):
+        move = lambda t: t.to(DEVICE, dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        outs = fn(*map(move, args), **{k: move(v) for k, v in kwargs.items()})
+        return tuple(t.float().cpu() for t in outs)
+    return run
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("B", "T", "C"), [(4, 50, 1000), (2, 33, 5000)], ids=["C1000", "C5000"])
+def test_kernels_gpu_fused_norm_forward_backward_and_the_models_mask(dtype, B, T, C):
+    """DS-32 compiled: dropout (counter mask) + residual + LayerNorm at widths that are not powers of
+    two, y, h and all five gradients against float64 (truth) and eager in the format (baseline),
+    and the mask bit-equal to the model's `residual_dropout` at the same clock."""
+    p, clock = 0.1, DropoutClock(seed=3, step=7, row0=12)
+    key, rows, positions = counter_site(clock, 2, SITE_MLP, B, T, DEVICE)
+    ones = torch.ones(B, T, C, device=DEVICE, dtype=dtype)
+    _, h_mask = fused_dropout_residual_layer_norm(ones, torch.zeros_like(ones), ones[0, 0], ones[0, 0] * 0, p=p,
+                                                  key=key, rows=rows, positions=positions)
+    model = residual_dropout(torch.ones(B, T, C, device=DEVICE), p, clock, 2, SITE_MLP)
+    assert torch.equal(h_mask != 0, model != 0), f"{((h_mask != 0) != (model != 0)).sum().item()} mask elements differ"
+
+    args = [_randn(B, T, C, dtype=dtype, seed=1, grad=True), _randn(B, T, C, dtype=dtype, seed=2, grad=True)] + \
+        [_randn(C, dtype=dtype, seed=s, grad=True) for s in (3, 4, 5)]  # x, residual, weight, ln_bias, bias
+    dy, dh = _randn(B, T, C, dtype=dtype, seed=6), _randn(B, T, C, dtype=dtype, seed=7)
+    y, h = fused_dropout_residual_layer_norm(*args[:4], p=p, key=key, rows=rows, positions=positions, bias=args[4])
+    if DEVICE != "cpu" or dtype == torch.float32:  # on the CPU, bf16/fp16 take the reference (module docstring)
+        assert "FusedNorm" in type(y.grad_fn).__name__, "the reference ran, not the kernel"
+    grads = torch.autograd.grad((y, h), args, (dy, dh))
+    a64 = [a.detach().double().requires_grad_() for a in args]
+    y64, h64 = fused_norm_reference(*a64[:4], p, key, rows, positions, a64[4])
+    g64 = torch.autograd.grad((y64, h64), a64, (dy.double(), dh.double()))
+    ab = [a.detach().clone().requires_grad_() for a in args]
+    yb, hb = fused_norm_reference(*ab[:4], p, key, rows, positions, ab[4])  # eager in the format
+    gb = torch.autograd.grad((yb, hb), ab, (dy, dh))
+    _assert_within(y, y64, yb, dtype, "y")
+    _assert_within(h, h64, hb, dtype, "h")
+    for name, got, truth, base in zip(("dx", "dresidual", "dweight", "dln_bias", "dbias"), grads, g64, gb):
+        _assert_within(got, truth, base, dtype, name)
+
+
+def test_kernels_gpu_fused_norm_keep_rate_and_independent_draws_on_4m_elements():
+    """The CPU's statistical checks (tests/kernels/test_fused_norm.py) on the compiled kernel, 4M
+    elements: the 5-sigma bound on the keep rate is then 7e-4. Float32: in bf16 the stored
+    1/(1-p) is itself rounded (1/0.9 -> 1.109375, 0.16% low), which the mean check would see."""
+    from tests.kernels.test_fused_norm import check_keep_rate, check_row_independence
+
+    fn = _on_device(fused_dropout_residual_layer_norm, torch.float32)
+    for p in (0.1, 0.3):
+        check_keep_rate(fn, p, B=16, T=256, C=1000)
+    check_row_independence(fn, 0.3, B=16, T=256, C=1000)

@@ -20,6 +20,8 @@
   between predicted and measured step times >= 0.8. --thorough because it times real steps on a
   machine shared with other work: its timings then move with the neighbours' load, and one run
   takes ~30 s idle, minutes under load.
+- Llama 2 70B on 1,024 A100s (`test_planner_llama2_70b_on_1024_a100s_pins_its_choice_next_to_nemo_s_layout`):
+  the planner's answer pinned, and NeMo's published layout costed beside it (lesson 12).
 Run: `pytest tests/planner -k planner` (--thorough for the ranking and the 6-16-rank layouts).
 """
 
@@ -38,8 +40,9 @@ from tests.planner.activations import SavedPeak
 from tinyscale.data import synthetic_token_batches
 from tinyscale.engine.layout_memory import CATEGORIES
 from tinyscale.models import GPT, GPTConfig
-from tinyscale.planner import Cluster, Layout, Link, estimate
+from tinyscale.planner import Cluster, Layout, estimate
 from tinyscale.planner.estimate import model_state_bytes
+from tinyscale.planner.measure import cpu_cluster
 from tinyscale.testing import run_on_ranks
 
 
@@ -129,25 +132,9 @@ RANK_LAYOUTS = [Layout(dp=2, micro_batch=4), Layout(dp=2, micro_batch=4, policy=
 def _time_layouts(layouts: list[Layout], rounds: int) -> dict:
     """This machine's parameters, then each layout's step time (the fastest of `rounds`, the
     layouts taken in turn so that a burst of load hits them alike)."""
-    from tinyscale.mfu import measured_peak
+    from tinyscale.planner.measure import measure_machine
 
-    peak = measured_peak("cpu", torch.float32, max_seconds=0.5)
-
-    def all_reduce_s(n: int) -> float:
-        x, best = torch.zeros(n), float("inf")
-        for _ in range(5):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    small, big = all_reduce_s(2), all_reduce_s(1 << 20)
-    tiny, idx, launch = GPT(RANK_CFG, seed=1), torch.zeros(1, 1, dtype=torch.long), float("inf")
-    for _ in range(5):  # one token: the host's work per layer, nothing to compute
-        start = time.perf_counter()
-        tiny(idx, idx).backward()
-        launch = min(launch, (time.perf_counter() - start) / (3 * (RANK_CFG.n_layer + 1)))
+    machine = measure_machine(RANK_CFG)
     engines = []
     for lay in layouts:
         config = lay.config(RANK_BATCH) | {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -162,8 +149,7 @@ def _time_layouts(layouts: list[Layout], rounds: int) -> dict:
             start = time.perf_counter()
             engine.train_batch(batch)
             times[i] = min(times[i], time.perf_counter() - start)
-    return {"peak": peak, "alpha": small / 2, "beta": 4 * (1 << 20) / max(big - small, 1e-9), "launch": launch,
-            "times": times}
+    return machine | {"times": times}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -186,9 +172,7 @@ def test_planner_spearman_is_rank_correlation():
 @pytest.mark.thorough
 def test_planner_ranks_cpu_layouts_like_measured_step_times():
     m = run_on_ranks(_time_layouts, 2, RANK_LAYOUTS, 3, timeout_s=1200)[0]
-    # the all-reduce of 2 floats costs 2 alpha on 2 ranks; of 2^20 floats 2 alpha + n/beta
-    cluster = Cluster(gpus=2, gpus_per_node=2, gpu_mem=1e12, peak_flops=m["peak"], efficiency=1.0,
-                      intra=Link(m["alpha"], m["beta"]), hbm_bw=10e9, overlap=False, launch_overhead=m["launch"])
+    cluster = cpu_cluster(2, m)  # what `tinyscale autotune` plans with (planner/measure.py)
     predicted = [estimate(RANK_CFG, lay, cluster, global_batch=RANK_BATCH, seq_len=64, dtype_bytes=4,
                           compute_bytes=None).time["total"] for lay in RANK_LAYOUTS]
     rho = spearman(predicted, m["times"])
@@ -244,3 +228,41 @@ def test_planner_says_when_nothing_fits():
 
     with pytest.raises(ValueError, match="no layout of 69.0B parameters fits 2 GPUs"):
         plan("llama2-70b", Cluster(gpus=2), global_batch=2, seq_len=4096)
+
+
+# Llama 2 70B on A100-80GB (Touvron et al. 2023, table 2: the GPU; 200 Gbps end-points: 25 GB/s), on
+# NeMo-Framework-Launcher's llama2_70b.yaml's 128 nodes x 8, with Llama 2's 4M-token batch
+# (lessons/12-engine.md, "Llama 2 70B: the published recipe and the planner's choice")
+A100_ARGS = ["--gpus", "1024", "--gpus-per-node", "8", "--gpu-mem", "80", "--peak-tflops", "312", "--intra-bw", "300",
+             "--inter-bw", "25", "--global-batch", "1024", "--seq-len", "4096", "--max-cp", "1"]
+
+
+def test_planner_llama2_70b_on_1024_a100s_pins_its_choice_next_to_nemo_s_layout(capsys):
+    """Pins the planner's answer for that cluster (a change to the model that moves it shows
+    here) and NeMo's published layout (tp 4 + SP x pp 4 with 20 virtual chunks, b 1, no
+    recomputation, distributed optimizer) costed by the same model."""
+    import dataclasses
+    import json
+
+    from tinyscale.cli import main
+    from tinyscale.planner import Link, resolve_model
+
+    assert main(["plan", "--model", "llama2-70b", *A100_ARGS, "--json", "--top", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cluster = Cluster(gpus=1024, gpu_mem=80 * 1e9, peak_flops=312 * 1e12, intra=Link(5 * 1e-6, 300 * 1e9),
+                      inter=Link(10 * 1e-6, 25 * 1e9))  # as the CLI multiplies its flags
+    assert out["cluster"] == json.loads(json.dumps(dataclasses.asdict(cluster)))  # the cluster the lesson states
+    best = out["ranked"][0]
+    assert best["describe"] == "tp 4 sp x pp 4 zb_h1 x dp 64, ZeRO 1, AC none, b 1"
+    # 4 significant digits: the model is deterministic; any change to its costs moves them
+    assert best["time_s"]["total"] == pytest.approx(8.948, abs=5e-4) and best["mfu"] == pytest.approx(0.652, abs=5e-4)
+    assert best["memory_bytes"]["total"] / 1e9 == pytest.approx(60.13, abs=5e-3)
+    assert (out["considered"], out["fitting"]) == (4392, 1920)
+    kw = dict(global_batch=1024, seq_len=4096)
+    cfg = resolve_model("llama2-70b")
+    nemo = estimate(cfg, Layout(dp=64, tp=4, pp=4, virtual_stages=20, schedule="interleaved_1f1b", zero_stage=1), cluster, **kw)
+    assert nemo.fits and nemo.time["total"] == pytest.approx(8.927, abs=5e-4)
+    assert abs(nemo.time["total"] / best["time_s"]["total"] - 1) < 0.005  # a tie: within 0.5%
+    # the planner's search interleaves 2 chunks only, and 2 do not fit: why it did not find NeMo's
+    two = estimate(cfg, Layout(dp=64, tp=4, pp=4, virtual_stages=2, schedule="interleaved_1f1b", zero_stage=1), cluster, **kw)
+    assert not two.fits and two.memory["total"] > 0.9 * 80e9

@@ -107,3 +107,12 @@ def test_comm_nested_records_and_async_rows():
         pair = (rank, rank + 2) if rank < 2 else (rank - 2, rank)  # (sender, receiver)
         assert ranks == [(0, 1, 2, 3), tuple(tp_group), pair]
         assert tp_group == [rank - rank % 2, rank - rank % 2 + 1]  # tp fastest: consecutive ranks
+
+
+def test_comm_nested_records_each_close_their_own_ledger():
+    # an inner ledger with the same rows as the enclosing one (here both empty) compares equal to it
+    with comm.record() as outer:
+        with comm.record() as inner:
+            assert inner == outer and comm._active[-1] is inner
+        assert len(comm._active) == 1 and comm._active[0] is outer
+    assert comm._active == []

@@ -186,7 +186,7 @@ class DeepSpeedEngine:
         engine = self.engine
         gas = self.gradient_accumulation_steps()
         try:
-            parallelize.skip_dropout_masks(engine.model, engine.config, [self._first_micro] * gas,
+            parallelize.skip_dropout_masks(engine.model, engine.plan, [self._first_micro] * gas,
                                            engine.dp_size - 1 - engine.dp_rank)  # exact TP dropout
             with comm.record(engine.comm_ledger):
                 total, failed, used, error = engine._agree_step(self._total, None)
@@ -217,7 +217,7 @@ class DeepSpeedEngine:
         self._window = contextlib.ExitStack()
         self._window.enter_context(engine.profiler.step())
         gas = self.gradient_accumulation_steps()  # exact TP dropout: the earlier dp ranks' masks
-        parallelize.skip_dropout_masks(engine.model, engine.config, [self._first_micro] * gas, engine.dp_rank)
+        parallelize.skip_dropout_masks(engine.model, engine.plan, [self._first_micro] * gas, engine.dp_rank)
 
     def _reset(self) -> None:
         if self._window is not None:

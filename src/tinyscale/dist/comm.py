@@ -156,8 +156,9 @@ def record(ledger: Ledger | None = None) -> Iterator[Ledger]:
     _active.append(ledger)
     try:
         yield ledger
-    finally:
-        _active.remove(ledger)
+    finally:  # by identity: `list.remove` compares ledgers (dataclasses) by their rows, so a nested one
+        # with the same rows as an enclosing one (both empty, say) would close the enclosing one
+        del _active[max(i for i, open_ledger in enumerate(_active) if open_ledger is ledger)]
 # --8<-- [end:record]
 
 

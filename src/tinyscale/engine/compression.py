@@ -39,6 +39,9 @@ What is refused, and why (before any process group exists):
 - bf16: error feedback would keep its residuals in bf16, whose 8-bit mantissa rounds away a
   residual below 1/256 of the gradient it is added to: what was not sent is lost, not delayed
   (the residuals would have to live in fp32, as the masters do).
+- onebit_adam with fp16 or bf16: both replace the optimizer (1-bit Adam steps what it is given
+  and communicates; mixed precision steps fp32 masters), so the engine asks for 1-bit Adam
+  first and refuses the pair by name rather than let one stand in for the other.
 - onebit_adam with gradient clipping (after the warm-up no rank holds the averaged gradient
   to take a norm of) or with an optimizer other than Adam/AdamW. Gradient accumulation is
   fine: gradients accumulate locally, as under DDP's no_sync, and the optimizer step
@@ -61,7 +64,7 @@ import torch.distributed as dist
 from tinyscale.compression import (
     QSGD, CompressionState, OneBitAdam, PowerSGDState, RandomK, TopK, compression_hook, powersgd_hook,
 )
-from tinyscale.config import EngineConfig
+from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import comm
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.plan import tp_placement
@@ -82,8 +85,9 @@ def check_config(config: EngineConfig) -> list[str]:
                    "before the loss scaler can skip the step",
            "bf16": "error feedback would keep its residuals in bf16, whose 8-bit mantissa rounds away a residual "
                    "below 1/256 of the gradient it is added to: what was not sent is lost, not delayed"}
+    problems += onebit_mixed_precision(config)
     for section in ("fp16", "bf16"):
-        if getattr(config, section).enabled:
+        if getattr(config, section).enabled and c.type != "onebit_adam":
             problems.append(f"compression.type={c.type!r} with {section}.enabled: {why[section]}; use float32 "
                             f"parameters with compression, or compression.type \"none\" with {section}")
     if c.type == "powersgd" and c.start_iter < 2:
@@ -99,6 +103,17 @@ def check_config(config: EngineConfig) -> list[str]:
     return problems
 
 
+def onebit_mixed_precision(config: EngineConfig) -> list[str]:
+    """onebit_adam with fp16 or bf16, refused by name: both replace the optimizer (Engine.__init__)."""
+    if config.compression.type != "onebit_adam":
+        return []
+    return [f"compression.type=\"onebit_adam\" with {s}.enabled: both replace the optimizer (1-bit Adam steps the "
+            f"parameters it is given and communicates itself; {s} steps fp32 masters with MixedPrecisionOptimizer), "
+            "so one would silently stand in for the other; composing them means 1-bit Adam stepping the masters and "
+            "agreeing its momentum on them; use float32 parameters with onebit_adam, or compression.type \"none\" "
+            f"with {s}" for s in ("fp16", "bf16") if getattr(config, s).enabled]
+
+
 def owns_communication(config: EngineConfig) -> bool:
     """True when the optimizer does the data-parallel communication (no DDP wrapper)."""
     return config.compression.type == "onebit_adam"
@@ -107,6 +122,8 @@ def owns_communication(config: EngineConfig) -> bool:
 def optimizer(groups, config: EngineConfig, group, model=None, pipeline=None) -> torch.optim.Optimizer:
     """1-bit Adam over `groups` with the config's optimizer params (AdamW's decoupled decay); its
     averaged momentum made to agree on TP copies and a pipeline's tied table (`agreement`)."""
+    if problems := onebit_mixed_precision(config):  # the engine asks for 1-bit Adam first: refused, not replaced
+        raise ConfigError("\n  ".join(problems))
     p = config.optimizer.params
     opt = OneBitAdam(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
                      freeze_step=config.compression.freeze_step, group=group)

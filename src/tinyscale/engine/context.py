@@ -56,6 +56,7 @@ from tinyscale.context_parallel.apply import (
     ContextParallel, parallelize_attention, sharded_mean_loss, token_cross_entropy,
 )
 from tinyscale.dist import ParallelMesh
+from tinyscale.engine.plan import LayoutPlan
 from tinyscale.engine.refusals import check_degree
 from tinyscale.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -111,10 +112,10 @@ def reduce_group(mesh: ParallelMesh | None) -> tuple[object, int, int]:
 # --8<-- [end:reduce-group]
 
 
-def _token_losses(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh):
+def _token_losses(model: torch.nn.Module, plan: LayoutPlan, mesh: ParallelMesh):
     """Per-token losses of the head's output: cross-entropy, or with tensor parallelism (the
     head holds a vocab slice) Megatron's loss over the TP group, never gathered."""
-    if config.parallel.tensor == 1:
+    if plan.tp == 1:
         return token_cross_entropy
     group, vocab = mesh.group("tp"), model.config.vocab_size
 
@@ -125,26 +126,24 @@ def _token_losses(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMe
     return losses
 
 
-def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> None:
+def apply(model: torch.nn.Module, plan: LayoutPlan, mesh: ParallelMesh | None) -> None:
     """Context parallelism over the mesh's cp axis, in place (nothing when cp = 1)."""
-    par = config.parallel
-    if par.context == 1:
+    if plan.cp == 1:
         return
-    apply_context_parallel(model, mesh.group("cp"), algorithm=par.context_algorithm,
-                           sharding=par.context_sharding, token_losses=_token_losses(model, config, mesh))
+    apply_context_parallel(model, mesh.group("cp"), algorithm=plan.context_algorithm,
+                           sharding=plan.context_sharding, token_losses=_token_losses(model, plan, mesh))
 
 
 # --8<-- [start:stages]
-def apply_to_stages(stages: dict, model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh):
+def apply_to_stages(stages: dict, model: torch.nn.Module, plan: LayoutPlan, mesh: ParallelMesh):
     """pp x cp: this rank's pipeline stages (`GPTStage`s) run on their sequence shard, in place;
     returns the last stage's loss_fn. Each stage's attention becomes ring or Ulysses over the cp
     axis and reads RoPE at the shard's global positions; the loss is the full rows' mean (the
     same on every cp rank) with a backward of cp times its gradient, so that DDP's or ZeRO's
     mean over dp x cp sums over cp (`reduce_group`)."""
-    par = config.parallel
     group = mesh.group("cp")
-    losses = _token_losses(model, config, mesh)
-    state = ContextParallel(group, par.context_algorithm, par.context_sharding, losses)
+    losses = _token_losses(model, plan, mesh)
+    state = ContextParallel(group, plan.context_algorithm, plan.context_sharding, losses)
     rank, last = mesh.rank("cp"), model.config.max_seq_len - 1
 
     def positions(local_len: int) -> torch.Tensor:  # padded positions past the table reach no real token

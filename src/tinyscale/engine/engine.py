@@ -122,33 +122,36 @@ class Engine:
                  param_groups: ParamGroups | None = None, zero3_wrap: Wrap = None, peak_flops: float | None = None,
                  optimizer: OptimizerFactory | None = None):
         world = dist.get_world_size() if dist.is_initialized() else 1
+        self.device = device()
+        notes = runtime_notes(config, has_gpu=self.device.type == "cuda")  # read with the layout, logged below
         # The layout decided once: every refusal in one ConfigError, before any process group is made.
+        # From here on the layout (the parallel and zero_optimization sections) is read from the plan.
         self.plan = plan_layout(config, model, world, mesh)
         self.config = config
         make = optimizer_factory(config, optimizer)  # the config's optimizer, or the caller's own
         # A caller's optimizer keeps its own learning rate unless the config has a schedule.
         self._schedules_lr = optimizer is None or config.scheduler is not None
-        mesh = parallelize.build_mesh(config, world, mesh)
+        mesh = parallelize.build_mesh(self.plan, mesh)
         self.mesh = mesh
         self.dp_group = mesh.group("dp") if mesh is not None else None
         self.dp_rank = mesh.rank("dp") if mesh is not None else 0
         self.dp_size = mesh.size("dp") if mesh is not None else 1
         # Gradients are averaged over dp x cp (engine/context.py; just dp without context parallelism).
         self.reduce_group, self.reduce_rank, self.reduce_size = context.reduce_group(mesh)
-        self.cp_size = config.parallel.context
+        self.cp_size = self.plan.cp
         self.batch = config.batch(self.dp_size)
-        self.device = device()
         # DeepSpeed keys accepted with no effect here: said once, with the reason (rank 0).
-        self.config_notes = (*config.notes, *runtime_notes(config, has_gpu=self.device.type == "cuda"))
+        self.config_notes = (*config.notes, *notes)
         log_notes(self.config_notes)
         self.model = model.to(self.device)
         # Pipeline partition first: from here on the model holds this rank's stages only, and
         # train_batch runs the schedule (engine/pipeline_step.py); None without parallel.pipeline.
-        self.pipeline = parallelize.partition_pipeline(self.model, config, mesh)
+        self.pipeline = parallelize.partition_pipeline(self.model, self.plan, mesh,
+                                                       self.batch.gradient_accumulation_steps)
         # Tensor parallel, then activation checkpointing (engine/parallelize.py, the one order);
         # mixed precision and DP/ZeRO below hook into what they leave.
-        parallelize.parallelize_model(self.model, config, mesh, pipeline=self.pipeline)
-        self.tp_size = config.parallel.tensor
+        parallelize.parallelize_model(self.model, self.plan, mesh, pipeline=self.pipeline)
+        self.tp_size = self.plan.tp
         self._tp_shapes = {n: p.shape for n, p in self.model.state_dict().items()}  # before ZeRO-3 shards them
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
@@ -158,7 +161,7 @@ class Engine:
         self.comm_ledger = comm.Ledger()
         self.ddp = self.zero = None
         self._before_step_report: MemoryReport | None = None
-        zero = config.zero_optimization
+        zero = self.plan.zero  # the last transform, DP or ZeRO over dp (x cp), as the plan says
         # Mixed precision (tinyscale.precision): the model computes in fp16/bf16, fp32 masters
         # and states step; fp16 scales the loss. The masters are taken from the parameters'
         # full-precision values before they are rounded, so the optimizer is built first.
@@ -175,8 +178,12 @@ class Engine:
         overflow_group = dist.group.WORLD if dist.is_initialized() else None
         # --8<-- [end:overflow-group]
         with comm.record(self.comm_ledger):  # the initial broadcast is the engine's traffic too
-            if zero.stage == 0:
-                if self.compute_dtype is not None:
+            if self.plan.zero_stage == 0:
+                if compression.owns_communication(config):  # 1-bit Adam averages over dp itself; asked for
+                    # first, so mixed precision cannot silently replace it (it refuses fp16/bf16 by name)
+                    self.optimizer = compression.optimizer(groups, config, self.reduce_group, self.model,
+                                                           self.pipeline)
+                elif self.compute_dtype is not None:
                     self.optimizer = MixedPrecisionOptimizer(
                         groups, make, dtype=self.compute_dtype,
                         loss_scaler=self.loss_scaler, process_group=overflow_group)  # rounds frozen ones too
@@ -186,9 +193,6 @@ class Engine:
                         self.optimizer.clip_grad_norm_ = lambda max_norm: self.grad_norm().clip_(
                             max_norm, [(p, m.grad) for p, m in zip(mp.params, mp.masters)])
                     # --8<-- [end:mixed-precision-clip]
-                elif compression.owns_communication(config):  # 1-bit Adam averages over dp itself
-                    self.optimizer = compression.optimizer(groups, config, self.reduce_group, self.model,
-                                                           self.pipeline)
                 else:
                     self.optimizer = make(groups)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
@@ -206,16 +210,16 @@ class Engine:
                 off = {"offload_optimizer": zero.offload_optimizer.device, "param_dtype": self.compute_dtype,
                        "loss_scaler": self.loss_scaler, "sub_group_size": zero.sub_group_size,
                        "pin_memory": zero.offload_optimizer.pin_memory}
-                if zero.stage == 1:  # reduce-scatters in units of at most reduce_bucket_size
+                if self.plan.zero_stage == 1:  # reduce-scatters in units of at most reduce_bucket_size
                     self.zero = ZeroStage1(groups, make, self.reduce_group, **off, bucket_bytes=bucket_bytes,
                                            nvme_path=zero.offload_optimizer.nvme_path)
-                elif zero.stage == 2:
+                elif self.plan.zero_stage == 2:
                     self.zero = ZeroStage2(groups, make, self.reduce_group, bucket_bytes=bucket_bytes,
                                            overlap=zero.overlap_comm, **off, nvme_path=zero.offload_optimizer.nvme_path)
                 elif self.pipeline is not None:  # stage 3 under a schedule: one unit per stage (pipeline_step.py)
                     self.zero = self.pipeline.zero_stage3(
                         groups, make, self.reduce_group, **off, nvme_path=zero.offload_optimizer.nvme_path,
-                        reshard_after_forward=config.parallel.pipeline_reshard_after_forward,
+                        reshard_after_forward=self.plan.pipeline_reshard_after_forward,
                         offload_param=zero.offload_param.device, param_nvme_path=zero.offload_param.nvme_path,
                         pin_param_memory=zero.offload_param.pin_memory)
                 else:
@@ -228,7 +232,7 @@ class Engine:
                                            persistence_threshold=zero.stage3_param_persistence_threshold,
                                            pin_param_memory=zero.offload_param.pin_memory)
                 self.optimizer = self.zero.sharded.optimizer
-                if zero.stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
+                if self.plan.zero_stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
                     self.zero.sharded.reduce_scatter = zero.reduce_scatter
                     self.zero.sharded.allgather_bucket_size = zero.allgather_bucket_size
                 else:  # stage 3's prefetch bounds, in elements (DeepSpeed's; zero/stage3_prefetch.py)
@@ -259,7 +263,7 @@ class Engine:
             self.tp_size > 1 or self.cp_size > 1) else None
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
-                                     num_devices=self.reduce_size * self.tp_size * config.parallel.pipeline
+                                     num_devices=self.reduce_size * self.tp_size * self.plan.pp
                                      if self.device.type == "cuda" else 1)
         self.last_step: dict = {}
         self._clock = time.perf_counter  # tests script it
@@ -333,7 +337,7 @@ class Engine:
         watch = self._failure_watch
         with comm.record(self.comm_ledger), watch.attempt_step() if watch else contextlib.nullcontext():
             try:
-                parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_rank)  # exact TP dropout
+                parallelize.skip_dropout_masks(self.model, self.plan, micro, self.dp_rank)  # exact TP dropout
                 # --8<-- [start:accumulate]
                 for i, chunk in enumerate(micro):
                     last = i == len(micro) - 1
@@ -349,7 +353,7 @@ class Engine:
                             self._scaled(loss * self.cp_size / len(micro)).backward()
                     total += loss.detach().double()
                 # --8<-- [end:accumulate]
-                parallelize.skip_dropout_masks(self.model, self.config, micro, self.dp_size - 1 - self.dp_rank)
+                parallelize.skip_dropout_masks(self.model, self.plan, micro, self.dp_size - 1 - self.dp_rank)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it below, then it is re-raised
                 error = exc
                 if watch is not None:

@@ -102,13 +102,14 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
         raise ConfigError("; ".join(problems))
 
 
-def apply(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None) -> None:
-    """The MoE layers of this rank's model (its stages) compute their ep share of the experts."""
-    ep = config.parallel.expert
+def apply(model: torch.nn.Module, plan, mesh: ParallelMesh | None) -> None:
+    """The MoE layers of this rank's model (its stages) compute their ep share of the experts
+    (`plan`: the `LayoutPlan`, engine/plan.py)."""
+    ep = plan.ep
     if ep > 1:
         ep_group, edp_group = expert_groups(mesh.layout, ep)
         apply_expert_parallel(model, ep_group)
-        shard_experts(model, edp_group, mesh.size("dp"))  # E / ep experts stored here, tagged for DDP / ZeRO
+        shard_experts(model, edp_group, plan.dp)  # E / ep experts stored here, tagged for DDP / ZeRO
 
 
 # --8<-- [start:placement]

@@ -56,6 +56,7 @@ from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.engine import context, expert, pipeline_layout
 from tinyscale.engine.pipeline_step import PipelineStep
+from tinyscale.engine.plan import LayoutPlan
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from tinyscale.tensor_parallel.auto import apply_autotp, find_plan
@@ -91,17 +92,17 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
 
 
 def check_tensor_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
-                        mesh: ParallelMesh | None = None) -> None:
-    """Tensor parallelism's part of `check_layout` (`engine/plan.py` runs each part and lists them all)."""
+                        mesh: ParallelMesh | None = None) -> dict[str, str] | None:
+    """Tensor parallelism's part of `check_layout` (`engine/plan.py` runs each part and lists them all);
+    returns AutoTP's plan for a model tinyscale did not write (`LayoutPlan.autotp`), else None."""
     tp = config.parallel.tensor
     if mesh is not None and mesh.size("tp") != tp:
         raise ConfigError(f"parallel.tensor={tp} but the mesh passed to initialize has tp={mesh.size('tp')}: "
                           f"make them equal (or pass no mesh: the engine builds dp={world_size // tp}, tp={tp})")
     if tp == 1:
-        return
+        return None
     if not isinstance(model, GPT):  # AutoTP: found in the module tree, or refused by name
-        check_autotp(config, model, tp, world_size)
-        return
+        return check_autotp(config, model, tp, world_size)
     if config.parallel.tp_plan:
         raise ConfigError("parallel.tp_plan places the layers of a model tinyscale did not write (AutoTP); "
                           "tinyscale's GPT is split by its own plan (tensor_parallel/apply.py): remove tp_plan")
@@ -110,11 +111,13 @@ def check_tensor_layout(config: EngineConfig, model: torch.nn.Module, world_size
         raise ConfigError(f"parallel.tensor_dropout={config.parallel.tensor_dropout!r} with GPTConfig.dropout_masks="
                           "'counter': tensor_dropout chooses how TP ranks draw stream masks, and counter masks are "
                           "hashed from global coordinates, the same on every rank; remove tensor_dropout")
+    return None
 
 
-def check_autotp(config: EngineConfig, model: torch.nn.Module, tp: int, world_size: int) -> None:
-    """AutoTP's part of `check_tensor_layout`: the plan is found (pure), and what it cannot serve refused."""
-    problems = []
+def check_autotp(config: EngineConfig, model: torch.nn.Module, tp: int, world_size: int) -> dict[str, str]:
+    """AutoTP's part of `check_tensor_layout`: the plan is found (pure), and what it cannot serve
+    refused; returns the plan, which `parallelize_model` applies as found (it is not searched twice)."""
+    problems, plan = [], {}
     if config.parallel.sequence_parallel:
         problems.append(f"parallel.sequence_parallel with a {type(model).__name__}: sequence parallelism runs "
                         "norms and residuals on sequence shards inside tinyscale's GPT's forward, and AutoTP "
@@ -123,13 +126,14 @@ def check_autotp(config: EngineConfig, model: torch.nn.Module, tp: int, world_si
         problems.append(f"parallel.tensor_dropout with a {type(model).__name__}: it chooses how tinyscale's GPT "
                         "draws dropout masks, and AutoTP refuses dropout; remove tensor_dropout")
     try:
-        find_plan(model, tp, config.parallel.tp_plan)
+        plan = find_plan(model, tp, config.parallel.tp_plan)
     except ValueError as exc:
         problems.append(f"parallel.tensor={tp}: {exc}")
     if world_size % tp != 0:
         problems.append(f"parallel.tensor={tp} does not divide the world size {world_size}")
     if problems:
         raise ConfigError("\n".join(problems))
+    return plan
 
 
 def check_gpt_split(gpt_config, tp: int, world_size: int) -> None:
@@ -144,46 +148,46 @@ def check_gpt_split(gpt_config, tp: int, world_size: int) -> None:
                           f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}")
 
 
-def build_mesh(config: EngineConfig, world_size: int, mesh: ParallelMesh | None) -> ParallelMesh | None:
-    """The caller's mesh, or dp = world / (cp tp) by cp by tp (none in a plain single process)."""
-    if mesh is not None or world_size == 1:
+def build_mesh(plan: LayoutPlan, mesh: ParallelMesh | None) -> ParallelMesh | None:
+    """The caller's mesh, or the plan's pp x dp x cp x tp (none in a plain single process)."""
+    if mesh is not None or plan.world_size == 1:
         return mesh
-    tp, cp, pp = config.parallel.tensor, config.parallel.context, config.parallel.pipeline
-    return ParallelMesh(dp=world_size // (tp * cp * pp), cp=cp, tp=tp, pp=pp)
+    return ParallelMesh(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp)
 
 
-def partition_pipeline(model: torch.nn.Module, config: EngineConfig,
-                       mesh: ParallelMesh | None) -> PipelineStep | None:
+def partition_pipeline(model: torch.nn.Module, plan: LayoutPlan, mesh: ParallelMesh | None,
+                       micro_batches: int) -> PipelineStep | None:
     """First in the order: cut the GPT into pipeline stages and keep this rank's, in place
-    (`engine/pipeline_step.py`); None without parallel.pipeline."""
-    return PipelineStep(model, config, mesh) if config.parallel.pipeline > 1 else None
+    (`engine/pipeline_step.py`), its schedule lowered for `micro_batches` per step; None without
+    a pipeline."""
+    return PipelineStep(model, plan, mesh, micro_batches) if plan.pp > 1 else None
 
 
-def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: ParallelMesh | None,
+def parallelize_model(model: torch.nn.Module, plan: LayoutPlan, mesh: ParallelMesh | None,
                       pipeline: PipelineStep | None = None) -> torch.nn.Module:
     """The model-changing steps of the order, in place: tensor / sequence parallel, then
     activation checkpointing (it rebuilds blocks, which the DP/ZeRO hooks then attach to).
-    After `partition_pipeline` (`pipeline`), tensor parallelism splits this rank's stages."""
-    par = config.parallel
-    if par.tensor > 1 and not isinstance(model, GPT):  # AutoTP: the plan check_layout found
-        apply_autotp(model, mesh.group("tp"), find_plan(model, par.tensor, par.tp_plan))
-    elif par.tensor > 1 and pipeline is not None:  # pp x tp (engine/pipeline_tp.py); counter dropout only
-        pipeline.split_tensor_parallel(model, mesh, sequence_parallel=par.sequence_parallel)
-    elif par.tensor > 1:
-        exact, seed = par.tensor_dropout == "exact", 0
+    After `partition_pipeline` (`pipeline`), tensor parallelism splits this rank's stages.
+    Everything is read from `plan` (`engine/plan.py`), none of it from the config."""
+    if plan.tp > 1 and not isinstance(model, GPT):  # AutoTP: the plan plan_layout's check found
+        apply_autotp(model, mesh.group("tp"), dict(plan.autotp))
+    elif plan.tp > 1 and pipeline is not None:  # pp x tp (engine/pipeline_tp.py); counter dropout only
+        pipeline.split_tensor_parallel(model, mesh, sequence_parallel=plan.sequence_parallel)
+    elif plan.tp > 1:
+        exact, seed = plan.tensor_dropout == "exact", 0
         # Stream masks: the shared stream equal where the masks must agree (random.py); counter masks need none.
         if model.config.dropout > 0 and model.config.dropout_masks == "stream":
             group, src = (None, 0) if exact else (mesh.group("tp"), mesh.group_ranks("tp")[0])
             seed = share_stream(group, src, next(model.parameters()).device)
-        apply_tensor_parallel(model, mesh, sequence_parallel=par.sequence_parallel, exact_dropout=exact,
+        apply_tensor_parallel(model, mesh, sequence_parallel=plan.sequence_parallel, exact_dropout=exact,
                               dropout_seed=seed)
-    if par.context > 1 and pipeline is not None:  # pp x cp: this rank's stages on their sequence shard
-        pipeline.split_context_parallel(model, config, mesh)
+    if plan.cp > 1 and pipeline is not None:  # pp x cp: this rank's stages on their sequence shard
+        pipeline.split_context_parallel(model, plan, mesh)
     else:
-        context.apply(model, config, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
-    expert.apply(model, config, mesh)  # an MoE GPT's experts split over the ep groups inside dp (engine/expert.py)
+        context.apply(model, plan, mesh)  # ring or Ulysses attention over the cp axis (engine/context.py)
+    expert.apply(model, plan, mesh)  # an MoE GPT's experts split over the ep groups inside dp (engine/expert.py)
     # --8<-- [start:activation-checkpointing]
-    ac = config.activation_checkpointing
+    ac = plan.checkpointing
     if ac.policy != "none":  # a recomputation replays the TP tracker's stream too (tensor_parallel/random.py)
         tracker = getattr(model, "rng_tracker", None)
         apply_policy(model, ac.policy, every_k=ac.every_k, use_reentrant=ac.use_reentrant,
@@ -195,11 +199,11 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
 
 
 # --8<-- [start:dropout]
-def skip_dropout_masks(model: torch.nn.Module, config: EngineConfig, micro: list, forwards: int) -> None:
+def skip_dropout_masks(model: torch.nn.Module, plan: LayoutPlan, micro: list, forwards: int) -> None:
     """Exact dropout over dp ranks: draw (and drop) the masks of `forwards` micro-batches of the
     others, as one process draws the global batch's micro-batches in order (dp rank r's come after
     r * len(micro) others'). Nothing to do without tensor parallelism's exact mode."""
-    if not (forwards and micro and config.parallel.tensor > 1 and config.parallel.tensor_dropout == "exact"
+    if not (forwards and micro and plan.tp > 1 and plan.tensor_dropout == "exact"
             and isinstance(model, GPT) and model.config.dropout > 0 and model.config.dropout_masks == "stream"):
         return
     rows, seq_len = micro[0][0].shape  # every dp rank's micro-batches have this shape

@@ -75,10 +75,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from tinyscale.config import EngineConfig
 from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm
 from tinyscale.engine import compression, context, expert
+from tinyscale.engine.plan import LayoutPlan
 from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.models.gpt import GPT, _check_ids
 from tinyscale.optim import check_elementwise_state, lr_at, set_lr
@@ -105,17 +105,15 @@ SCHEDULES = {  # parallel.pipeline_schedule -> (p, m, v) -> compute actions per 
 class PipelineStep:
     """This rank's stages, its schedule's executor, and one training step over them."""
 
-    def __init__(self, model: GPT, config: EngineConfig, mesh: ParallelMesh) -> None:
-        par = config.parallel
-        p, v = par.pipeline, par.virtual_stages
-        m = config.batch(mesh.size("dp")).gradient_accumulation_steps
+    def __init__(self, model: GPT, plan: LayoutPlan, mesh: ParallelMesh, micro_batches: int) -> None:
+        p, v, m = plan.pp, plan.virtual_stages, micro_batches
         self.group, self.ranks, self.rank = mesh.group("pp"), mesh.group_ranks("pp"), mesh.rank("pp")
         self.shapes = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}  # the original keys
         self.order = {n: i for i, (n, _) in enumerate(model.named_parameters())}  # a tied table once
         self.gpt_config = model.config
         self.plan = partition_gpt(model.config, p, virtual_stages=v)
         self.stages = apply_pipeline(model, self.plan, self.rank)
-        self.schedule = add_communication(SCHEDULES[par.pipeline_schedule](p, m, v))
+        self.schedule = add_communication(SCHEDULES[plan.schedule](p, m, v))
         self.executor = PipelineExecutor(self.schedule, self.rank, self.stages, loss_fn=gpt_loss,
                                          ranks=self.ranks, group=self.group)
         self.tp_group = self.cp_group = self.stage3 = None
@@ -145,11 +143,11 @@ class PipelineStep:
         self.executor.loss_fn = pipeline_tp.vocab_parallel_loss(self.tp_group, model.config.vocab_size)
         self._bind(model)  # the embedding and head are new Parameters
 
-    def split_context_parallel(self, model: GPT, config: EngineConfig, mesh: ParallelMesh) -> None:
+    def split_context_parallel(self, model: GPT, plan: LayoutPlan, mesh: ParallelMesh) -> None:
         """Third: this rank's stages run on their sequence shard, attention over the cp axis
         (`engine/context.py`); each micro-batch is sharded in `train_step`."""
-        self.cp_group, self.cp_sharding = mesh.group("cp"), config.parallel.context_sharding
-        self.executor.loss_fn = context.apply_to_stages(self.stages, model, config, mesh)
+        self.cp_group, self.cp_sharding = mesh.group("cp"), plan.context_sharding
+        self.executor.loss_fn = context.apply_to_stages(self.stages, model, plan, mesh)
 
     def zero_stage3(self, groups, make, group, *, reshard_after_forward: bool, **kwargs) -> ZeroStage3Manual:
         """Last in the order, ZeRO stage 3 over dp (x cp): one unit per stage of this rank, gathered

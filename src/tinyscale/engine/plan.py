@@ -6,10 +6,17 @@
     GradNorm(engine)                                # engine/grad_norm.py: the clipping norm read from them
 
 `plan_layout` runs every check the engine has (the config's own, the compression section's,
-then tensor, context and pipeline parallelism's with the model and the world) and raises ONE
-`ConfigError` listing every problem, so a reader fixes a config in one round instead of one
-error per run. What it returns is the grid and each axis's job; `Engine.__init__` builds the
-mesh from it and applies the transforms in the order `engine/parallelize.py` writes down.
+then tensor, context, pipeline and expert parallelism's with the model and the world) and raises
+ONE `ConfigError` listing every problem, so a reader fixes a config in one round instead of one
+error per run. What it returns is the grid, each axis's job, and every setting the transforms
+read: the schedule and virtual stages, SP, the cp algorithm and sharding, TP's dropout mode,
+AutoTP's plan (found by the check, carried here and applied as found: not searched twice), the
+activation-checkpointing policy, the ZeRO section and stage 3's resharding under a pipeline.
+`Engine.__init__` builds the mesh from it and applies the transforms in the order
+`engine/parallelize.py` writes down, each given the plan, not the config: the validators that
+`plan_layout` calls are the only code under engine/ that reads the config's `parallel` or
+`zero_optimization` section (`pytest -k layout_plan` scans for any other reader, and builds and
+trains engines whose config loses those sections as soon as `plan_layout` returns).
 
 `placements(engine)` describes, for every parameter this rank holds, where it sits on each
 axis: its tp split (replicated; a shard along a dim, maybe padded; a copy of a K/V head), the
@@ -33,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.config import ActivationCheckpointingConfig, ConfigError, EngineConfig, ZeroConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.dist.mesh import MeshLayout
 from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -58,6 +65,14 @@ class LayoutPlan:
     zero_stage: int = 0
     ep: int = 1  # expert parallelism: runs of ep dp ranks split the experts (engine/expert.py)
     moe: bool = False  # the model is an MoE GPT (its routing is logged in engine.last_step["moe"])
+    # What the transforms read besides the degrees, copied from the config here: after plan_layout
+    # nothing reads the config's parallel or zero_optimization section (`pytest -k layout_plan`).
+    tensor_dropout: str = "exact"  # how TP ranks draw stream dropout masks (parallel.tensor_dropout)
+    autotp: tuple[tuple[str, str], ...] = ()  # AutoTP's plan as found by the check: (module name, style)
+    context_sharding: str = "zigzag"  # how cp cuts the sequence (zigzag, contiguous)
+    pipeline_reshard_after_forward: bool = False  # ZeRO 3 under a pipeline: free a stage after each pass
+    checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)  # the section DP/ZeRO is built from (stage: zero_stage)
 
     @property
     def layout(self) -> MeshLayout:
@@ -99,10 +114,11 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     problems = parallelize.check_config(config) + compression.check_config(config)
     if problems:  # the config alone: the "not supported" list, as check_supported words it
         problems = ["not supported by this engine yet:\n  " + "\n  ".join(problems)]
+    autotp = None  # what check_tensor_layout found for a model tinyscale did not write, applied as found
     for check in (context.check_layout, pipeline_layout.check_layout, parallelize.check_tensor_layout,
                   expert.check_layout):
         try:
-            check(config, model, world_size, mesh)
+            autotp = check(config, model, world_size, mesh) or autotp
         except ConfigError as exc:
             problems.append(str(exc))
     if len(problems) == 1:
@@ -115,7 +131,11 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
                       virtual_stages=par.virtual_stages, schedule=par.pipeline_schedule,
                       sequence_parallel=par.sequence_parallel, context_algorithm=par.context_algorithm,
                       zero_stage=config.zero_optimization.stage, ep=par.expert,
-                      moe=bool(getattr(getattr(model, "config", None), "moe_experts", 0)))
+                      moe=bool(getattr(getattr(model, "config", None), "moe_experts", 0)),
+                      tensor_dropout=par.tensor_dropout, autotp=tuple((autotp or {}).items()),
+                      context_sharding=par.context_sharding,
+                      pipeline_reshard_after_forward=par.pipeline_reshard_after_forward,
+                      checkpointing=config.activation_checkpointing, zero=config.zero_optimization)
 
 
 # --8<-- [start:placement]
@@ -219,7 +239,7 @@ def placements(engine, include_frozen: bool = False) -> dict[str, Placement]:
     copy, ZeRO's fragments (call it between steps, on every rank or just this one: no collectives).
     `include_frozen`: frozen parameters too (checkpoints hold them; they are never ZeRO-sharded)."""
     model, pipeline, zero = engine.model, engine.pipeline, engine.zero
-    tp = engine.config.parallel.tensor
+    tp = engine.plan.tp
     if pipeline is not None:  # the original model's shapes, under its names
         global_shapes = pipeline.full_shapes()
     else:

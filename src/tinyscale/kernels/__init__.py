@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | `flash_attention.py` | FlashAttention-2 forward + backward with lse, causal, GQA, any length | materialised scores |
 | `rmsnorm.py` | fused RMSNorm forward + backward | 5 elementwise passes |
+| `fused_norm.py` | dropout (counter mask) + residual + LayerNorm, forward + backward (DS-32) | add, dropout, add, layer_norm |
 | `adamw.py` | AdamW over one flat buffer (a ZeRO shard's shape); `FusedAdamW` for ZeRO | ~10 kernels per tensor |
 | `quantize.py` | int8 quantize / dequantize with per-block scales | abs, amax, div, round, cast |
 | `cross_entropy.py` | fused linear + cross-entropy, chunked rows | (N, V) logits, softmax, its gradient |
@@ -21,12 +22,14 @@ from tinyscale.kernels.cross_entropy import fused_linear_cross_entropy
 from tinyscale.kernels.flash_attention import (
     attention_reference, flash_attention, flash_block, flash_block_backward, kernel_ok,
 )
+from tinyscale.kernels.fused_norm import fused_dropout_residual_layer_norm, fused_norm_reference
 from tinyscale.kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from tinyscale.kernels.quantize import dequantize_int8, dequantize_reference, quantize_int8, quantize_reference
 from tinyscale.kernels.rmsnorm import rms_norm, rms_norm_reference
 
 __all__ = [
     "HAS_TRITON", "FusedAdamW", "adamw_reference_", "attention_reference", "dequantize_int8", "dequantize_reference",
-    "flash_attention", "flash_block", "flash_block_backward", "fused_adamw_", "grouped_gemm", "grouped_gemm_reference", "fused_linear_cross_entropy", "kernel_ok", "quantize_int8",
+    "flash_attention", "flash_block", "flash_block_backward", "fused_adamw_", "fused_dropout_residual_layer_norm",
+    "fused_norm_reference", "grouped_gemm", "grouped_gemm_reference", "fused_linear_cross_entropy", "kernel_ok", "quantize_int8",
     "quantize_reference", "rms_norm", "rms_norm_reference", "use_triton",
 ]

@@ -10,6 +10,7 @@
 - `search.py`: every layout, the ones that fit, ranked, and why each runner-up lost.
 - `topology.py`: `nvidia-smi topo -m` to link bandwidths and the placement of tp/cp groups.
 - `autotune.py`: short trials of the planner's best candidates on the ranks at hand.
+- `measure.py`: the ranks at hand measured (matmul peak, gloo's alpha and beta, host overhead).
 - `report.py`: `tinyscale plan`'s flags and tables.
 
 Composes the engine (`engine.layout_memory`, `engine.plan`), `tinyscale.mfu`, the pipeline's

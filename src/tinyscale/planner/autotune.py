@@ -2,6 +2,7 @@
 
     tinyscale autotune --config ds.json --world-size 2 [--model small] [--seq-len 64] [--trials 4]
                        [--steps 3] [--time-limit 60] [--memory-limit-mb 0] [--out autotune_best.json]
+                       [--peak-gflops G] [--link-latency-us A] [--link-gbps B] [--host-overhead-ms H]
 
 DeepSpeed's autotuner (deepspeed/autotuning) is the anchor: it reads the user's config, explores
 ZeRO stages and micro-batch sizes with short experiments, measures throughput and writes the
@@ -13,6 +14,11 @@ OutOfMemoryError, or over `--memory-limit-mb` by `engine.memory_report`, agreed 
 or out of time (over `--time-limit` seconds, agreed over the ranks after each step) stops, is
 marked, and the next one runs. The winner is the highest measured tokens/s; its config (the
 user's, with the layout's keys replaced) is written to `--out`, the table of trials printed.
+
+The planner ranks the candidates with this machine measured at start (`planner/measure.py`:
+the matmul peak, gloo's all-reduce alpha and beta, the host's overhead per layer, on the ranks
+of the trials), printed before the trials; `--peak-gflops`, `--link-latency-us`, `--link-gbps`
+and `--host-overhead-ms` give a value instead (all four: nothing is measured).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from tinyscale.planner.cluster import Cluster
 from tinyscale.planner.estimate import Layout, estimate
+from tinyscale.planner.measure import MEASURED_KEYS, cpu_cluster, describe, measure_machine
 from tinyscale.planner.search import plan
 
 LAYOUT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
@@ -118,16 +125,33 @@ def candidates(model_config, base: dict, world: int, seq_len: int, trials: int, 
     return out
 
 
+def _default_runner(time_limit_s: float):
+    from tinyscale import dist
+
+    return lambda fn, n, *a: dist.launch(fn, n, *a, timeout_s=time_limit_s * 4 + 120)
+
+
+def machine(model_config, world: int, *, given: dict | None = None, runner=None) -> dict:
+    """`measure_machine`'s dict for `world` ranks of this machine, measured on them (one launch),
+    with `given` values (same keys) in place of measured ones; all four given: no launch."""
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    unknown = set(given) - set(MEASURED_KEYS)
+    if unknown:
+        raise ValueError(f"unknown machine values {sorted(unknown)}: use {', '.join(MEASURED_KEYS)}")
+    if set(given) == set(MEASURED_KEYS):
+        return dict(given)
+    measured = (runner or _default_runner(60.0))(measure_machine, world, model_config)[0]
+    return measured | given
+
+
 def autotune(model_config, base: dict, world: int, *, seq_len: int, trials: int = 4, steps: int = 3,
              time_limit_s: float = 60.0, memory_limit: float = 0.0, runner=None, cluster: Cluster | None = None):
     """Run the trials (see the module doc); returns (trials in the order run, the best or None).
-    `runner(fn, world, *args)` runs fn on the ranks (default `dist.launch`, one launch per trial)."""
-    from tinyscale import dist
-
-    runner = runner or (lambda fn, n, *a: dist.launch(fn, n, *a, timeout_s=time_limit_s * 4 + 120))
-    cluster = cluster or Cluster(gpus=world, gpus_per_node=world, gpu_mem=1e12, peak_flops=50e9, efficiency=1.0,
-                                 overlap=False, launch_overhead=1e-3, hbm_bw=10e9)
+    `runner(fn, world, *args)` runs fn on the ranks (default `dist.launch`, one launch per trial).
+    Without `cluster`, the planner plans for this machine, measured on the ranks first (`machine`)."""
+    runner = runner or _default_runner(time_limit_s)
     model_config = model_config.with_(max_seq_len=max(seq_len, model_config.max_seq_len))
+    cluster = cluster or cpu_cluster(world, machine(model_config, world, runner=runner))
     done = []
     for trial in candidates(model_config, base, world, seq_len, trials, cluster):
         try:
@@ -157,6 +181,10 @@ def add_parser(sub) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds per trial before it is stopped")
     p.add_argument("--memory-limit-mb", type=float, default=0.0, help="per rank; 0: no limit but the device's")
     p.add_argument("--out", default="autotune_best.json")
+    p.add_argument("--peak-gflops", type=float, help="matmul FLOP/s per rank the planner assumes (default: measured)")
+    p.add_argument("--link-latency-us", type=float, help="all-reduce alpha between ranks (default: measured)")
+    p.add_argument("--link-gbps", type=float, help="all-reduce beta, GB/s per rank (default: measured)")
+    p.add_argument("--host-overhead-ms", type=float, help="host work per layer per pass (default: measured)")
 
 
 def cmd_autotune(args, console) -> int:
@@ -168,8 +196,15 @@ def cmd_autotune(args, console) -> int:
 
     base = EngineConfig.load(args.config).model_dump(exclude_defaults=True)
     model = PRESETS[args.model] if args.model in PRESETS else resolve_model(args.model)
+    scale = {"peak": (args.peak_gflops, 1e9), "alpha": (args.link_latency_us, 1e-6), "beta": (args.link_gbps, 1e9),
+             "launch": (args.host_overhead_ms, 1e-3)}
+    given = {k: v * unit for k, (v, unit) in scale.items() if v is not None}
+    model_for_machine = model.with_(max_seq_len=max(args.seq_len, model.max_seq_len))
+    found = machine(model_for_machine, args.world_size, given=given, runner=_default_runner(args.time_limit))
+    console.print(f"this machine, {args.world_size} ranks: {describe(found, set(given))}")
     done, best = autotune(model, base, args.world_size, seq_len=args.seq_len, trials=args.trials, steps=args.steps,
-                          time_limit_s=args.time_limit, memory_limit=args.memory_limit_mb * 2**20)
+                          time_limit_s=args.time_limit, memory_limit=args.memory_limit_mb * 2**20,
+                          cluster=cpu_cluster(args.world_size, found))
     table = Table(title=f"tinyscale autotune: {len(done)} trials on {args.world_size} ranks")
     for col in ("#", "layout", "status", "tokens/s", "step ms", "planned ms", "MiB/rank"):
         table.add_column(col)

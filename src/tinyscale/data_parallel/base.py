@@ -31,7 +31,11 @@ def broadcast_parameters(module: nn.Module, process_group=None) -> None:
     """Copy the group's first rank's parameters and buffers to every rank of the group."""
     src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     for t in [*module.parameters(), *module.buffers()]:
-        comm.broadcast(t.data, src=src, group=process_group)
+        shard = getattr(t, "expert_shard", None)  # an expert shard: the same experts' ranks (moe/parallel.py)
+        if shard is not None:
+            comm.broadcast(t.data, src=dist.get_global_rank(shard.group, 0), group=shard.group)
+        else:
+            comm.broadcast(t.data, src=src, group=process_group)
 # --8<-- [end:broadcast]
 
 
@@ -47,7 +51,10 @@ class DataParallelBase(nn.Module):
         # Accepted for torch's signature; unused parameters are always found (see subclasses).
         self.find_unused_parameters = find_unused_parameters
         # Frozen parameters take no part; model.parameters() already lists a tied weight once.
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad and not hasattr(p, "expert_shard")]
+        # expert shards (tinyscale.moe.shard_experts): different experts on different ranks,
+        # summed over their own group after the others' synchronisation (`_reduce_expert_shards`)
+        self.expert_params = [p for p in module.parameters() if p.requires_grad and hasattr(p, "expert_shard")]
         self.names = {p: n for n, p in module.named_parameters() if p.requires_grad}
         self._sync = True
         self._finish_queued = False
@@ -87,6 +94,7 @@ class DataParallelBase(nn.Module):
         whose gradients do not all pass autograd's hooks (a pipeline schedule's zero-bubble W
         passes write ``.grad`` themselves), the engine calls this after the last of them."""
         self._finish_backward()
+        self._reduce_expert_shards()
 
     # --8<-- [start:hooks]
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -101,7 +109,22 @@ class DataParallelBase(nn.Module):
     def _on_backward_end(self) -> None:
         self._finish_queued = False
         self._finish_backward()
+        self._reduce_expert_shards()
     # --8<-- [end:hooks]
+
+    # --8<-- [start:expert-shards]
+    @torch.no_grad()
+    def _reduce_expert_shards(self) -> None:
+        """Expert shards (expert parallelism): each averaged over dp, summed over the ranks holding
+        the same experts (every dp rank's tokens reached them through one of the ep groups)."""
+        for p in self.expert_params:
+            shard = p.expert_shard
+            if p.grad is None:  # the peers send theirs: keep the collectives matched
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(shard.mean_over)
+            if dist.get_world_size(shard.group) > 1:
+                comm.all_reduce(p.grad, group=shard.group)
+    # --8<-- [end:expert-shards]
 
     def _backward_started(self) -> None:
         """Hook for subclasses: the first gradient of a synchronising backward arrived."""

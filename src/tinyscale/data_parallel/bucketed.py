@@ -184,6 +184,7 @@ class BucketedDDP(DataParallelBase):
         start = self._next_launch if self._finish_queued else 0
         for b in range(start, len(self.buckets)):
             self._launch(b)
+        self._reduce_expert_shards()  # the peers' end of backward reduces expert shards next (base.py)
         self._finish_queued = False
         self._abandon_backward()
 

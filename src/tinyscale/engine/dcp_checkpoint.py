@@ -22,12 +22,13 @@ Which rank writes what follows from `engine.plan.placements` alone. A parameter'
 that a rank holds are flat ranges of its TP shard (the whole shard; under ZeRO the fragments
 of its flat shard, `Placement.zero_ranges`). A flat range of an N-d tensor is not a box, so
 `boxes` cuts it into at most 2N - 1 boxes (a partial row, whole rows, a partial row); each box
-moves to global coordinates by the shard's offset along its TP dim (`Placement.tp_range`), and
-becomes one DCP chunk (`WriteItem` with `ChunkStorageMetadata` offsets and sizes). A rank
-writes a piece only if it counts it: `tp_counted` and `pp_counted` (a replicated tensor on TP
-rank 0, a replicated K/V head on its first copy, a tied table on the first stage), and over
-dp x cp either its ZeRO fragment or, unsharded, on reduce rank 0. Vocab padding rows (they end
-a TP shard) and ZeRO padding (past the last parameter) are never in a range, so never written;
+moves to global coordinates by the shard's offset along its TP dim (`Placement.tp_range`; an
+expert shard's by its first expert along dim 0, `Placement.ep_range`), and becomes one DCP
+chunk (`WriteItem` with `ChunkStorageMetadata` offsets and sizes). A rank writes a piece only
+if it counts it: `tp_counted` and `pp_counted` (a replicated tensor on TP rank 0, a replicated
+K/V head on its first copy, a tied table on the first stage), and over dp x cp either its ZeRO
+fragment or, unsharded, on reduce rank 0 (an expert shard: on the first rank of its
+expert-data-parallel group). Vocab padding rows (they end a TP shard) and ZeRO padding (past the last parameter) are never in a range, so never written;
 DCP's global plan validation then checks that the chunks of every tensor cover it without
 overlap (it drops identical chunks from two ranks silently, so `-k dcp_checkpoint` counts what
 each rank's file holds against the elements that rank counts).
@@ -149,6 +150,8 @@ def pieces(pl: Placement, key: str, start: int, end: int, flat: torch.Tensor) ->
         first = sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offsets)) - start
         view = flat[first:first + math.prod(sizes)].view(sizes)
         if not split:
+            if pl.ep_range is not None:  # an expert shard: its experts' place along dim 0
+                offsets = (offsets[0] + pl.ep_range[0], *offsets[1:])
             out.append(Piece(key, tuple(offsets), tuple(sizes), pl.global_shape, view))
             continue
         d, lo = pl.tp_dim, offsets[pl.tp_dim]
@@ -162,7 +165,8 @@ def pieces(pl: Placement, key: str, start: int, end: int, flat: torch.Tensor) ->
 
 
 def holds_first_element(pl: Placement, start: int) -> bool:
-    return start == 0 and (pl.tp not in ("shard", "kv_copy") or pl.tp_range[0] == 0)
+    return start == 0 and (pl.tp not in ("shard", "kv_copy") or pl.tp_range[0] == 0) and \
+        (pl.ep_range is None or pl.ep_range[0] == 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +237,8 @@ def torch_optimizer(engine) -> torch.optim.Optimizer:
 def _writes(engine, h: Held) -> bool:
     """Whether this rank writes range `h`: counted over tp and pp, and once over dp x cp."""
     pl = h.placement
-    return pl.tp_counted and pl.pp_counted and (pl.zero_sharded or engine.reduce_rank == 0)
+    first = engine.reduce_rank == 0 if pl.reduce_over == "dp" else engine.dp_rank < engine.plan.ep  # edp rank 0
+    return pl.tp_counted and pl.pp_counted and (pl.zero_sharded or first)
 
 
 def _group_table(engine, items: list[Held]) -> list[dict]:

@@ -188,8 +188,8 @@ class Engine:
                         groups, make, dtype=self.compute_dtype,
                         loss_scaler=self.loss_scaler, process_group=overflow_group)  # rounds frozen ones too
                     # --8<-- [start:mixed-precision-clip]
-                    if self.tp_size > 1 or self.pipeline is not None:  # the whole model's norm, each
-                        mp = self.optimizer                              # parameter counted once, on the masters
+                    if self.tp_size > 1 or self.pipeline is not None or self.plan.ep > 1:  # the whole model's
+                        mp = self.optimizer  # norm, each parameter counted once, on the masters
                         self.optimizer.clip_grad_norm_ = lambda max_norm: self.grad_norm().clip_(
                             max_norm, [(p, m.grad) for p, m in zip(mp.params, mp.masters)])
                     # --8<-- [end:mixed-precision-clip]
@@ -440,7 +440,7 @@ class Engine:
                     skipped = self.optimizer.step(max_norm=self.config.gradient_clipping)
                     self.optimizer.zero_grad(set_to_none=True)
                 else:
-                    if self.config.gradient_clipping > 0 and self.tp_size > 1:  # the full model's norm
+                    if self.config.gradient_clipping > 0 and (self.tp_size > 1 or self.plan.ep > 1):  # the model's norm
                         self.last_grad_norm = self.grad_norm().clip_(self.config.gradient_clipping,
                                                                      [(p, p.grad) for p in self.params])
                     elif self.config.gradient_clipping > 0:  # the norm kept for the monitor (engine/monitor.py)

@@ -12,12 +12,24 @@ all-to-all. Every rank routes its own micro-batch's tokens (capacity and the aux
 its own tokens, as one process routes each micro-batch), so the layout equals one process.
 
 Parameters: attention, norms, embeddings, the routers and shared experts are data-parallel as
-before (replicated over dp; split by tp where tp splits them). The expert tensors are kept whole
-on every rank (`tinyscale.moe.parallel`): a rank's gradient is zero outside its experts, so the
-reduction over dp that DDP or ZeRO already make sums, per expert, exactly its expert-data-parallel
-ranks' gradients, and ZeRO shards the expert tensors over dp with the rest. What this does not
-do yet is the memory-saving form (each rank stores only its E / ep experts and reduces them over
-dp / ep ranks): see lessons/13-moe.md, and `placements` stays that of replicated tensors.
+before (replicated over dp, reduced and ZeRO-sharded over it; split by tp where tp splits them).
+Each rank stores only its E / ep experts (`tinyscale.moe.shard_experts`, DeepSpeed-MoE's and
+Megatron's layout): the stacked expert tensors are cut along dim 0, and each shard is tagged
+(`tinyscale.moe.ExpertShard`) with its expert-data-parallel group, the dp / ep ranks holding the
+same experts. Data parallelism reads the tag: DDP leaves the shards out of its buckets and, once
+its own reduction is done, sums each shard's gradient over its edp group and divides by dp
+(`data_parallel/base.py`: every dp rank's tokens reached the experts through one of the ep
+groups, so that is the mean over the global batch); ZeRO 1-3 put the shards in FlatUnits of their
+own, reduce-scattered, sharded and gathered over the edp group and averaged over dp
+(`ShardedOptimizer._split`, DeepSpeed's separate MoE parameter groups). The placements say it
+(`Placement.ep_range`: the experts held, `reduce_over="edp"`; `expert_fields`), and from them
+clipping counts each expert once (at stage 0 the expert squares are summed over the ep group,
+`engine/grad_norm.py`), `full_state_dict` and DCP checkpoints place each shard by its first
+expert (a checkpoint reshards across ep degrees), and `layout_memory` counts E / ep experts per
+rank. Under ZeRO-3 a rank's expert bytes are the same as when every rank kept every expert
+(E X / dp either way); the saving there is in the gathers (E / ep experts, over dp / ep ranks).
+A DDP compression hook (`compression.type` topk, powersgd, ...) compresses the buckets only: the
+expert shards are reduced uncompressed over their edp group. Measured: benchmarks/moe_expert_bytes.py.
 
 Under a pipeline the loss is computed on the last stage only, so each MoE layer adds its aux
 loss's gradient itself (`tinyscale.moe.AddAuxLoss`, scaled as the executor scales the loss:
@@ -26,7 +38,8 @@ S / m) and the aux losses' values join the reported loss (`take_aux` after each 
 ZeRO 0-3, tensor parallelism (without SP), every pipeline schedule and non-re-entrant activation
 checkpointing (a full checkpoint runs the forward's all-to-alls again in backward) compose with it.
 Refused, with the reason (`check_layout`, run by `plan_layout`): `parallel.expert` > 1 without an MoE
-GPT, or with an ep that divides neither dp nor the expert count; an MoE GPT with context
+GPT, or with an ep that divides neither dp nor the expert count, or with 1-bit Adam (which
+averages every parameter over dp itself); an MoE GPT with context
 parallelism or sequence parallelism (each rank would route a slice of the sequence: capacity
 and the aux loss are functions of the whole micro-batch's routing, so they would differ from one
 process), and with re-entrant activation checkpointing (its forward runs without autograd, so
@@ -41,7 +54,7 @@ import torch
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.models.gpt import GPT
-from tinyscale.moe import apply_expert_parallel, expert_groups, moe_layers
+from tinyscale.moe import apply_expert_parallel, expert_groups, expert_shard, moe_layers, shard_experts
 
 
 def _is_moe(model) -> bool:
@@ -77,6 +90,11 @@ def check_layout(config: EngineConfig, model: torch.nn.Module, world_size: int,
         problems.append(f"parallel.expert={ep} must divide the data-parallel size {dp} (= world {world_size} / "
                         f"(tensor x pipeline x context)): the ep groups are runs of ep dp ranks; choose among "
                         f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
+    if ep > 1 and config.compression.type == "onebit_adam":
+        problems.append(f"compression.type=\"onebit_adam\" with parallel.expert={ep}: 1-bit Adam averages every "
+                        "parameter over dp itself, and the expert shards differ between the ranks of an ep group "
+                        "(they are averaged over their expert-data-parallel group instead); use parallel.expert 1 "
+                        "with onebit_adam, or another compression.type")
     if model.config.moe_experts % ep:
         problems.append(f"parallel.expert={ep} must divide GPTConfig.moe_experts={model.config.moe_experts} (each "
                         f"ep rank computes the same number of experts)")
@@ -89,8 +107,21 @@ def apply(model: torch.nn.Module, plan, mesh: ParallelMesh | None) -> None:
     (`plan`: the `LayoutPlan`, engine/plan.py)."""
     ep = plan.ep
     if ep > 1:
-        ep_group, _ = expert_groups(mesh.layout, ep)
+        ep_group, edp_group = expert_groups(mesh.layout, ep)
         apply_expert_parallel(model, ep_group)
+        shard_experts(model, edp_group, plan.dp)  # E / ep experts stored here, tagged for DDP / ZeRO
+
+
+# --8<-- [start:placement]
+def expert_placement(param, local_global_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """An expert shard's global shape: the stacked tensor of every expert (dim 0: E)."""
+    return (expert_shard(param).num_experts, *local_global_shape[1:])
+
+
+def expert_fields(param) -> dict:
+    """An expert shard's `Placement` fields: the experts it holds, reduced over edp."""
+    return {"ep_range": expert_shard(param).experts, "reduce_over": "edp"}
+# --8<-- [end:placement]
 
 
 # --8<-- [start:pipeline]

@@ -13,7 +13,9 @@ float64, and the squares are summed over the ranks that hold different pieces:
 
 - stage 0 (DDP, or the fp32 masters of mixed precision): the dp x cp ranks hold the same reduced
   gradients, so the sum runs over the pipeline group and then the TP group (one all-reduce each,
-  none on an axis of degree 1): a plain data-parallel rank needs no collective at all;
+  none on an axis of degree 1): a plain data-parallel rank needs no collective at all; expert
+  shards (`parallel.expert`, engine/expert.py) differ between the ranks of an ep group, so their
+  squares are first summed over it (one more all-reduce);
 - ZeRO 1-3: a rank holds its slice of its TP rank's and stage's gradients, so the sum runs over
   the whole world (one all-reduce).
 
@@ -54,16 +56,26 @@ class GradNorm:
         else:
             self.groups = [mesh.group(axis) for axis in ("pp", "tp") if mesh.size(axis) > 1]
         self.device = engine.device
+        # stage 0 with expert shards (engine/expert.py): the dp ranks of an ep group hold different
+        # experts, so their squares are summed over the ep group first (ZeRO's world sum has them)
+        self.experts = {id(p) for p in engine.model.parameters() if getattr(p, "expert_shard", None) is not None}
+        self.ep_group = None
+        if self.experts and self.sharded is None:
+            from tinyscale.moe import expert_groups  # noqa: PLC0415
+            self.ep_group = expert_groups(mesh.layout, engine.plan.ep)[0]
 
     # --8<-- [start:squares]
     def squares(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
         """This rank's counted squares of (parameter, gradient) pairs, the gradient maybe its fp32 copy."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # (dense, expert shards)
         for param, grad in pairs:
             n = self.counted[id(param)]
             if grad is not None and n:
-                total += grad.detach().reshape(-1)[:n].double().pow(2).sum()
-        return total
+                total[int(id(param) in self.experts)] += grad.detach().reshape(-1)[:n].double().pow(2).sum()
+        dense, experts = total[0].clone(), total[1].clone()
+        if self.ep_group is not None:  # the ep group's ranks hold the other experts
+            comm.all_reduce(experts, group=self.ep_group)
+        return dense + experts
 
     def shard_squares(self) -> torch.Tensor:
         """This rank's counted squares of ZeRO's gradient shards: each fragment's elements that lie

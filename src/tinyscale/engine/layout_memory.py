@@ -29,6 +29,14 @@ head_dim, F = ffn_dim, K = n_kv_head, V = vocab_size:
     norms               replicated: C on every rank ("replicated")
 Context parallelism holds the parameters whole; it widens ZeRO's group to N = dp x cp.
 
+An MoE GPT (`GPTConfig.moe_experts` E, `engine/expert.py`): an MoE block's MLP is its router
+(E*C), the expert tensors w_gate, w_up, w_down (E/ep * C * F_e each, kind "expert": a rank stores
+the E / ep experts of its place in the ep group) and the shared experts (S*F_e*C each), all whole
+on every TP rank ("replicated" under tp). Under ZeRO the expert tensors form units of their own
+(`ShardedOptimizer._split`: after the other units at stages 1-2, after their module's other unit
+at stage 3), sharded over their expert-data-parallel group: dp / ep ranks, a rank's index in it
+dp_rank // ep.
+
 ZeRO over N = dp x cp (`zero.flat`, `zero.optimizer`, `stage1`-`stage3`, `stage3_manual`).
 Units (one `FlatUnit` each; the engine passes one parameter group):
     stage 1     `split_into_units` of the rank's tensors in order: a new unit when the next
@@ -119,11 +127,19 @@ def rank_tensors(cfg: GPTConfig, plan, rank: int) -> list[LocalTensor]:
     kv_split = K % t == 0
     kv = (K * D * C // t, "shard" if t > 1 else "whole") if kv_split else (D * C, "kv_copy")
     norm_kind = "replicated" if t > 1 else "whole"
+    ep = getattr(plan, "ep", 1)
     for i in sorted(unit_of):
         block = [("attn_norm.weight", C, norm_kind), ("attn.wq.weight", C * C // t, kind),
                  ("attn.wk.weight", *kv), ("attn.wv.weight", *kv), ("attn.wo.weight", C * C // t, kind),
-                 ("mlp_norm.weight", C, norm_kind), ("mlp.w_gate.weight", F * C // t, kind),
-                 ("mlp.w_up.weight", F * C // t, kind), ("mlp.w_down.weight", C * F // t, kind)]
+                 ("mlp_norm.weight", C, norm_kind)]
+        if cfg.is_moe_layer(i):  # router, E / ep experts (kind "expert": ZeRO over edp), shared experts
+            E, Fe, S = cfg.moe_experts, cfg.expert_dim, cfg.moe_shared_experts * cfg.expert_dim
+            block += [("mlp.router.weight", E * C, norm_kind)]
+            block += [(f"mlp.experts.{w}", E // ep * C * Fe, "expert") for w in ("w_gate", "w_up", "w_down")]
+            block += [(f"mlp.shared.{w}.weight", S * C, norm_kind) for w in ("w_gate", "w_up", "w_down") if S]
+        else:
+            block += [("mlp.w_gate.weight", F * C // t, kind), ("mlp.w_up.weight", F * C // t, kind),
+                      ("mlp.w_down.weight", C * F // t, kind)]
         out += [LocalTensor(f"blocks.{i}.{name}", n, n, k, unit_of[i]) for name, n, k in block]
     if last:
         out.append(LocalTensor("norm.weight", C, C, norm_kind, head_unit))
@@ -169,10 +185,46 @@ def zero_units(tensors: list[LocalTensor], stage: int, *, bucket_bytes: float, e
 # --8<-- [end:units]
 
 
-def shard_share(units: list[list[int]], n: int, r: int, sub_group: int = DEFAULT_SUB_GROUP) -> tuple[int, int, int]:
-    """(shard elements S, fragment elements R, fragments f) of rank r of n over `units`."""
+def _expert_units(tensors: list[LocalTensor], groups: tuple[tuple[int, int], tuple[int, int]], stage: int,
+                  **kw) -> tuple[list[list[int]], int, list[tuple[int, int]]]:
+    """`zero_units` with expert shards (kind "expert") in units of their own, as
+    `ShardedOptimizer._split` cuts them: after the other units (stages 1-2), or after the other
+    unit of the same module (stage 3); each unit's (group size, rank in it) from `groups`
+    (dense, expert)."""
+    dense = [x for x in tensors if x.kind != "expert"]
+    experts = [x for x in tensors if x.kind == "expert"]
+    if not experts:
+        units, persistent = zero_units(tensors, stage, **kw)
+        return units, persistent, [groups[0]] * len(units)
+    if stage != 3:
+        a, _ = zero_units(dense, stage, **kw)
+        b, _ = zero_units(experts, stage, **kw)
+        return a + b, 0, [groups[0]] * len(a) + [groups[1]] * len(b)
+    keyed: dict[float, list[tuple[list[int], tuple[int, int]]]] = {}
+    threshold, pipeline = kw.get("persistence_threshold", 0), kw.get("pipeline", False)
+    for x in tensors:
+        key = math.inf if not pipeline and x.numel < threshold else x.unit
+        expert = int(x.kind == "expert")
+        entry = keyed.setdefault(key, [([], groups[0]), ([], groups[1])])
+        entry[expert][0].append(x.numel)
+    units, unit_groups = [], []
+    for key in sorted(keyed):
+        for sizes, group in keyed[key]:
+            if sizes:
+                units.append(sizes)
+                unit_groups.append(group)
+    persistent = sum(1 for sizes, _ in keyed.get(math.inf, []) if sizes)
+    return units, persistent, unit_groups
+
+
+def shard_share(units: list[list[int]], n: int, r: int, sub_group: int = DEFAULT_SUB_GROUP,
+                unit_groups: list[tuple[int, int]] | None = None) -> tuple[int, int, int]:
+    """(shard elements S, fragment elements R, fragments f) of rank r of n over `units`;
+    `unit_groups`: each unit's own (n, r) instead (expert shards are sharded over edp)."""
     shard_total = real = fragments = 0
-    for sizes in units:
+    for k, sizes in enumerate(units):
+        if unit_groups is not None:
+            n, r = unit_groups[k]
         s = -(-sum(sizes) // n)  # ceil: each unit padded to a multiple of n
         lo, hi, start = r * s, (r + 1) * s, 0
         first_cut = -(-shard_total // sub_group) * sub_group - shard_total  # sub_groups.sub_group_starts
@@ -209,14 +261,16 @@ def rank_model_state_bytes(cfg: GPTConfig, plan, *, dtype_bytes: int = 4, comput
             out[rank] = {"parameters": B * n, "gradients": B * n, "master_weights": M * n if compute_bytes else 0,
                          "optimizer_states": states_per_element * M * n + step_bytes * len(tensors)}
             continue
-        units, persistent = zero_units(tensors, stage, bucket_bytes=reduce_bucket_size * (2 if compute_bytes else M),
-                                       element_bytes=M, persistence_threshold=stage3_param_persistence_threshold,
-                                       pipeline=plan.pp > 1)
         where = layout.coords(rank)  # its index in the sorted dp x cp group: ranks grow with dp, then cp
-        r = where["dp"] * plan.cp + where["cp"]
-        S, R, f = shard_share(units, n_group, r, sub_group_size)
-        whole = sum(sum(u) for u in units[len(units) - persistent:])  # stage 3's persistent tensors
-        params = B * (S - sum(-(-sum(u) // n_group) for u in units[len(units) - persistent:]) + whole) \
+        groups = ((n_group, where["dp"] * plan.cp + where["cp"]),  # dense: dp x cp; expert shards: edp
+                  (plan.dp // getattr(plan, "ep", 1), where["dp"] // getattr(plan, "ep", 1)))
+        units, persistent, unit_groups = _expert_units(
+            tensors, groups, stage, bucket_bytes=reduce_bucket_size * (2 if compute_bytes else M), element_bytes=M,
+            persistence_threshold=stage3_param_persistence_threshold, pipeline=plan.pp > 1)
+        S, R, f = shard_share(units, n_group, 0, sub_group_size, unit_groups)
+        last = range(len(units) - persistent, len(units))  # stage 3's persistent units: their tensors whole
+        whole = sum(sum(units[k]) for k in last)
+        params = B * (S - sum(-(-sum(units[k]) // unit_groups[k][0]) for k in last) + whole) \
             if stage == 3 else B * n
         out[rank] = {"parameters": params, "gradients": B * S if stage >= 2 else B * n,
                      "master_weights": M * S, "optimizer_states": states_per_element * M * R + step_bytes * f}

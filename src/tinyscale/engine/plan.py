@@ -156,6 +156,9 @@ class Placement:
     pp_counted: bool = True            # False on the last stage's copy of a tied table (the first counts it)
     zero_ranges: tuple[tuple[int, int], ...] = field(default=())  # flat [start, end) of local_shape owned
     zero_sharded: bool = False         # ZeRO 1-3: only zero_ranges are this rank's (else all of it)
+    ep_range: tuple[int, int] | None = None  # an expert shard: the experts [start, stop) of dim 0 held here
+    reduce_over: str = "dp"            # the group it is reduced / ZeRO-sharded over: "dp" (x cp), or "edp"
+    # (an expert shard: the dp / ep ranks holding the same experts; engine/expert.py)
 
     @property
     def real_local_elements(self) -> int:
@@ -257,6 +260,7 @@ def placements(engine, include_frozen: bool = False) -> dict[str, Placement]:
     # the last stage's copy of a tied table (the first stage counts it); pp > 1, so they differ
     tied_copy = id(pipeline.tied[0]) if pipeline is not None and pipeline.tied is not None and \
         pipeline.rank == pipeline.plan[-1].rank else None
+    from tinyscale.engine.expert import expert_fields, expert_placement  # noqa: PLC0415 - imports this module
     table = {}
     for param in (p for p in model.parameters() if p.requires_grad or include_frozen):
         module, name = owners[id(param)]
@@ -266,6 +270,8 @@ def placements(engine, include_frozen: bool = False) -> dict[str, Placement]:
         fields = tp_placement(module, param, local_shape, global_shape, engine.mesh.group("tp")) if tp > 1 else {}
         if id(param) == tied_copy:
             fields["pp_counted"] = False
+        if getattr(param, "expert_shard", None) is not None:  # E / ep experts of the stacked tensor
+            global_shape, fields = expert_placement(param, global_shape), fields | expert_fields(param)
         table[key] = Placement(name=key, global_shape=global_shape, local_shape=local_shape,
                                stages=stage_of.get(name.split(".")[0] if not name.startswith("blocks.")
                                                    else ".".join(name.split(".")[:2]), ()),

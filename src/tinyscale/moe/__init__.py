@@ -15,13 +15,15 @@ tinyscale.kernels (the grouped GEMM). Lesson: lessons/13-moe.md. Tests: `pytest 
 from tinyscale.moe.dispatch import AllToAll, DispatchPlan, all_to_all_bytes, combine, dispatch
 from tinyscale.moe.layer import MoE, MoEStats, AddAuxLoss, Experts, aux_loss_of, moe_layers, moe_stats
 from tinyscale.moe.parallel import (
-    apply_expert_parallel, expert_group_ranks, expert_groups, reduce_expert_gradients, shard_experts,
+    ExpertShard, apply_expert_parallel, expert_group_ranks, expert_groups, expert_shard, reduce_expert_gradients,
+    shard_experts,
 )
 from tinyscale.moe.router import ROUTERS, Routing, capacity, gate, route
 
 __all__ = [
-    "ROUTERS", "AddAuxLoss", "AllToAll", "DispatchPlan", "Experts", "MoE", "MoEStats", "Routing",
+    "ROUTERS", "AddAuxLoss", "AllToAll", "DispatchPlan", "ExpertShard", "Experts", "MoE", "MoEStats", "Routing",
     "all_to_all_bytes", "apply_expert_parallel", "aux_loss_of", "capacity", "combine", "dispatch",
-    "expert_group_ranks", "expert_groups", "gate", "moe_layers", "moe_stats", "reduce_expert_gradients", "route",
+    "expert_group_ranks", "expert_groups", "expert_shard", "gate", "moe_layers", "moe_stats",
+    "reduce_expert_gradients", "route",
     "shard_experts",
 ]

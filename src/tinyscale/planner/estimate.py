@@ -69,6 +69,7 @@ class Layout:
     policy: str = "none"
     micro_batch: int = 1
     sequence_parallel: bool | None = None  # None: on whenever tp > 1 (it only saves memory)
+    ep: int = 1  # an MoE GPT's experts split over runs of ep dp ranks (parallel.expert; E / ep stored per rank)
 
     @property
     def world(self) -> int:
@@ -81,7 +82,7 @@ class Layout:
     def plan(self) -> LayoutPlan:
         return LayoutPlan(world_size=self.world, dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp,
                           virtual_stages=self.virtual_stages, schedule=self.schedule,
-                          sequence_parallel=self.sp, zero_stage=self.zero_stage)
+                          sequence_parallel=self.sp, zero_stage=self.zero_stage, ep=self.ep)
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
@@ -94,6 +95,8 @@ class Layout:
         parallel: dict = {"tensor": self.tp, "pipeline": self.pp, "context": self.cp}
         if self.sp:
             parallel["sequence_parallel"] = True
+        if self.ep > 1:
+            parallel["expert"] = self.ep
         if self.pp > 1:
             parallel |= {"pipeline_schedule": self.schedule, "virtual_stages": self.virtual_stages}
         return {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": self.micro_batch,
@@ -107,7 +110,7 @@ class Layout:
         if self.pp > 1:
             v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"pp {self.pp} {self.schedule}{v}")
-        parts.append(f"dp {self.dp}")
+        parts.append(f"dp {self.dp}" + (f" (ep {self.ep})" if self.ep > 1 else ""))
         off = f" +{self.offload}" if self.offload != "none" else ""
         return " x ".join(parts) + f", ZeRO {self.zero_stage}{off}, AC {self.policy}, b {self.micro_batch}"
 

@@ -51,6 +51,9 @@ class FlatUnit:
         self.shard_numel = -(-total // world_size)  # ceil
         self.padded_numel = self.shard_numel * world_size
         self.dtype, self.device = params[0].dtype, params[0].device
+        # the group it is reduced, sharded and gathered over, and the ranks its gradient is averaged
+        # over (ShardedOptimizer sets both: its own group, or an expert shard's: zero/optimizer.py)
+        self.process_group, self.mean_over = None, world_size
 
     @property
     def padding(self) -> int:

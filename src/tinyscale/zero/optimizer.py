@@ -86,14 +86,12 @@ class ShardedOptimizer:
         for g, group in enumerate(self.param_groups):
             if group["params"]:
                 if unit_key is None:
-                    new = split_into_units(group["params"], unit_bytes, self.world_size, self.rank,
-                                           reverse=reverse_units)
+                    new = self._split(group["params"], unit_bytes, reverse_units)
                 else:
                     by_key: dict[int, list[torch.Tensor]] = {}
                     for p in group["params"]:
                         by_key.setdefault(unit_key(p), []).append(p)
-                    new = [u for key in sorted(by_key)
-                           for u in split_into_units(by_key[key], None, self.world_size, self.rank)]
+                    new = [u for key in sorted(by_key) for u in self._split(by_key[key], None, False)]
                 self.units += new
                 unit_group += [g] * len(new)
         # This rank's master copy of its shards (a copy: the full parameters keep their own
@@ -133,6 +131,29 @@ class ShardedOptimizer:
                        "params": [f.view for frags, ug in zip(self.fragments, unit_group) if ug == g for f in frags]}
                       for g, group in enumerate(self.param_groups) if group["params"]]
         self.optimizer = make_optimizer(opt_groups)  # a group may be empty on a rank: torch allows it
+
+    # --8<-- [start:expert-units]
+    def _split(self, params: list[torch.Tensor], cap: int | None, reverse: bool) -> list[FlatUnit]:
+        """`split_into_units` over this optimizer's group; expert shards (tinyscale.moe.shard_experts,
+        DeepSpeed-MoE's separate MoE groups) in units of their own after the others, sharded over
+        their expert-data-parallel group. Each unit says the group it is reduced, sharded and
+        gathered over (`process_group`) and how many ranks its gradient is averaged over (`mean_over`)."""
+        dense = [p for p in params if getattr(p, "expert_shard", None) is None]
+        units = split_into_units(dense, cap, self.world_size, self.rank, reverse=reverse) if dense else []
+        for u in units:
+            u.process_group, u.mean_over = self.process_group, self.world_size
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            if getattr(p, "expert_shard", None) is not None:
+                by_group.setdefault(id(p.expert_shard.group), []).append(p)
+        for experts in by_group.values():
+            shard = experts[0].expert_shard
+            size, rank = (dist.get_world_size(shard.group), dist.get_rank(shard.group)) if self.distributed else (1, 0)
+            for u in split_into_units(experts, cap, size, rank, reverse=reverse):
+                u.process_group, u.mean_over = shard.group, shard.mean_over
+                units.append(u)
+        return units
+    # --8<-- [end:expert-units]
 
     # --8<-- [start:usage]
     def mark_used(self, param: torch.Tensor) -> None:
@@ -298,17 +319,17 @@ class ShardedOptimizer:
         unit, m = self.units[i], self.master[i]
         full = unit.empty_flat()
         if self.distributed:
-            shard, n = m.to(unit.device, unit.dtype), unit.shard_numel
+            shard, n, size = m.to(unit.device, unit.dtype), unit.shard_numel, unit.world_size
             bucket = self.allgather_bucket_size
-            piece = n if bucket is None else max(1, bucket // self.world_size)
+            piece = n if bucket is None else max(1, bucket // size)
             if piece >= n:
-                comm.all_gather(full, shard, group=self.process_group)
-            by_rank = full.view(self.world_size, n)  # (N, shard_numel): row r is rank r's shard
+                comm.all_gather(full, shard, group=unit.process_group)
+            by_rank = full.view(size, n)  # (N, shard_numel): row r is rank r's shard
             for lo in range(0, n, piece) if piece < n else ():
                 hi = min(n, lo + piece)
-                out = torch.empty(self.world_size * (hi - lo), dtype=unit.dtype, device=unit.device)
-                comm.all_gather(out, shard[lo:hi].contiguous(), group=self.process_group)
-                by_rank[:, lo:hi].copy_(out.view(self.world_size, hi - lo))  # (N, hi - lo)
+                out = torch.empty(size * (hi - lo), dtype=unit.dtype, device=unit.device)
+                comm.all_gather(out, shard[lo:hi].contiguous(), group=unit.process_group)
+                by_rank[:, lo:hi].copy_(out.view(size, hi - lo))  # (N, hi - lo)
         else:
             full.copy_(m)
         unit.copy_into_params(full)
@@ -339,17 +360,18 @@ class ShardedOptimizer:
             return _PendingShard(None, flat, flat, self.grad[unit_index])
         # Divide before summing (as torch DDP does): in fp16 the sum of N scaled gradients can
         # overflow where their mean would not. (A power-of-two N divides exactly either way.)
-        pre = self.world_size if self.prescale_gradients else self.gradient_predivide_factor
+        n = unit.mean_over  # the group's size; an expert unit's: dp (see `_split`)
+        pre = n if self.prescale_gradients else self.gradient_predivide_factor
         flat.div_(pre)
-        post = self.world_size / pre  # what the sum is divided by when it arrives
+        post = n / pre  # what the sum is divided by when it arrives
         if self.comm_dtype is not None:
             flat = flat.to(self.comm_dtype)
         if not self.reduce_scatter:  # all-reduce the whole unit, keep this rank's slice of it
             lo, hi = unit.shard_range()
-            work = comm.all_reduce(flat, group=self.process_group, async_op=async_op)
+            work = comm.all_reduce(flat, group=unit.process_group, async_op=async_op)
             return _PendingShard(work, flat, flat[lo:hi], self.grad[unit_index], post)
         out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=unit.device)
-        work = comm.reduce_scatter(out, flat, group=self.process_group, async_op=async_op)
+        work = comm.reduce_scatter(out, flat, group=unit.process_group, async_op=async_op)
         return _PendingShard(work, flat, out, self.grad[unit_index], post)
 
     def set_lr(self, lr: float) -> None:

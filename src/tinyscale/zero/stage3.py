@@ -228,7 +228,8 @@ class ZeroStage3:
             full.untyped_storage().resize_(full.numel() * full.element_size())  # allocate
             source = self.shards.source(i)  # disk tier: read now unless read ahead
             if self.sharded.distributed:
-                unit.pending.append(comm.all_gather(full, source, group=self.process_group, async_op=True))
+                group = self.sharded.units[i].process_group  # dp x cp; an expert shard's: its edp group
+                unit.pending.append(comm.all_gather(full, source, group=group, async_op=True))
                 unit.sources.append(source)
             else:
                 full.copy_(source)
@@ -428,7 +429,7 @@ class ZeroStage3:
                     continue
                 full = self.full[i]
                 full.untyped_storage().resize_(full.numel() * full.element_size())
-                comm.all_gather(full, self.shards.source(i), group=self.process_group)
+                comm.all_gather(full, self.shards.source(i), group=self.sharded.units[i].process_group)
                 self.shards.release(i)
                 full.untyped_storage().resize_(0)
         self.abandon_backward()  # drop the gradient shards the replay made

@@ -54,7 +54,7 @@ import torch
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine import context, expert, pipeline_layout
+from tinyscale.engine import compiled, context, expert, pipeline_layout
 from tinyscale.engine.pipeline_step import PipelineStep
 from tinyscale.models.gpt import GPT
 from tinyscale.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -191,7 +191,7 @@ def parallelize_model(model: torch.nn.Module, config: EngineConfig, mesh: Parall
                      partition_group=mesh.group("tp") if ac.partition_activations else None,
                      inputs_to_host=ac.cpu_checkpointing)
     # --8<-- [end:activation-checkpointing]
-    return model
+    return compiled.compile_blocks(model, config)  # last: torch.compile of each block (engine/compiled.py)
 
 
 # --8<-- [start:dropout]

@@ -212,3 +212,26 @@ def test_torch_compile_deepspeed_engine_compile_method_trains_like_train_batch()
     assert compiled_graphs(ds.module) == {"graphs": 1, "block_entries": 1}
     with pytest.raises(NotImplementedError, match="compiled_autograd_enabled"):
         ds.compile(compiled_autograd_enabled=True)
+
+
+def test_torch_compile_fuse_linear_relu_by_pattern_keeps_outputs_and_gradients():
+    """DS-31's hand-written answer: Linear+ReLU pairs found in Sequentials (a nested one too),
+    replaced through their container; outputs and gradients bit-identical, the ReLUs gone."""
+    import copy
+
+    from tinyscale.engine.compiled import LinearReLU, fuse_linear_relu
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.nn.Linear(8, 2),
+                                torch.nn.ReLU()).double()
+    fused = copy.deepcopy(model)
+    assert fuse_linear_relu(fused) == 3
+    kinds = [type(m) for m in fused.modules()]
+    assert kinds.count(LinearReLU) == 3 and torch.nn.ReLU not in kinds and kinds.count(torch.nn.Identity) == 3
+    x = torch.randn(5, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    fused(x).sum().backward()
+    assert torch.equal(model(x), fused(x))
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        assert torch.equal(p.grad, q.grad), name

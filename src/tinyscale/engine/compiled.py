@@ -113,3 +113,29 @@ def compiled_graphs(model: nn.Module) -> dict[str, int]:
 
     code = type(_blocks(model)[0]).forward.__code__
     return {"graphs": counters["stats"]["unique_graphs"], "block_entries": len(_debug_get_cache_entry_list(code))}
+
+
+# --8<-- [start:fuse-by-pattern]
+class LinearReLU(nn.Module):
+    """Linear then ReLU as one module: relu(x W^T + b), the pair a pattern-matching pass fuses.
+    (On a GPU, one GEMM whose epilogue applies the ReLU; here the two calls, so the test is exact.)"""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear  # the same Parameters: nothing copied, the optimizer still holds them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def fuse_linear_relu(model: nn.Module) -> int:
+    """Replace each Linear directly followed by a ReLU inside an nn.Sequential with one LinearReLU,
+    and the ReLU with an Identity; returns how many pairs were fused. The pairs are collected first
+    (a list of (container, index)), then replaced through their container: nothing is swapped
+    while named_modules() is walking the tree, and the ReLU goes, or it would run twice."""
+    pairs = [(seq, i) for seq in model.modules() if isinstance(seq, nn.Sequential)
+             for i in range(len(seq) - 1) if type(seq[i]) is nn.Linear and type(seq[i + 1]) is nn.ReLU]
+    for seq, i in pairs:
+        seq[i], seq[i + 1] = LinearReLU(seq[i]), nn.Identity()
+    return len(pairs)
+# --8<-- [end:fuse-by-pattern]

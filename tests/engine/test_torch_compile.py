@@ -4,11 +4,12 @@ Compiled training equals eager training, and every block reuses one compilation:
 
 - default suite, backend "aot_eager" (Dynamo's graph capture and AOTAutograd's joint forward and
   backward graphs, run by eager kernels: what decides whether hooks, collectives and graph breaks
-  compose, at a tenth of inductor's compile time on this machine): dp 2 at ZeRO 3 (its gather
+  compose, in under a tenth of inductor's compile time on this machine): dp 2 at ZeRO 3 (its gather
   and release hooks around the compiled blocks) on 2 ranks, equal to the same layout run eagerly
   and to `tinyscale.reference.train` (float64, rtol 1e-10);
 - `--thorough`, backend "inductor" (C++ kernels it generates and fuses): one process at ZeRO 0,
-  dp 2 at ZeRO 3 and tp 2 with sequence parallelism, against the same references; and with
+  one process with stream dropout and `options.fallback_random` (torch's random numbers), dp 2
+  at ZeRO 3 and tp 2 with sequence parallelism, against the same references; and with
   "aot_eager" tp 2 with sequence parallelism (its collectives break each block's graph), the
   pipeline, context parallelism, counter dropout, an MoE GPT and the offload checkpointing policy.
 
@@ -50,12 +51,13 @@ def gpt(n_layer: int = 2, **extra) -> GPT:
     return GPT(cfg, seed=5, dtype=torch.float64)
 
 
-def config(parallel: dict | None = None, stage: int = 0, backend: str | None = None, **extra) -> dict:
+def config(parallel: dict | None = None, stage: int = 0, backend: str | None = None,
+           compile_kwargs: dict | None = None, **extra) -> dict:
     c = {"train_batch_size": ROWS, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.05}},
          "zero_optimization": {"stage": stage}, "parallel": parallel or {}, **extra}
     if backend is not None:
-        c["compile"] = {"enabled": True, "backend": backend}
+        c["compile"] = {"enabled": True, "backend": backend, "compile_kwargs": compile_kwargs or {}}
     return c
 
 
@@ -73,6 +75,8 @@ LAYOUTS = {
     "dp2-counter-dropout": (2, {}, 0, {"dropout": 0.1, "dropout_masks": "counter"}, {}),
     "moe": (1, {}, 0, {"moe_experts": 4, "moe_top_k": 2}, {}),
     "dp2-offload-checkpointing": (2, {}, 2, {}, {"activation_checkpointing": {"policy": "offload"}}),
+    # stream dropout: inductor draws torch's random numbers only with fallback_random (else refused)
+    "dropout-fallback-random": (1, {}, 0, {"dropout": 0.1}, {"compile_kwargs": {"options": {"fallback_random": True}}}),
 }
 
 
@@ -86,7 +90,9 @@ def _train(cases: list[tuple[str, str | None]]) -> list:
         _, parallel, stage, model_options, extra = LAYOUTS[name]
         torch._dynamo.reset()
         counters.clear()
-        engine = ts.initialize(gpt(**model_options), config(parallel, stage, backend, **extra))
+        model = gpt(**model_options)  # (its nn.Linear init draws from the global generator)
+        torch.manual_seed(0)  # stream dropout's masks: the reference draws them after the same seed
+        engine = ts.initialize(model, config(parallel, stage, backend, **extra))
         losses = [engine.train_batch(b) for b in batches()]
         out.append((losses, engine.full_state_dict(), compiled_graphs(engine.model) if backend else None))
     return out
@@ -96,7 +102,8 @@ def _train(cases: list[tuple[str, str | None]]) -> list:
 def reference(name: str):
     _, _, _, model_options, extra = LAYOUTS[name]
     model = gpt(**model_options)
-    losses = reference_train(model, batches(), config(**extra))
+    torch.manual_seed(0)
+    losses = reference_train(model, batches(), config(**{k: v for k, v in extra.items() if k != "compile_kwargs"}))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -149,6 +156,11 @@ def test_torch_compile_inductor_one_process_trains_like_eager_with_one_graph_for
 
 
 SHARDED = ("dp2-zero3", "tp2-sp")
+
+
+@pytest.mark.thorough
+def test_torch_compile_inductor_stream_dropout_with_fallback_random_draws_eagers_masks():
+    check_layout(1, ("dropout-fallback-random",), "dropout-fallback-random", "inductor")
 
 
 @pytest.mark.thorough

@@ -34,8 +34,9 @@ shared by every block. Refused (`check_layout`), each with its reason:
 - stream dropout (GPTConfig.dropout > 0, dropout_masks "stream") with backend inductor, unless
   `compile_kwargs.options.fallback_random` is true: inductor draws the random numbers inside its
   fused kernel (Philox), not from torch's generator, so the masks differ from eager's (measured:
-  the loss differs by 5e-4 at the first step). Counter masks are computed from the dropout
-  clock, in the graph, and need nothing;
+  the loss differs by 5e-4 at the first step); with fallback_random it draws torch's, and trains
+  like eager and one process. Counter masks are computed from the dropout clock, in the graph,
+  and need nothing;
 - activation checkpointing policies full, every_k and selective: tinyscale's checkpoint keeps its
   inputs through saved-tensor hooks, and AOTAutograd's compiled backward saves its own tensors, so
   the recomputation finds no inputs (StopIteration at the first backward). A compiled block

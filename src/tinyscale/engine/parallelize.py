@@ -38,6 +38,8 @@ block's backward, whose hooks have gathered its parameters. ZeRO offload (cpu, n
 the optimizer over dp (x cp) and composes with every layout ZeRO does. Tests:
 `pytest -k "layout_activation_checkpointing or layout_offload"` (bit-identical to the same layout
 without them).
+torch.compile of the blocks (`compile.enabled`, `engine/compiled.py`) is the last change to the model,
+after checkpointing: it compiles each block's forward as the transforms left it (`pytest -k torch_compile`).
 
 The mesh is `ParallelMesh(dp=world // (pp cp tp), cp=cp, tp=tp, pp=pp)`, dims (pp, dp, cp, tp):
 ranks 0..tp-1 form the first TP group, and the ranks holding the same TP shard form a dp group. Tests:

@@ -27,7 +27,9 @@ parallelism, the pipeline, context parallelism, counter dropout, an MoE GPT, the
 checkpointing policy, and clipping, weight decay, accumulation, a tied embedding and GQA.
 Collectives (tensor and context parallelism) and the MoE's routing break a block's graph: Dynamo
 runs them eagerly between compiled pieces, so a block is several graphs, still one cache entry
-shared by every block. Refused (`check_layout`), each with its reason:
+shared by every block. Neither refused nor tested here: fp16 and bf16, expert parallelism,
+pipeline schedules other than 1f1b, and compile_kwargs other than the defaults.
+Refused (`check_layout`), each with its reason:
 
 - a model that is not tinyscale's GPT: its blocks are not known (compile them yourself, e.g.
   `for layer in model.model.layers: layer.compile()`, before `ts.initialize`);
@@ -35,8 +37,8 @@ shared by every block. Refused (`check_layout`), each with its reason:
   `compile_kwargs.options.fallback_random` is true: inductor draws the random numbers inside its
   fused kernel (Philox), not from torch's generator, so the masks differ from eager's (measured:
   the loss differs by 5e-4 at the first step); with fallback_random it draws torch's, and trains
-  like eager and one process. Counter masks are computed from the dropout clock, in the graph,
-  and need nothing;
+  like eager and one process. Counter masks are hashed from the dropout clock by torch ops and
+  need nothing;
 - activation checkpointing policies full, every_k and selective: tinyscale's checkpoint keeps its
   inputs through saved-tensor hooks, and AOTAutograd's compiled backward saves its own tensors, so
   the recomputation finds no inputs (StopIteration at the first backward). A compiled block

@@ -195,6 +195,17 @@ class ParallelConfig(Section):
         Field(default_factory=dict)
 
 
+class CompileConfig(Section):
+    """torch.compile of the GPT's blocks (engine/compiled.py): tinyscale's ``enabled``, and
+    ``backend`` and ``compile_kwargs`` named as DeepSpeed's ``engine.compile`` arguments.
+    ``"compile": true`` means ``{"enabled": true}``."""
+
+    enabled: Bool = False
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"  # torch.compile's backend
+    # torch.compile's other keywords (DeepSpeed's compile_kwargs): mode, dynamic, fullgraph, options
+    compile_kwargs: dict[Literal["mode", "dynamic", "fullgraph", "options"], Any] = Field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """The resolved batch identity: train_batch_size = micro x accumulation x dp."""
@@ -228,7 +239,13 @@ class EngineConfig(Section):
     monitor: HealthConfig = HealthConfig()  # tinyscale's own: straggler and loss-spike warnings
     parallel: ParallelConfig = ParallelConfig()
     compression: CompressionConfig = CompressionConfig()  # tinyscale's own section (not DeepSpeed's)
+    compile: CompileConfig = CompileConfig()  # torch.compile of the blocks (engine/compiled.py)
     _notes: tuple[str, ...] = PrivateAttr(default=())
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_shorthand(cls, v: Any) -> Any:  # "compile": true / false
+        return {"enabled": v} if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:

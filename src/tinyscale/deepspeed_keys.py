@@ -19,6 +19,7 @@ Tests: ``pytest -k deepspeed_config`` (tests/engine/test_deepspeed_config.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -64,6 +65,14 @@ _MONITOR = ("DeepSpeed writes training metrics to {}; tinyscale writes them to T
             "(tensorboard, csv_monitor), and to engine.last_step")
 _NOT_BUILT = "changes the model, data or update rule; tinyscale does not build it"
 _OFF, _FALSE, _TRUE = "enabled false", "false", "true"
+_DEEPCOMPILE = ("DeepCompile: DeepSpeed's graph passes that move ZeRO's gathers, reduce-scatters and offloads into "
+                "the compiled graph; tinyscale compiles the blocks (compile.enabled) and keeps ZeRO's hooks eager")
+_DEEPCOMPILE_DEFAULTS = {  # deepspeed/compile/config.py's other fields, at DeepSpeed's defaults
+    "autoep_non_moe": False, "free_activation": False, "free_activation_threshold": 10 * 1024 * 1024,
+    "offload_activation": False, "offload_activation_pin_memory": True, "offload_opt_states": False,
+    "double_buffer": True, "symmetric_memory": False, "debug_log": False, "offload_parameters": False,
+    "sync_before_reduce": False, "sync_after_reduce": False, "sync_before_allgather": False,
+    "sync_after_allgather": False, "keep_int_input_tensors": True, "keep_all_input_tensors": False, "passes": None}
 ZO = "zero_optimization."
 AC = "activation_checkpointing."
 
@@ -236,7 +245,16 @@ KEYS: tuple[Key, ...] = (
     _n("aio", "DeepSpeed's asynchronous-I/O settings for NVMe; tinyscale uses plain file reads and writes",
        _never),
     _n("nebula", "DeepSpeed's asynchronous checkpoint service", _disabled, _OFF),
-    _n("compile", "DeepSpeed can torch.compile the model; tinyscale runs it eagerly", _disabled, _OFF),
+    # --- compile: tinyscale's enabled; backend and compile_kwargs as DeepSpeed's engine.compile(...) names them
+    _h("compile.enabled", "tinyscale's own: torch.compile each GPT block (engine/compiled.py); DeepSpeed compiles "
+       "when the script calls engine.compile(), which tinyscale.deepspeed's engine has too"),
+    _h("compile.backend", "torch.compile's backend (DeepSpeed's engine.compile(backend=...)): inductor, aot_eager "
+       "or eager"),
+    _h("compile.compile_kwargs", "torch.compile's mode, dynamic, fullgraph and options (DeepSpeed's "
+       "engine.compile(compile_kwargs=...))"),
+    _n("compile.deepcompile", _DEEPCOMPILE, _is(False), _FALSE),
+    *(_n("compile." + name, "a DeepCompile option (see compile.deepcompile)", _is(default), json.dumps(default))
+      for name, default in _DEEPCOMPILE_DEFAULTS.items()),
     _r("autotuning", "DeepSpeed's autotuner launches trial runs to pick a layout; tinyscale's is a command of "
        "its own, tinyscale autotune --config (lesson 12)", _disabled, _OFF),
     # --- other topics

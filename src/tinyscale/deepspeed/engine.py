@@ -13,7 +13,8 @@ check, clipping, the schedule's lr, the optimizer step). Fed the micro-batches
 `train_batch` cuts from a global batch, the loop equals `train_batch` bit for bit
 (``pytest -k deepspeed_api``).
 
-Served: tensor parallelism and every ZeRO stage, fp16/bf16, clipping, compression. With
+Served: tensor parallelism and every ZeRO stage, fp16/bf16, clipping, compression, and
+`compile(backend, compile_kwargs)` (torch.compile of the GPT's blocks, engine/compiled.py). With
 ``parallel.pipeline``, `train_batch(data_iter=...)` as DeepSpeed's PipelineEngine (the loop
 cannot drive a schedule); ``parallel.context`` is refused at `initialize` (a module's forward
 there returns its sequence shard's loss, not the batch's). DeepSpeed methods not served raise
@@ -31,7 +32,8 @@ import torch.distributed as dist
 
 from tinyscale.dist import comm
 from tinyscale.dist.log import get_logger
-from tinyscale.engine import compression, parallelize
+from tinyscale.config import CompileConfig
+from tinyscale.engine import compiled, compression, parallelize
 from tinyscale.engine.engine import Engine
 from tinyscale.models.dropout import set_dropout_clock
 
@@ -129,6 +131,30 @@ class DeepSpeedEngine:
             raise NotImplementedError(f"DeepSpeedEngine.{name} is not served by tinyscale: {REFUSED[name]}")
         raise AttributeError(f"'DeepSpeedEngine' has no attribute {name!r} (tinyscale's own engine: "
                              "engine.engine; the API table: docs/deepspeed-config.md)")
+
+    # --8<-- [start:compile]
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's `engine.compile`: torch.compile, here of the GPT's blocks (engine/compiled.py);
+        the same as config `compile: {"enabled": true, "backend": ..., "compile_kwargs": ...}`.
+        A second call does nothing. DeepCompile's schedule and compiled autograd are refused."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotImplementedError("DeepSpeedEngine.compile: schedule (DeepCompile's pass schedule) and "
+                                      "compiled_autograd_enabled are not served; tinyscale compiles the blocks' "
+                                      "forward and backward graphs, and keeps ZeRO's hooks eager")
+        if self.is_compiled:
+            return
+        kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}  # DeepSpeed: overridden
+        config = self.engine.config.model_copy(update={"compile": CompileConfig(
+            enabled=True, backend=backend, compile_kwargs=kwargs)})
+        compiled.check_layout(config, self.engine.model)  # ConfigError naming what cannot be compiled
+        compiled.compile_blocks(self.engine.model, config)
+        self.engine.config = config
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.engine.config.compile.enabled
+    # --8<-- [end:compile]
 
     # -- the loop -------------------------------------------------------------------------------
     def __call__(self, *inputs, **kwargs):

@@ -38,6 +38,8 @@ block's backward, whose hooks have gathered its parameters. ZeRO offload (cpu, n
 the optimizer over dp (x cp) and composes with every layout ZeRO does. Tests:
 `pytest -k "layout_activation_checkpointing or layout_offload"` (bit-identical to the same layout
 without them).
+torch.compile of the blocks (`compile.enabled`, `engine/compiled.py`) is the last change to the model,
+after checkpointing: it compiles each block's forward as the transforms left it (`pytest -k torch_compile`).
 
 The mesh is `ParallelMesh(dp=world // (pp cp tp), cp=cp, tp=tp, pp=pp)`, dims (pp, dp, cp, tp):
 ranks 0..tp-1 form the first TP group, and the ranks holding the same TP shard form a dp group. Tests:
@@ -54,7 +56,7 @@ import torch
 from tinyscale.checkpointing import apply_policy
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist import ParallelMesh
-from tinyscale.engine import context, expert, pipeline_layout
+from tinyscale.engine import compiled, context, expert, pipeline_layout
 from tinyscale.engine.pipeline_step import PipelineStep
 from tinyscale.engine.plan import LayoutPlan
 from tinyscale.models.gpt import GPT
@@ -195,7 +197,7 @@ def parallelize_model(model: torch.nn.Module, plan: LayoutPlan, mesh: ParallelMe
                      partition_group=mesh.group("tp") if ac.partition_activations else None,
                      inputs_to_host=ac.cpu_checkpointing)
     # --8<-- [end:activation-checkpointing]
-    return model
+    return compiled.compile_blocks(model, config)  # last: torch.compile of each block (engine/compiled.py)
 
 
 # --8<-- [start:dropout]

@@ -109,14 +109,14 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     """Validate `config` for `model` on `world_size` ranks in one pass; raise one `ConfigError`
     naming every problem (each with its field and fix), or return the plan. No collectives."""
     # Imported here: these modules build on the engine's pieces, which import this module's users.
-    from tinyscale.engine import compression, context, expert, parallelize, pipeline_layout  # noqa: PLC0415
+    from tinyscale.engine import compiled, compression, context, expert, parallelize, pipeline_layout  # noqa: PLC0415
 
     problems = parallelize.check_config(config) + compression.check_config(config)
     if problems:  # the config alone: the "not supported" list, as check_supported words it
         problems = ["not supported by this engine yet:\n  " + "\n  ".join(problems)]
     autotp = None  # what check_tensor_layout found for a model tinyscale did not write, applied as found
     for check in (context.check_layout, pipeline_layout.check_layout, parallelize.check_tensor_layout,
-                  expert.check_layout):
+                  expert.check_layout, compiled.check_layout):
         try:
             autotp = check(config, model, world_size, mesh) or autotp
         except ConfigError as exc:

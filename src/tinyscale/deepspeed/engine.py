@@ -148,7 +148,7 @@ class DeepSpeedEngine:
         config = self.engine.config.model_copy(update={"compile": CompileConfig(
             enabled=True, backend=backend, compile_kwargs=kwargs)})
         compiled.check_layout(config, self.engine.model)  # ConfigError naming what cannot be compiled
-        compiled.compile_blocks(self.engine.model, config)
+        compiled.compile_blocks(self.engine.model, config.compile)
         self.engine.config = config
 
     @property

@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.config import CompileConfig, ConfigError, EngineConfig
 
 FIELD = "compile.enabled"
 
@@ -92,16 +92,17 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 # --8<-- [start:compile-blocks]
-def compile_blocks(model: nn.Module, config: EngineConfig) -> nn.Module:
+def compile_blocks(model: nn.Module, section: CompileConfig) -> nn.Module:
     """Each GPT block's forward compiled in place (lazily: the first call compiles); the model's
-    other modules and every hook stay eager. Nothing without compile.enabled."""
-    if not config.compile.enabled:
+    other modules and every hook stay eager. Nothing without compile.enabled (the config's section,
+    as the layout plan carries it)."""
+    if not section.enabled:
         return model
-    options = dict(config.compile.compile_kwargs)
+    options = dict(section.compile_kwargs)
     for block in _blocks(model):
         # The bound method of the class's forward: one code object for every block, so one cache
         # entry, whose graph takes the block's parameters as inputs (guards on their shapes only).
-        block.forward = torch.compile(block.forward, backend=config.compile.backend, **options)
+        block.forward = torch.compile(block.forward, backend=section.backend, **options)
     return model
 # --8<-- [end:compile-blocks]
 

@@ -197,7 +197,7 @@ def parallelize_model(model: torch.nn.Module, plan: LayoutPlan, mesh: ParallelMe
                      partition_group=mesh.group("tp") if ac.partition_activations else None,
                      inputs_to_host=ac.cpu_checkpointing)
     # --8<-- [end:activation-checkpointing]
-    return compiled.compile_blocks(model, config)  # last: torch.compile of each block (engine/compiled.py)
+    return compiled.compile_blocks(model, plan.compile)  # last: torch.compile of each block (engine/compiled.py)
 
 
 # --8<-- [start:dropout]

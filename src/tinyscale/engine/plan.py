@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tinyscale.config import ActivationCheckpointingConfig, ConfigError, EngineConfig, ZeroConfig
+from tinyscale.config import ActivationCheckpointingConfig, CompileConfig, ConfigError, EngineConfig, ZeroConfig
 from tinyscale.dist import ParallelMesh
 from tinyscale.dist.mesh import MeshLayout
 from tinyscale.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -73,6 +73,7 @@ class LayoutPlan:
     pipeline_reshard_after_forward: bool = False  # ZeRO 3 under a pipeline: free a stage after each pass
     checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)  # the section DP/ZeRO is built from (stage: zero_stage)
+    compile: CompileConfig = field(default_factory=CompileConfig)  # torch.compile of the blocks (engine/compiled.py)
 
     @property
     def layout(self) -> MeshLayout:
@@ -135,7 +136,8 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
                       tensor_dropout=par.tensor_dropout, autotp=tuple((autotp or {}).items()),
                       context_sharding=par.context_sharding,
                       pipeline_reshard_after_forward=par.pipeline_reshard_after_forward,
-                      checkpointing=config.activation_checkpointing, zero=config.zero_optimization)
+                      checkpointing=config.activation_checkpointing, zero=config.zero_optimization,
+                      compile=config.compile)
 
 
 # --8<-- [start:placement]

@@ -107,8 +107,9 @@ def test_engine_tensor_parallel_trains_like_single_process(world):
 # embeddings, a vocab (251) and a layer count (3) that divide by nothing here, dropout 0.1 in the
 # exact mode, and every step clipped (the norm is ~1): tp 4, then dp 2 x tp 2 at every ZeRO stage
 # (at stages 2 and 3 with the optimizer states offloaded to host memory, at 3 the parameters too).
+# Linear biases (GPT-2's): the copied K/V heads' biases at tp 4, row-parallel biases added once.
 ACCEPTANCE = GPTConfig(vocab_size=VOCAB, max_seq_len=8, n_layer=3, n_head=4, n_kv_head=2, d_model=16,
-                       ffn_hidden=24, tie_embeddings=True, dropout=0.1)
+                       ffn_hidden=24, tie_embeddings=True, dropout=0.1, bias=True)
 DROPOUT_SEED = 17  # rank 0's generator; the engine gives it to every rank (exact mode)
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import tinyscale as ts
+from tests.engine.test_layout_matrix import nonzero_biases
 from tinyscale.data import synthetic_token_batches
 from tinyscale.engine import checkpoint, checkpoint_io, dcp_checkpoint
 from tinyscale.engine.plan import placements
@@ -39,7 +40,7 @@ DROPOUT = 0.1
 def gpt(seed: int = 7, vocab: int = VOCAB, dropout: float = 0.0, n_layer: int = 3, bias: bool = False) -> GPT:
     cfg = GPTConfig(vocab_size=vocab, max_seq_len=SEQ, n_layer=n_layer, n_head=6, n_kv_head=2, d_model=12,
                     ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter", bias=bias)
-    return GPT(cfg, seed=seed, dtype=torch.float64)
+    return nonzero_biases(GPT(cfg, seed=seed, dtype=torch.float64), seed)
 
 
 def config(dp: int = 1, pp: int = 1, tp: int = 1, stage: int = 0, sp: bool = False, cp: int = 1,

@@ -46,7 +46,18 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "afab")
 def gpt(dropout: float = 0.0, bias: bool = False) -> GPT:
     cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=N_LAYER, n_head=6, n_kv_head=2, d_model=12,
                     ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter", bias=bias)
-    return GPT(cfg, seed=7, dtype=torch.float64)  # d_model 12, head_dim 2
+    return nonzero_biases(GPT(cfg, seed=7, dtype=torch.float64)) if bias else GPT(cfg, seed=7, dtype=torch.float64)
+
+
+def nonzero_biases(model: GPT, seed: int = 11) -> GPT:
+    """`model` with its linear biases drawn N(0, 0.02), in place: a model users bring has trained,
+    nonzero biases (GPT-2's start at zero), so that a bias split with the wrong rows shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.empty(p.shape, dtype=torch.float64).normal_(0.0, 0.02, generator=gen))
+    return model
 
 
 def biased(layout: tuple) -> bool:

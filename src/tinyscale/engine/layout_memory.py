@@ -148,7 +148,8 @@ def _with_biases(cfg: GPTConfig, tensors: list[LocalTensor], t: int) -> list[Loc
                                                   ".mlp.w_up", ".mlp.w_down")):
             continue
         if path.endswith((".wo", ".w_down")):
-            out.append(LocalTensor(f"{path}.bias", cfg.d_model, cfg.d_model, "replicated" if t > 1 else "whole", x.unit))
+            kind = "replicated" if t > 1 else "whole"
+            out.append(LocalTensor(f"{path}.bias", cfg.d_model, cfg.d_model, kind, x.unit))
         else:  # (O/t, C) weight: O/t bias elements
             out.append(LocalTensor(f"{path}.bias", x.numel // cfg.d_model, x.real // cfg.d_model, x.kind, x.unit))
     return out

@@ -9,7 +9,8 @@ states exist) gives parameters, gradients, master_weights and optimizer_states e
 flat-buffer padding and Adam's step counter per fragment. Two layouts run again under fp16 and
 bf16 (2-byte parameters and gradients, fp32 masters and states); a few more cover what the
 matrix's GPT cannot: ZeRO groups that pad (its width 12 is divisible by every group it has), the
-zero_optimization knobs that change the units, and K/V heads copied over tp 4. Pure tests: at tp = pp = 1
+zero_optimization knobs that change the units, K/V heads copied over tp 4, and linear biases
+(`BIASED`: column biases split, row-parallel ones whole on every TP rank). Pure tests: at tp = pp = 1
 the formula is `zero.estimate.model_state_bytes` with padding; over awkward shapes the ranks of
 one model replica hold the model plus exactly its accounted copies and padding.
 Default: the layouts on at most 4 ranks, one pooled call per world size; `--thorough`: all.

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import tinyscale as ts
+from tests.engine.test_layout_matrix import nonzero_biases
 from tinyscale.data import synthetic_token_batches
 from tinyscale.engine import checkpoint, checkpoint_io, dcp_checkpoint
 from tinyscale.engine.plan import placements
@@ -36,10 +37,10 @@ RTOL = 1e-10  # see the module docstring
 DROPOUT = 0.1
 
 
-def gpt(seed: int = 7, vocab: int = VOCAB, dropout: float = 0.0, n_layer: int = 3) -> GPT:
+def gpt(seed: int = 7, vocab: int = VOCAB, dropout: float = 0.0, n_layer: int = 3, bias: bool = False) -> GPT:
     cfg = GPTConfig(vocab_size=vocab, max_seq_len=SEQ, n_layer=n_layer, n_head=6, n_kv_head=2, d_model=12,
-                    ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter")
-    return GPT(cfg, seed=seed, dtype=torch.float64)
+                    ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter", bias=bias)
+    return nonzero_biases(GPT(cfg, seed=seed, dtype=torch.float64), seed)
 
 
 def config(dp: int = 1, pp: int = 1, tp: int = 1, stage: int = 0, sp: bool = False, cp: int = 1,
@@ -60,8 +61,8 @@ def config(dp: int = 1, pp: int = 1, tp: int = 1, stage: int = 0, sp: bool = Fal
 BATCHES = synthetic_token_batches(num_batches=6, batch_size=ROWS, seq_len=SEQ, vocab_size=VOCAB, seed=9)
 
 
-def _uninterrupted(steps: int, dropout: float = 0.0, n_layer: int = 3) -> tuple[list[float], dict]:
-    engine = ts.initialize(gpt(dropout=dropout, n_layer=n_layer), config())
+def _uninterrupted(steps: int, dropout: float = 0.0, n_layer: int = 3, bias: bool = False) -> tuple[list[float], dict]:
+    engine = ts.initialize(gpt(dropout=dropout, n_layer=n_layer, bias=bias), config())
     return [engine.train_batch(b) for b in BATCHES[:steps]], engine.full_state_dict()
 
 
@@ -166,7 +167,7 @@ def _segment(path: str, index: int, chain: str = "tp-pp-world") -> tuple[list[fl
     links = CHAINS[chain]
     _, layout, steps = links[index]
     # later segments: other weights; counter dropout masks, a function of (seed, step, layer, position)
-    engine = ts.initialize(gpt(seed=7 if index == 0 else index, dropout=DROPOUT, n_layer=LAYERS[chain]),
+    engine = ts.initialize(gpt(seed=7 if index == 0 else index, dropout=DROPOUT, n_layer=LAYERS[chain], bias=True),
                            config(**layout))
     if index:
         engine.load_checkpoint(f"{path}/{index - 1}")
@@ -186,14 +187,15 @@ def test_dcp_reshard_save_and_load_across_layouts_continues_exactly(tmp_path, ch
     uninterrupted run's, dropout included: counter masks (GPTConfig.dropout_masks="counter")
     need only the step, which the checkpoint holds. Stream masks (torch's generator) resume
     exactly only on the same world size, and
-    `checkpoint.restore_rng` warns otherwise (`pytest -k resume_exact` tests that)."""
+    `checkpoint.restore_rng` warns otherwise (`pytest -k resume_exact` tests that). The GPT has
+    linear biases: a row-parallel bias is saved once, and every stage's biases travel."""
     losses = []
     for i, (world, _, _) in enumerate(CHAINS[chain]):
         got = (run_on_ranks(_segment, world, str(tmp_path), i, chain) if world > 1
                else [_segment(str(tmp_path), i, chain)])
         losses += got[0][0]
         final = got[0][1]
-    expected, state = _uninterrupted(len(losses), DROPOUT, LAYERS[chain])
+    expected, state = _uninterrupted(len(losses), DROPOUT, LAYERS[chain], bias=True)
     assert_losses_close(losses, expected, rtol=RTOL)
     assert_state_dicts_close(final, state, rtol=RTOL)
 
@@ -393,7 +395,7 @@ WIDE = [  # --thorough: every axis at once on 8 ranks, then 2 ranks of another l
 
 def _wide_segment(path: str, index: int) -> tuple[list[float], dict]:
     _, layout, steps = WIDE[index]
-    engine = ts.initialize(gpt(seed=7 if index == 0 else 5, dropout=DROPOUT), config(**layout))
+    engine = ts.initialize(gpt(seed=7 if index == 0 else 5, dropout=DROPOUT, bias=True), config(**layout))
     if index:
         engine.load_checkpoint(f"{path}/0")
     losses = [engine.train_batch(b) for b in BATCHES[engine.step:engine.step + steps]]
@@ -410,6 +412,6 @@ def test_dcp_reshard_eight_ranks_dp_pp_tp_to_two_ranks_thorough(tmp_path):
     for i, (world, _, _) in enumerate(WIDE):
         got = run_on_ranks(_wide_segment, world, str(tmp_path), i)
         losses += got[0][0]
-    expected, state = _uninterrupted(len(losses), DROPOUT, LAYERS[chain])
+    expected, state = _uninterrupted(len(losses), DROPOUT, bias=True)  # 3 layers, as _wide_segment's
     assert_losses_close(losses, expected, rtol=RTOL)
     assert_state_dicts_close(got[0][1], state, rtol=RTOL)

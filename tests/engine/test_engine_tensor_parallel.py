@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import tinyscale as ts
+from tests.engine.test_layout_matrix import nonzero_biases
 from tinyscale.config import ConfigError
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig, TinyMLP
@@ -107,8 +108,9 @@ def test_engine_tensor_parallel_trains_like_single_process(world):
 # embeddings, a vocab (251) and a layer count (3) that divide by nothing here, dropout 0.1 in the
 # exact mode, and every step clipped (the norm is ~1): tp 4, then dp 2 x tp 2 at every ZeRO stage
 # (at stages 2 and 3 with the optimizer states offloaded to host memory, at 3 the parameters too).
+# Linear biases (GPT-2's): the copied K/V heads' biases at tp 4, row-parallel biases added once.
 ACCEPTANCE = GPTConfig(vocab_size=VOCAB, max_seq_len=8, n_layer=3, n_head=4, n_kv_head=2, d_model=16,
-                       ffn_hidden=24, tie_embeddings=True, dropout=0.1)
+                       ffn_hidden=24, tie_embeddings=True, dropout=0.1, bias=True)
 DROPOUT_SEED = 17  # rank 0's generator; the engine gives it to every rank (exact mode)
 
 
@@ -129,7 +131,8 @@ def acceptance_batches(steps: int):
 def _acceptance_body(layouts: list[tuple[int, int, bool, bool]], steps: int):
     out = []
     for tp, stage, sp, offload in layouts:
-        model = GPT(ACCEPTANCE, seed=5, dtype=torch.float64)  # (its nn.Linear init draws from the global RNG)
+        # (its nn.Linear init draws from the global RNG: the seed below comes after it)
+        model = nonzero_biases(GPT(ACCEPTANCE, seed=5, dtype=torch.float64))
         torch.manual_seed(DROPOUT_SEED + 1000 * dist.get_rank())  # only rank 0's seed may matter
         engine = ts.initialize(model, acceptance_config(tp, stage, sp, offload))
         out.append(([engine.train_batch(b) for b in acceptance_batches(steps)], engine.full_state_dict()))
@@ -139,7 +142,7 @@ def _acceptance_body(layouts: list[tuple[int, int, bool, bool]], steps: int):
 def test_engine_tensor_parallel_acceptance_layouts_with_dropout_gqa_and_clipping_train_like_single_process():
     steps = 2  # (tp, zero stage, sequence parallel, offload)
     layouts = [(4, 0, True, False), (2, 0, False, False), (2, 1, True, False), (2, 2, False, True), (2, 3, True, True)]
-    model = GPT(ACCEPTANCE, seed=5, dtype=torch.float64)
+    model = nonzero_biases(GPT(ACCEPTANCE, seed=5, dtype=torch.float64))
     torch.manual_seed(DROPOUT_SEED)
     expected_losses = ts.reference.train(model, acceptance_batches(steps), acceptance_config(1, 0, False))
     expected = model.state_dict()
@@ -292,3 +295,40 @@ def test_train_preset_tp_layout_is_refused_before_any_process_when_the_world_can
     assert make_spec("tp", world_size=2).config["parallel"]["tensor"] == 2  # dp 1 x tp 2
     with pytest.raises(ConfigError, match=r"parallel\.tensor=2 does not divide the world size 3"):
         make_spec("tp", world_size=3)
+
+
+# An MoE GPT with linear biases: block 0 dense (its MLP's biases split), block 1 MoE (attention
+# biases split, the experts whole on every TP rank and bias-free); tp 2, and pp 2 (a stage each).
+MOE_BIAS = GPTConfig(vocab_size=VOCAB, max_seq_len=6, n_layer=2, n_head=4, n_kv_head=2, d_model=8, ffn_hidden=12,
+                     tie_embeddings=True, bias=True, moe_experts=2, moe_top_k=1, moe_layers=(1,))
+MOE_BIAS_LAYOUTS = [{"tensor": 2}, {"pipeline": 2}]
+
+
+def _moe_bias_config(parallel: dict) -> dict:
+    return {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+            "optimizer": OPTIMIZERS["sgd"], "gradient_clipping": 0.3, "parallel": parallel}
+
+
+def _moe_bias_batches():
+    return synthetic_token_batches(num_batches=2, batch_size=2, seq_len=6, vocab_size=VOCAB, seed=8)
+
+
+def _moe_bias_body():
+    out = []
+    for parallel in MOE_BIAS_LAYOUTS:
+        engine = ts.initialize(nonzero_biases(GPT(MOE_BIAS, seed=5, dtype=torch.float64)), _moe_bias_config(parallel))
+        out.append(([engine.train_batch(b) for b in _moe_bias_batches()], engine.full_state_dict()))
+    return out
+
+
+def test_engine_tensor_parallel_moe_gpt_with_biases_trains_like_single_process():
+    model = nonzero_biases(GPT(MOE_BIAS, seed=5, dtype=torch.float64))
+    expected_losses = ts.reference.train(model, _moe_bias_batches(), _moe_bias_config({}))
+    expected = model.state_dict()
+    assert "blocks.1.attn.wo.bias" in expected and "blocks.0.mlp.w_down.bias" in expected
+    assert not any(k.startswith("blocks.1.mlp.") and k.endswith(".bias") for k in expected)
+    for rank_results in run_on_ranks(_moe_bias_body, 2):
+        for parallel, (losses, state) in zip(MOE_BIAS_LAYOUTS, rank_results):
+            assert_losses_close(losses, expected_losses)
+            assert list(state) == list(expected)
+            assert_state_dicts_close(state, expected, what=f"MoE GPT with biases, {parallel}")

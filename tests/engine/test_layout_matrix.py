@@ -12,7 +12,9 @@ micro-batches of accumulation. Each layout trains 2 steps; losses and `full_stat
 The features rotate over the layouts (`matrix()`), so that each one meets every axis in the
 default subset without a full cross product: ZeRO stages 0-3, SP on every tp > 1 layout but two,
 activation checkpointing policies, the schedules, and dropout (counter masks) on every other
-layout. Layouts of one world size run in one pooled multi-rank call. Default: the layouts on at most 4 ranks; `--thorough`: all of them.
+layout. Half the layouts give the GPT linear biases (GPTConfig.bias, `BIASED`): tp with and without
+SP (a row-parallel bias is added once, after the reduction), cp, pp with virtual stages and zb_h1,
+dp, ZeRO 0-3; a bias bug no layer test sees fails here. Layouts of one world size run in one pooled multi-rank call. Default: the layouts on at most 4 ranks; `--thorough`: all of them.
 Run: `pytest tests/engine/test_layout_matrix.py` (key layout_matrix).
 """
 
@@ -34,14 +36,37 @@ from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run
 VOCAB, SEQ, STEPS, MICRO, ROWS, N_LAYER = 61, 10, 2, 2, 1, 5
 CLIP = 0.3  # the gradient norm of this model here is ~1-2: every step clips
 DROPOUT = 0.1  # counter masks (GPTConfig.dropout_masks="counter"): one process's masks in every layout
+# The matrix() indices whose GPT has biases: tp 2; cp 2 x tp 2 + SP; pp 2 x tp 2 + SP, interleaved;
+# pp 2 x cp 2, zb_h1; dp 2 x tp 2; dp 2 x pp 2, ZeRO 3; dp 3; and (--thorough) afab, 16 ranks, pp 3 x tp 2.
+BIASED = (1, 3, 5, 6, 7, 9, 12, 15, 16, 20)
 POLICIES = ("none", "full", "selective", "every_k")
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "afab")
 
 
-def gpt(dropout: float = 0.0) -> GPT:
+def gpt(dropout: float = 0.0, bias: bool = False) -> GPT:
     cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=N_LAYER, n_head=6, n_kv_head=2, d_model=12,
-                    ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter")
-    return GPT(cfg, seed=7, dtype=torch.float64)  # d_model 12, head_dim 2
+                    ffn_hidden=20, tie_embeddings=True, dropout=dropout, dropout_masks="counter", bias=bias)
+    return nonzero_biases(GPT(cfg, seed=7, dtype=torch.float64)) if bias else GPT(cfg, seed=7, dtype=torch.float64)
+
+
+def nonzero_biases(model: GPT, seed: int = 11) -> GPT:
+    """`model` with its linear biases drawn N(0, 0.02), in place: a model users bring has trained,
+    nonzero biases (GPT-2's start at zero), so that a bias split with the wrong rows shows."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.empty(p.shape, dtype=torch.float64).normal_(0.0, 0.02, generator=gen))
+    return model
+
+
+def biased(layout: tuple) -> bool:
+    """The layout's GPT has linear biases (`BIASED`)."""
+    return layout in matrix() and matrix().index(layout) in BIASED
+
+
+def model_of(layout: tuple) -> GPT:
+    return gpt(layout[-1], bias=biased(layout))
 
 
 @functools.cache
@@ -67,12 +92,12 @@ def matrix() -> tuple[tuple, ...]:
 
 def lesson_table() -> str:
     """The matrix as lesson 12's table (`test_layout_matrix_lesson_table_is_the_matrix` keeps them equal)."""
-    rows = ["| ranks | dp | pp | cp | tp | ZeRO | SP | checkpointing | schedule | dropout | runs in |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| ranks | dp | pp | cp | tp | ZeRO | SP | checkpointing | schedule | dropout | bias | runs in |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lay in matrix():
         dp, pp, cp, tp, stage, sp, policy, schedule, dropout = lay
         rows.append(f"| {world(lay)} | {dp} | {pp} | {cp} | {tp} | {stage} | {'yes' if sp else ''} | {policy} | "
-                    f"{schedule if pp > 1 else ''} | {dropout or ''} | "
+                    f"{schedule if pp > 1 else ''} | {dropout or ''} | {'yes' if biased(lay) else ''} | "
                     f"{'default' if world(lay) <= 4 else '--thorough'} |")
     return "\n".join(rows)
 
@@ -117,7 +142,7 @@ def _train(layouts: list[tuple]) -> list:
     out = []
     for layout in layouts:
         try:  # a refusal is raised on every rank alike before any collective: the next layout can run
-            engine = ts.initialize(gpt(layout[-1]), config(layout))
+            engine = ts.initialize(model_of(layout), config(layout))
         except ConfigError as exc:
             out.append(exc)
             continue
@@ -139,7 +164,7 @@ def selected(thorough: bool) -> list[tuple]:
 def _id(layout: tuple) -> str:
     dp, pp, cp, tp, stage, sp, policy, schedule, dropout = layout
     name = f"dp{dp}-pp{pp}-cp{cp}-tp{tp}-zero{stage}" + ("-sp" if sp else "") + f"-ac_{policy}" + \
-        ("-dropout" if dropout else "")
+        ("-dropout" if dropout else "") + ("-bias" if biased(layout) else "")
     return name + (f"-{schedule}" if pp > 1 else "")
 
 
@@ -147,7 +172,7 @@ def _id(layout: tuple) -> str:
                                     for lay in matrix()])  # more than 4 ranks: --thorough only
 def test_layout_matrix_trains_like_single_process(layout, request):
     thorough = request.config.getoption("--thorough")
-    model = gpt(layout[-1])
+    model = model_of(layout)
     reference = config(layout) | {"parallel": {}, "zero_optimization": {"stage": 0},
                                   "activation_checkpointing": {"policy": "none"}}
     expected_losses = ts.reference.train(model, batches(layout), reference)

@@ -9,7 +9,8 @@ states exist) gives parameters, gradients, master_weights and optimizer_states e
 flat-buffer padding and Adam's step counter per fragment. Two layouts run again under fp16 and
 bf16 (2-byte parameters and gradients, fp32 masters and states); a few more cover what the
 matrix's GPT cannot: ZeRO groups that pad (its width 12 is divisible by every group it has), the
-zero_optimization knobs that change the units, and K/V heads copied over tp 4. Pure tests: at tp = pp = 1
+zero_optimization knobs that change the units, K/V heads copied over tp 4, and linear biases
+(`BIASED`: column biases split, row-parallel ones whole on every TP rank). Pure tests: at tp = pp = 1
 the formula is `zero.estimate.model_state_bytes` with padding; over awkward shapes the ranks of
 one model replica hold the model plus exactly its accounted copies and padding.
 Default: the layouts on at most 4 ranks, one pooled call per world size; `--thorough`: all.
@@ -55,6 +56,11 @@ PADDED = [(3, 1, 1, 1, s, False, "none", "1f1b", 0.0) for s in (1, 2, 3)] + \
 # K/V heads copied (tp 4 > 1 K/V head: each rank holds a copy of it) and a vocab of 61 padded to
 # 64 over tp 4, on a GPT of width 8 with 4 query heads: ZeRO 2, and with dp 2 x tp 4 (--thorough) ZeRO 3.
 KV_COPIES = [(1, 1, 1, 4, 2, False, "none", "1f1b", 0.0), (2, 1, 1, 4, 3, False, "none", "1f1b", 0.0)]
+# Linear biases (GPTConfig.bias): a column bias split with its rows, a row-parallel one whole on
+# every TP rank, a copied K/V head's bias copied: tp 2 + SP at ZeRO 1, pp 2 x tp 2 at ZeRO 2 on the
+# matrix's GPT, and the K/V copies of tp 4 at ZeRO 3 on the width-8 one.
+BIASED = [((1, 1, 1, 2, 1, True, "none", "1f1b", 0.0), "bias"), ((1, 2, 1, 2, 2, False, "none", "1f1b", 0.0), "bias"),
+          ((1, 1, 1, 4, 3, False, "none", "1f1b", 0.0), "kv4-bias")]
 # zero_optimization's knobs that change the units, on dp 3 of the width-10 GPT: buckets of at most
 # 300 elements (stages 1 and 2: many units; under bf16 too, where a bucket's bytes are counted
 # before the parameters are rounded) with sub-groups of 250 (fragments cut again), and stage 3
@@ -72,7 +78,8 @@ def _jobs(thorough: bool) -> list[tuple]:
         [(lay, p, None, ()) for lay in layouts for d, p in sorted(MIXED) if lay[:4] == d] + \
         [(lay, None, "width10", ()) for lay in PADDED if thorough or world(lay) <= 4] + \
         [(lay, p, "width10", knobs) for lay, p, knobs in KNOBS] + \
-        [(lay, None, "kv4", ()) for lay in KV_COPIES if thorough or world(lay) <= 4]
+        [(lay, None, "kv4", ()) for lay in KV_COPIES if thorough or world(lay) <= 4] + \
+        [(lay, None, other, ()) for lay, other in BIASED]
 
 
 def _engine_config(layout: tuple, precision: str | None, knobs: tuple = ()) -> dict:
@@ -84,8 +91,8 @@ def _engine_config(layout: tuple, precision: str | None, knobs: tuple = ()) -> d
 
 
 def _model(layout: tuple, precision: str | None, other: str | None, knobs: tuple = ()) -> GPT:
-    model = gpt(layout[-1])
-    if other == "kv4":
+    model = gpt(layout[-1], bias=other is not None and other.endswith("bias"))
+    if other in ("kv4", "kv4-bias"):
         return GPT(model.config.with_(d_model=8, n_head=4, n_kv_head=1, ffn_hidden=16), seed=7, dtype=torch.float64)
     if other == "width10":
         cfg = model.config.with_(d_model=10, n_head=5, n_kv_head=1, ffn_hidden=14, n_layer=4, tie_embeddings=False)
@@ -186,18 +193,20 @@ def test_layout_memory_reduces_to_model_state_bytes():
 @settings(max_examples=60)  # pure arithmetic, ~1 ms an example: more than the suite's default 8
 @given(vocab=st.integers(5, 70), layers=st.integers(1, 6), kv=st.sampled_from([1, 2, 4]), group=st.integers(1, 3),
        head_dim=st.sampled_from([2, 4]), ffn=st.integers(1, 3), tied=st.booleans(), tp=st.sampled_from([1, 2, 4]),
-       pp=st.integers(1, 3), virtual=st.integers(1, 2), dp=st.integers(1, 3), stage=st.integers(0, 3))
+       pp=st.integers(1, 3), virtual=st.integers(1, 2), dp=st.integers(1, 3), stage=st.integers(0, 3),
+       bias=st.booleans())
 def test_layout_memory_one_replica_holds_the_model_and_its_copies(vocab, layers, kv, group, head_dim, ffn, tied, tp,
-                                                                  pp, virtual, dp, stage):
+                                                                  pp, virtual, dp, stage, bias):
     """Summed over one replica's ranks (dp coordinate 0), the unpadded counts are the model's size plus
-    the tied table's pipeline copy, the K/V heads' copies (tp > K) and the replicated norms; the
+    the tied table's pipeline copy, the K/V heads' copies (tp > K, their biases too) and the
+    replicated norms (and row-parallel biases); the
     padded counts add the vocab tables' padding rows; and ZeRO's shards over dp cover each unit's
     padded size exactly, padding on the last ranks only."""
     heads = kv * group * tp // math.gcd(kv * group, tp)  # a multiple of kv and of tp
     assume(pp * virtual <= layers)  # (kv and tp are powers of 2: one always divides the other)
     C = heads * head_dim
     cfg = GPTConfig(vocab_size=vocab, max_seq_len=8, n_layer=layers, n_head=heads, n_kv_head=kv, d_model=C,
-                    ffn_hidden=ffn * tp * 2, tie_embeddings=tied)
+                    ffn_hidden=ffn * tp * 2, tie_embeddings=tied, bias=bias)
     plan = LayoutPlan(dp * pp * tp, dp, pp, 1, tp, virtual_stages=virtual, zero_stage=stage)
     replica = [r for r in range(plan.world_size) if r % (dp * tp) < tp]  # dp coordinate 0
     tensors = [x for r in replica for x in rank_tensors(cfg, plan, r)]
@@ -206,8 +215,8 @@ def test_layout_memory_one_replica_holds_the_model_and_its_copies(vocab, layers,
     assert all(counts[r] == counts[r % tp + (r // (dp * tp)) * dp * tp] for r in counts)  # dp replicas alike
     D, L = head_dim, layers
     tied_copy = vocab * C if tied and pp > 1 else 0
-    kv_copies = 2 * L * (tp // kv - 1) * kv * D * C if tp > kv else 0
-    norms = (tp - 1) * (2 * L + 1) * C
+    kv_copies = 2 * L * (tp // kv - 1) * kv * D * (C + bias) if tp > kv else 0  # weight (D, C), bias (D,)
+    norms = (tp - 1) * (2 * L + 1 + 2 * L * bias) * C  # two norms a block, the final norm; wo's, w_down's bias
     assert sum(x.real for x in tensors) == cfg.num_params() + tied_copy + kv_copies + norms
     tables = 1 + (not tied or pp > 1)
     assert sum(x.numel for x in tensors) - sum(x.real for x in tensors) == tables * (-(-vocab // tp) * tp - vocab) * C

@@ -35,10 +35,10 @@ from tinyscale.testing import run_on_ranks
 
 VOCAB, SEQ, MICRO, M, STEPS = 37, 8, 2, 2, 3
 # tied, GQA (4 query heads, 1 K/V head: copied on both tp ranks), a vocab tp = 2 does not divide,
-# 5 layers pp = 2 does not.
+# 5 layers pp = 2 does not; linear biases (fp16/bf16 parameters with fp32 masters like the weights).
 # Tiny shapes: fp16 matmuls run at ~1 GFLOP/s on this CPU.
 GPT_CONFIG = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=5, n_head=4, n_kv_head=1, d_model=16,
-                       ffn_hidden=24, tie_embeddings=True)
+                       ffn_hidden=24, tie_embeddings=True, bias=True)
 # SGD, not Adam: Adam divides by the gradient's own size, so it would hide a gradient off by a
 # factor (a clipping norm counted on one stage only, a loss scale not divided out). The
 # gradient norm here is ~1: every step clips.

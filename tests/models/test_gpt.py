@@ -42,13 +42,14 @@ def test_models_num_params_matches_built_model_for_presets(name):
     multiple_of=st.integers(1, 32),
     tie=st.booleans(),
     vocab_size=st.integers(1, 70),
+    bias=st.booleans(),
 )
 def test_models_num_params_matches_built_model_for_drawn_configs(n_layer, n_kv_head, group, head_dim,
-                                                                 ffn_hidden, multiple_of, tie, vocab_size):
+                                                                 ffn_hidden, multiple_of, tie, vocab_size, bias):
     n_head = n_kv_head * group
     cfg = GPTConfig(vocab_size=vocab_size, max_seq_len=8, n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head,
                     d_model=n_head * head_dim, ffn_hidden=ffn_hidden, multiple_of=multiple_of,
-                    tie_embeddings=tie)
+                    tie_embeddings=tie, bias=bias)
     model = GPT(cfg)
     assert cfg.num_params() == unique_numel(model)
     assert model.blocks[0].mlp.w_up.out_features == cfg.ffn_dim
@@ -66,6 +67,35 @@ def test_models_big_preset_param_counts_are_exact():
     # ffn_hidden=2048 makes GPT-2's SwiGLU MLP exactly as big as its original 2 x (C x 4C) MLP.
     assert 3 * gpt2.d_model * gpt2.ffn_dim == 2 * gpt2.d_model * 4 * gpt2.d_model
     assert llama.kv_dim == 512 and llama.head_dim == 64
+
+
+def test_models_bias_counts_gpt2_style_linear_biases_and_none_in_moe_experts():
+    """bias=True adds C + 2 K*D + C (wq, wk, wv, wo) and 2F + C (w_gate, w_up, w_down) per dense
+    block; an MoE block keeps its attention biases, its experts and router have none."""
+    cfg = GPTConfig(vocab_size=11, max_seq_len=8, n_layer=3, n_head=4, n_kv_head=2, d_model=8, ffn_hidden=6,
+                    bias=True, moe_experts=2, moe_top_k=1, moe_layers=(1,), moe_shared_experts=1)
+    model = GPT(cfg)
+    assert cfg.num_params() == unique_numel(model)
+    biases = {n: p.numel() for n, p in model.named_parameters() if n.endswith(".bias")}
+    assert sum(biases.values()) == 3 * (8 + 2 * 4 + 8) + 2 * (2 * 6 + 8)
+    assert not any(".mlp." in n for n in biases if n.startswith("blocks.1."))
+    assert cfg.num_params() - cfg.with_(bias=False).num_params() == sum(biases.values())
+    # GPT-2 small's shapes with biases: 7,936 per block (5C + 2F), the preset itself stays bias-free
+    assert PRESETS["gpt2-124m"].with_(bias=True).num_params() == 123_551_232 + 12 * (5 * 768 + 2 * 2048)
+
+
+def test_models_bias_starts_at_zero_and_leaves_the_weights_and_outputs_as_without():
+    """Biases are zero at init and draw nothing: a biased GPT's weights and logits equal the
+    bias-free one's; after a step they have gradients and move."""
+    plain, biased = GPT(TINY, seed=3, dtype=torch.float64), GPT(TINY.with_(bias=True), seed=3, dtype=torch.float64)
+    params = dict(biased.named_parameters())
+    assert all(params[n].equal(p) for n, p in plain.named_parameters())
+    assert all(p.eq(0).all() for n, p in params.items() if n.endswith(".bias"))
+    idx = tokens(2, 8)
+    torch.testing.assert_close(biased(idx), plain(idx), rtol=0, atol=0)
+    biased(idx, tokens(2, 8, seed=1)).backward()
+    grads = [p.grad for n, p in params.items() if n.endswith(".bias")]
+    assert len(grads) == 7 * TINY.n_layer and all(g is not None and g.abs().sum() > 0 for g in grads)
 
 
 def test_models_ffn_dim_follows_llama_rule():
@@ -266,6 +296,7 @@ def test_models_bad_input_shapes_raise():
     (dict(attn_impl="flash"), "attn_impl"),
     (dict(dropout=1.0), "dropout"),
     (dict(norm_eps=0.0), "norm_eps"),
+    (dict(bias=1), "bias"),
 ])
 def test_models_invalid_config_names_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"GPTConfig\.{field}="):

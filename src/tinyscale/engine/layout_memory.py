@@ -27,6 +27,8 @@ head_dim, F = ffn_dim, K = n_kv_head, V = vocab_size:
     wk, wv              K % t == 0: split, K*D*C/t; t % K == 0 (t > K): one head copied on t/K
                         ranks, D*C ("kv_copy")
     norms               replicated: C on every rank ("replicated")
+    biases (bias=True)  after their weight: a column bias split with its rows (O/t; a copied K/V
+                        head's D, "kv_copy"), a row-parallel bias (wo, w_down) C, replicated
 Context parallelism holds the parameters whole; it widens ZeRO's group to N = dp x cp.
 
 An MoE GPT (`GPTConfig.moe_experts` E, `engine/expert.py`): an MoE block's MLP is its router
@@ -147,8 +149,26 @@ def rank_tensors(cfg: GPTConfig, plan, rank: int) -> list[LocalTensor]:
             out.append(LocalTensor("head.weight", rows * C, table_real, kind, head_unit))
         elif plan.pp > 1:  # the last stage's own copy of the tied table
             out.append(LocalTensor("head.weight", rows * C, table_real, "tied_copy", head_unit))
-    return out
+    return _with_biases(cfg, out, t) if cfg.bias else out
 # --8<-- [end:rank-tensors]
+
+
+def _with_biases(cfg: GPTConfig, tensors: list[LocalTensor], t: int) -> list[LocalTensor]:
+    """`tensors` with each dense linear's bias after its weight (GPTConfig.bias): a row-parallel
+    one (wo, w_down) whole on every rank, a column one a row of its weight's shard."""
+    out = []
+    for x in tensors:
+        out.append(x)
+        path, _, leaf = x.name.rpartition(".")
+        if leaf != "weight" or not path.endswith((".attn.wq", ".attn.wk", ".attn.wv", ".attn.wo", ".mlp.w_gate",
+                                                  ".mlp.w_up", ".mlp.w_down")):
+            continue
+        if path.endswith((".wo", ".w_down")):
+            kind = "replicated" if t > 1 else "whole"
+            out.append(LocalTensor(f"{path}.bias", cfg.d_model, cfg.d_model, kind, x.unit))
+        else:  # (O/t, C) weight: O/t bias elements
+            out.append(LocalTensor(f"{path}.bias", x.numel // cfg.d_model, x.real // cfg.d_model, x.kind, x.unit))
+    return out
 
 
 def rank_param_counts(cfg: GPTConfig, plan) -> dict[int, int]:

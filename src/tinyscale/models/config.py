@@ -28,6 +28,9 @@ class GPTConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False  # the LM head shares the token-embedding matrix
+    # GPT-2 style biases on wq, wk, wv, wo and the dense MLP's w_gate, w_up, w_down (zero at init;
+    # norms, the head and MoE experts have none). Off: Llama's bias-free linears.
+    bias: bool = False
     dropout: float = 0.0  # on attention probabilities and on both residual branches
     # How masks are drawn: "stream" from torch's generator (F.dropout; tensor parallelism then
     # needs parallel.tensor_dropout, and pipeline and context parallelism refuse it), or "counter"
@@ -67,6 +70,7 @@ class GPTConfig:
             require(getattr(self, field) > 0, field, "it must be > 0")
         require(0.0 <= self.dropout < 1.0, "dropout", "it must satisfy 0 <= dropout < 1")
         require(self.attn_impl in ("sdpa", "math"), "attn_impl", "use 'sdpa' or 'math'")
+        require(isinstance(self.bias, bool), "bias", "it must be True or False")
         require(self.dropout_masks in ("stream", "counter"), "dropout_masks", "use 'stream' or 'counter'")
         require(isinstance(self.dropout_seed, int) and not isinstance(self.dropout_seed, bool), "dropout_seed",
                 "it must be an int")
@@ -126,11 +130,20 @@ class GPTConfig:
         C, V = self.d_model, self.vocab_size
         attn = 2 * C * C + 2 * C * self.kv_dim  # wq, wo: C x C; wk, wv: C x K*D
         mlp = 3 * C * self.ffn_dim  # w_gate, w_up: C x F; w_down: F x C
+        attn, mlp = attn + self.attn_bias_params, mlp + self.mlp_bias_params
         total = self.n_layer * (attn + mlp + 2 * C) + C  # two RMSNorms per block, one final
         moe = self.moe_experts * C + 3 * C * self.expert_dim * (self.moe_experts + self.moe_shared_experts)
         total += sum(moe - mlp for i in range(self.n_layer) if self.is_moe_layer(i))  # router + experts
         total += 0 if self.tie_embeddings else V * C  # untied LM head
         return total + (V * C if include_embedding else 0)
+
+    @property
+    def attn_bias_params(self) -> int:  # wq, wk, wv, wo biases: C + 2 K*D + C (0 without bias)
+        return (2 * self.d_model + 2 * self.kv_dim) if self.bias else 0
+
+    @property
+    def mlp_bias_params(self) -> int:  # a dense MLP's w_gate, w_up, w_down biases: 2F + C (MoE experts: none)
+        return (2 * self.ffn_dim + self.d_model) if self.bias else 0
 
     def with_(self, **changes) -> GPTConfig:
         """A copy with some fields changed (validated again)."""

@@ -92,7 +92,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl:
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, *, device=None, dtype=None) -> None:
         super().__init__()
-        kw = dict(bias=False, device=device, dtype=dtype)
+        kw = dict(bias=cfg.bias, device=device, dtype=dtype)
         self.head_dim, self.impl, self.dropout = cfg.head_dim, cfg.attn_impl, cfg.dropout
         # Counter masks (models/dropout.py): the GPT sets the shared clock and this block's index;
         # tensor parallelism sets head_offset, the global index of this rank's first head.
@@ -138,7 +138,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: GPTConfig, *, device=None, dtype=None) -> None:
         super().__init__()
-        kw = dict(bias=False, device=device, dtype=dtype)
+        kw = dict(bias=cfg.bias, device=device, dtype=dtype)
         self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, **kw)
         self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, **kw)
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, **kw)
@@ -235,6 +235,9 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if id(param) in norm_weights:
                 param.fill_(1.0)
+                continue
+            if name.endswith(".bias"):  # GPT-2's linear biases start at zero: no draw, the weights stay as without
+                param.zero_()
                 continue
             std = cfg.init_std
             if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "experts.w_down", "shared.w_down.weight")):

@@ -45,7 +45,7 @@ def gpt_param_costs(config: GPTConfig) -> tuple[int, list[int], int]:
     C, V = config.d_model, config.vocab_size
     attn = 2 * C * C + 2 * C * config.kv_dim  # wq, wo: C x C; wk, wv: C x K*D
     mlp = 3 * C * config.ffn_dim  # w_gate, w_up: C x F; w_down: F x C
-    block = attn + mlp + 2 * C  # + two RMSNorm weights
+    block = attn + mlp + 2 * C + config.attn_bias_params + config.mlp_bias_params  # + RMSNorms, biases
     return V * C, [block] * config.n_layer, C + V * C
 
 

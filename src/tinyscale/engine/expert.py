@@ -19,7 +19,9 @@ Megatron's layout): the stacked expert tensors are cut along dim 0, and each sha
 same experts. Data parallelism reads the tag: DDP leaves the shards out of its buckets and, once
 its own reduction is done, sums each shard's gradient over its edp group and divides by dp
 (`data_parallel/base.py`: every dp rank's tokens reached the experts through one of the ep
-groups, so that is the mean over the global batch); ZeRO 1-3 put the shards in FlatUnits of their
+groups, so that is the mean over the global batch; sent in `communication_data_type` and divided
+before / after the sum as `prescale_gradients` / `gradient_predivide_factor` say, as the buckets are);
+ZeRO 1-3 put the shards in FlatUnits of their
 own, reduce-scattered, sharded and gathered over the edp group and averaged over dp
 (`ShardedOptimizer._split`, DeepSpeed's separate MoE parameter groups). The placements say it
 (`Placement.ep_range`: the experts held, `reduce_over="edp"`; `expert_fields`), and from them

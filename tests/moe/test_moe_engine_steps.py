@@ -13,7 +13,8 @@
   peer gives up the all-to-all in bounded time and both stop naming it (`-k failed_step`).
 - A DDP compression hook compresses the buckets only; the expert shards are averaged exactly
   (`-k compression`).
-The default run takes one case of each (~45 s of which ~20 s is the failed-step case's fresh pool);
+The default run takes one case of each (27 s alone on a loaded 2-core machine, of which ~15 s
+start the world-2 and world-4 pools; the failed-step case closes the world-2 pool last);
 `--thorough` runs both formats at every stage on dp 4 x ep 2 and the overflow at ZeRO 0 and 3.
 """
 
@@ -198,74 +199,6 @@ def _part(keys: list[str], state: dict) -> dict:
     return {k: state[k] for k in keys}
 
 
-# --- 3. a step that raised on one rank of an ep group
-
-BOUND_S = 10  # each train_batch: the agreement polls every 50 ms; 10 s leaves room for a loaded machine
-
-
-def _f64_engine():
-    return ts.initialize(GPT(mp_model().config, seed=5, dtype=torch.float64), mp_config(None, 2, 0, 2))
-
-
-def _timed(engine, batch) -> tuple[str, str, float]:
-    start = time.monotonic()
-    try:
-        engine.train_batch(batch)
-        return "", "", time.monotonic() - start
-    except Exception as exc:  # noqa: BLE001 - the test asserts which
-        return type(exc).__name__, str(exc), time.monotonic() - start
-
-
-def _failed_steps():
-    """dp 2 x ep 2, float64. Late: rank 1's backward raises after the step's last all-to-all (at the
-    embedding's output, last micro-batch of step 0); the batch is retried, then step 1.
-    Mid: a fresh engine; rank 1 raises in block 1's forward (block 0's all-to-alls done, block
-    2's not), where rank 0 waits for it in the all-to-all."""
-    rank, data = dist.get_rank(), mp_batches(2, steps=2)
-    engine, calls = _f64_engine(), []
-
-    def throw(grad):
-        raise MemoryError("simulated: rank 1's backward")
-    def arm(module, args, out) -> None:  # returns None: the output stays as it is
-        calls.append(1)
-        if len(calls) == M:
-            out.register_hook(throw)
-    if rank == 1:
-        engine.model.embed.register_forward_hook(arm)
-    late = [_timed(engine, data[0])]
-    losses = [engine.train_batch(b) for b in data]
-    state = engine.full_state_dict()
-    engine = _f64_engine()
-
-    def boom(module, args):
-        raise MemoryError("simulated: rank 1 mid-forward")
-    if rank == 1:
-        engine.model.blocks[1].register_forward_pre_hook(boom)
-    return late, losses, state, _timed(engine, data[0])
-
-
-def test_moe_engine_steps_failed_step_on_one_ep_rank_is_dropped_or_stops_every_rank_in_bounded_time():
-    """A rank of an ep group that raised after the step's last all-to-all: every rank drops the
-    step (rank 1 re-raises its error, rank 0 raises StepFailed naming it) and the retried run equals
-    one process (float64, rtol 1e-10). One that raised between two all-to-alls: rank 0 gives up
-    the all-to-all it waits in (the engine watches the ep group) and both ranks stop, naming rank 1,
-    well within the bound (unwatched, rank 0 waited until the pool's deadline)."""
-    model = GPT(mp_model().config, seed=5, dtype=torch.float64)
-    flat = mp_config(None, 1, 0, 2) | {"parallel": {}, "gradient_accumulation_steps": M * 2}
-    expected = ts.reference.train(model, mp_batches(2, steps=2), flat)
-    try:
-        results = run_on_ranks(_failed_steps, 2, timeout_s=60)
-    finally:
-        get_pool(2).close()  # the mid-forward case leaves the ep group out of step: fresh ranks next time
-    for rank, (late, losses, state, mid) in enumerate(results):
-        for (name, message, seconds), what in ((late[0], "late"), (mid, "mid")):
-            assert seconds < BOUND_S, (what, rank, seconds)
-            assert name == ("MemoryError" if rank == 1 else "StepFailed"), (what, rank, name, message)
-            assert rank == 1 or "[1]" in message, (what, message)
-        assert rank == 1 or "cannot continue" in mid[1], mid
-        assert_every_rank_trained_like([(losses, state)], expected, model.state_dict(), what=f"rank {rank}")
-
-
 # --- 2b. fp16: an overflow in one rank's experts skips the step on every rank
 
 def _overflow_in_rank1_experts(stage: int):
@@ -331,3 +264,71 @@ def test_moe_engine_steps_compression_hook_leaves_expert_shards_uncompressed():
         assert all(torch.equal(topk[k], plain[k]) for k in experts), rank
         assert not all(torch.equal(topk[k], plain[k]) for k in plain if k not in experts), rank
         assert topk_bytes == plain_bytes == 2 * 3 * 2 * 8 * 12 * 8, (rank, topk_bytes, plain_bytes)
+
+
+# --- 3. a step that raised on one rank of an ep group
+
+BOUND_S = 10  # each train_batch: the agreement polls every 50 ms; 10 s leaves room for a loaded machine
+
+
+def _f64_engine():
+    return ts.initialize(GPT(mp_model().config, seed=5, dtype=torch.float64), mp_config(None, 2, 0, 2))
+
+
+def _timed(engine, batch) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        engine.train_batch(batch)
+        return "", "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the test asserts which
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def _failed_steps():
+    """dp 2 x ep 2, float64. Late: rank 1's backward raises after the step's last all-to-all (at the
+    embedding's output, last micro-batch of step 0); the batch is retried, then step 1.
+    Mid: a fresh engine; rank 1 raises in block 1's forward (block 0's all-to-alls done, block
+    2's not), where rank 0 waits for it in the all-to-all."""
+    rank, data = dist.get_rank(), mp_batches(2, steps=2)
+    engine, calls = _f64_engine(), []
+
+    def throw(grad):
+        raise MemoryError("simulated: rank 1's backward")
+    def arm(module, args, out) -> None:  # returns None: the output stays as it is
+        calls.append(1)
+        if len(calls) == M:
+            out.register_hook(throw)
+    if rank == 1:
+        engine.model.embed.register_forward_hook(arm)
+    late = [_timed(engine, data[0])]
+    losses = [engine.train_batch(b) for b in data]
+    state = engine.full_state_dict()
+    engine = _f64_engine()
+
+    def boom(module, args):
+        raise MemoryError("simulated: rank 1 mid-forward")
+    if rank == 1:
+        engine.model.blocks[1].register_forward_pre_hook(boom)
+    return late, losses, state, _timed(engine, data[0])
+
+
+def test_moe_engine_steps_failed_step_on_one_ep_rank_is_dropped_or_stops_every_rank_in_bounded_time():
+    """A rank of an ep group that raised after the step's last all-to-all: every rank drops the
+    step (rank 1 re-raises its error, rank 0 raises StepFailed naming it) and the retried run equals
+    one process (float64, rtol 1e-10). One that raised between two all-to-alls: rank 0 gives up
+    the all-to-all it waits in (the engine watches the ep group) and both ranks stop, naming rank 1,
+    well within the bound (unwatched, rank 0 waited until the pool's deadline)."""
+    model = GPT(mp_model().config, seed=5, dtype=torch.float64)
+    flat = mp_config(None, 1, 0, 2) | {"parallel": {}, "gradient_accumulation_steps": M * 2}
+    expected = ts.reference.train(model, mp_batches(2, steps=2), flat)
+    try:
+        results = run_on_ranks(_failed_steps, 2, timeout_s=60)
+    finally:  # (last in this file: the pool's restart is paid once)
+        get_pool(2).close()  # the mid-forward case leaves the ep group out of step: fresh ranks next time
+    for rank, (late, losses, state, mid) in enumerate(results):
+        for (name, message, seconds), what in ((late[0], "late"), (mid, "mid")):
+            assert seconds < BOUND_S, (what, rank, seconds)
+            assert name == ("MemoryError" if rank == 1 else "StepFailed"), (what, rank, name, message)
+            assert rank == 1 or "[1]" in message, (what, message)
+        assert rank == 1 or "cannot continue" in mid[1], mid
+        assert_every_rank_trained_like([(losses, state)], expected, model.state_dict(), what=f"rank {rank}")

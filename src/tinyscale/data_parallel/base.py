@@ -113,17 +113,33 @@ class DataParallelBase(nn.Module):
     # --8<-- [end:hooks]
 
     # --8<-- [start:expert-shards]
+    # Read by `_reduce_expert_shards` (BucketedDDP documents them; the engine sets them): the
+    # expert shards are sent in comm_dtype and pre- / post-divided as the dense buckets are.
+    comm_dtype: torch.dtype | None = None
+    prescale_gradients: bool = True
+    gradient_predivide_factor: float = 1.0
+
     @torch.no_grad()
     def _reduce_expert_shards(self) -> None:
         """Expert shards (expert parallelism): each averaged over dp, summed over the ranks holding
-        the same experts (every dp rank's tokens reached them through one of the ep groups)."""
+        the same experts (every dp rank's tokens reached them through one of the ep groups). As the
+        buckets: divided by dp (prescale_gradients) or by the predivide factor before the sum and
+        by dp / factor after it, and summed in `comm_dtype`."""
         for p in self.expert_params:
             shard = p.expert_shard
             if p.grad is None:  # the peers send theirs: keep the collectives matched
                 p.grad = torch.zeros_like(p)
-            p.grad.div_(shard.mean_over)
+            pre = shard.mean_over if self.prescale_gradients else self.gradient_predivide_factor
+            p.grad.div_(pre)
             if dist.get_world_size(shard.group) > 1:
-                comm.all_reduce(p.grad, group=shard.group)
+                if self.comm_dtype is None or self.comm_dtype == p.grad.dtype:
+                    comm.all_reduce(p.grad, group=shard.group)
+                else:  # the sum rounded in the wire's dtype, cast back (bucketed.py's `_all_reduce_in`)
+                    wire = p.grad.to(self.comm_dtype)
+                    comm.all_reduce(wire, group=shard.group)
+                    p.grad.copy_(wire)
+            if shard.mean_over != pre:
+                p.grad.div_(shard.mean_over / pre)
     # --8<-- [end:expert-shards]
 
     def _backward_started(self) -> None:

@@ -86,6 +86,7 @@ from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.engine import checkpoint, checkpoint_io, compression, context, dcp_checkpoint, parallelize, step_failure
+from tinyscale.engine import expert  # ep: the groups the failure watch adds
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
 from tinyscale.engine.monitor import Monitor
@@ -259,8 +260,9 @@ class Engine:
         self._broken: str | None = None  # why this engine cannot take another step, if it cannot
         # tp or cp: a rank raising mid-forward leaves its peers inside the model's collectives;
         # they give up and every rank agrees over a group of its own (engine/step_failure.py)
-        self._failure_watch = step_failure.FailureWatch([mesh.group("tp"), mesh.group("cp")]) if (
-            self.tp_size > 1 or self.cp_size > 1) else None
+        # (ep: a rank's peers wait for it in the MoE layers' all-to-alls, engine/expert.py)
+        self._failure_watch = step_failure.FailureWatch([mesh.group("tp"), mesh.group("cp"), *expert.watched(
+            mesh, self.plan)]) if (self.tp_size > 1 or self.cp_size > 1 or self.plan.ep > 1) else None
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
                                      num_devices=self.reduce_size * self.tp_size * self.plan.pp

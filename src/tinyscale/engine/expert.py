@@ -19,7 +19,9 @@ Megatron's layout): the stacked expert tensors are cut along dim 0, and each sha
 same experts. Data parallelism reads the tag: DDP leaves the shards out of its buckets and, once
 its own reduction is done, sums each shard's gradient over its edp group and divides by dp
 (`data_parallel/base.py`: every dp rank's tokens reached the experts through one of the ep
-groups, so that is the mean over the global batch); ZeRO 1-3 put the shards in FlatUnits of their
+groups, so that is the mean over the global batch; sent in `communication_data_type` and divided
+before / after the sum as `prescale_gradients` / `gradient_predivide_factor` say, as the buckets are);
+ZeRO 1-3 put the shards in FlatUnits of their
 own, reduce-scattered, sharded and gathered over the edp group and averaged over dp
 (`ShardedOptimizer._split`, DeepSpeed's separate MoE parameter groups). The placements say it
 (`Placement.ep_range`: the experts held, `reduce_over="edp"`; `expert_fields`), and from them
@@ -30,6 +32,10 @@ rank. Under ZeRO-3 a rank's expert bytes are the same as when every rank kept ev
 (E X / dp either way); the saving there is in the gathers (E / ep experts, over dp / ep ranks).
 A DDP compression hook (`compression.type` topk, powersgd, ...) compresses the buckets only: the
 expert shards are reduced uncompressed over their edp group. Measured: benchmarks/moe_expert_bytes.py.
+The engine's failure watch (engine/step_failure.py) covers the ep group (`watched`): a rank that
+raises between two all-to-alls leaves its ep peers waiting there; they give up in bounded time and
+every rank stops naming it (a rank that raised after the step's last all-to-all: the step is dropped).
+Tests of these and of bf16 / fp16 with ep > 1: tests/moe/test_moe_engine_steps.py.
 
 Under a pipeline the loss is computed on the last stage only, so each MoE layer adds its aux
 loss's gradient itself (`tinyscale.moe.AddAuxLoss`, scaled as the executor scales the loss:
@@ -110,6 +116,12 @@ def apply(model: torch.nn.Module, plan, mesh: ParallelMesh | None) -> None:
         ep_group, edp_group = expert_groups(mesh.layout, ep)
         apply_expert_parallel(model, ep_group)
         shard_experts(model, edp_group, plan.dp)  # E / ep experts stored here, tagged for DDP / ZeRO
+
+
+def watched(mesh: ParallelMesh | None, plan) -> list:
+    """The groups the engine's failure watch adds for ep (engine/step_failure.py): the ep group, whose
+    all-to-alls a rank that raised mid-forward or mid-backward would never join."""
+    return [expert_groups(mesh.layout, plan.ep)[0]] if plan.ep > 1 else []
 
 
 # --8<-- [start:placement]

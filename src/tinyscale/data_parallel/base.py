@@ -60,8 +60,8 @@ class DataParallelBase(nn.Module):
         self._finish_queued = False
         # Ranks must start identical; torch DDP makes it so the same way.
         broadcast_parameters(module, process_group)
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for p in self.params + self.expert_params:  # expert shards only start the end-of-backward callback
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)  # (a model may train only its experts)
     # --8<-- [end:init]
 
     def forward(self, *args, **kwargs):
@@ -104,7 +104,8 @@ class DataParallelBase(nn.Module):
             self._finish_queued = True
             self._backward_started()
             Variable._execution_engine.queue_callback(self._on_backward_end)
-        self._grad_ready(param)
+        if not hasattr(param, "expert_shard"):
+            self._grad_ready(param)
 
     def _on_backward_end(self) -> None:
         self._finish_queued = False

@@ -146,7 +146,9 @@ class BucketedDDP(DataParallelBase):
             extra = len(self.params) if b == len(groups) - 1 else 0
             self.buckets.append(Bucket(group, offsets, torch.zeros(total + extra, dtype=group[0].dtype,
                                                                    device=group[0].device)))
-        self._flags = self.buckets[-1].buffer[self.buckets[-1].buffer.numel() - len(self.params):]
+        # (no dense parameter to train, e.g. only an MoE's experts: no buckets, nothing to flag)
+        self._flags = self.buckets[-1].buffer[self.buckets[-1].buffer.numel() - len(self.params):] \
+            if self.buckets else None
         self._index = {p: i for i, p in enumerate(self.params)}
         self._next_launch = 0
         self.events: list[tuple[str, int | None, float]] = []  # ("launch", bucket, t) / ("backward_end", None, t)
@@ -225,6 +227,8 @@ class BucketedDDP(DataParallelBase):
     @torch.no_grad()
     def _finish_backward(self) -> None:
         self.events.append(("backward_end", None, time.perf_counter()))
+        if not self.buckets:  # only expert shards train: `_reduce_expert_shards` does it all
+            return
         # Buckets still waiting for a gradient that never came (a parameter unused in this
         # backward): fill in what .grad holds (accumulated earlier, or zero) and launch.
         for b in range(self._next_launch, len(self.buckets)):

@@ -22,6 +22,9 @@
   takes ~30 s idle, minutes under load.
 - Llama 2 70B on 1,024 A100s (`test_planner_llama2_70b_on_1024_a100s_pins_its_choice_next_to_nemo_s_layout`):
   the planner's answer pinned, and NeMo's published layout costed beside it (lesson 12).
+- Search (`-k "virtual_stages or peak_held or prunes"`): the chunk counts tried, the in-flight
+  walk against the simulator, and the work a plan does counted (model-time calls, simulations),
+  not timed.
 Run: `pytest tests/planner -k planner` (--thorough for the ranking and the 6-16-rank layouts).
 """
 
@@ -187,7 +190,9 @@ def test_planner_ranks_cpu_layouts_like_measured_step_times():
 
 
 def test_planner_presets_have_the_published_sizes():
-    """Llama 2's 6.74B, 13.0B and 69.0B (Touvron et al. 2023), GPT-3's 175B, Megatron's 1,008B."""
+    """Llama 2's 6.74B, 13.0B and 69.0B, counted from the released shapes (the Llama 2 paper rounds
+    them to 7B, 13B, 70B; Llama 1's table 2 gives the 7B's and 13B's shapes as 6.7B and 13.0B),
+    GPT-3's 175B (Brown et al. 2020, table 2.1), Megatron's 1,008B (Narayanan et al. 2021, table 1)."""
     from tinyscale.planner import PLANNER_PRESETS
 
     published = {"llama2-7b": 6.74e9, "llama2-13b": 13.0e9, "llama2-70b": 69.0e9, "gpt3-175b": 175e9,

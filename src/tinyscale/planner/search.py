@@ -11,8 +11,9 @@ the layers), dp the rest; micro-batch 1, 2, 4, 8 (dividing the batch per dp rank
 (`virtual_stage_choices`), ZB-H1 (GPipe's afab has 1F1B's time and more memory);
 ZeRO 0-3 and CPU offload at stages 2-3 (ZeRO-Offload); activation checkpointing none,
 selective, full. Two passes: every candidate costed with the schedules' closed forms
-(`estimate(..., simulate_pipeline=False)`), then the `refine` fastest that fit again with the
-pipeline simulated on their own per-stage costs; the ranking is the second pass's.
+(`estimate(..., simulate_pipeline=False)`; one whose model states alone exceed the memory stops
+there), then the `refine` fastest that fit again with the pipeline simulated on their own
+per-stage costs (one simulation per distinct costing); the ranking is the second pass's.
 """
 
 from __future__ import annotations

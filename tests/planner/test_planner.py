@@ -342,3 +342,29 @@ def test_planner_prunes_by_model_states_and_simulates_each_costing_once(monkeypa
     refined = refined_at_most(result)
     assert states_fit <= in_plan["step"] <= states_fit + refined
     assert in_plan["simulate"] == est._makespan.cache_info().misses < refined / 2  # shared costings
+
+
+@pytest.mark.thorough
+def test_planner_3072_gpus_plans_megatron_1t_with_bounded_work(monkeypatch):
+    """Lesson 12's 1T model on 3,072 A100s: the recipe-comparison answer, with at most one pipeline
+    simulation per refined layout or family (before: one per estimate of the second pass, each a
+    10^5-action schedule; the plan took minutes)."""
+    import importlib
+
+    from tinyscale.planner import Link, plan
+
+    est = importlib.import_module("tinyscale.planner.estimate")
+    calls = {"simulate": 0}
+    simulate = est.simulate
+
+    def counted(*a, **k):
+        calls["simulate"] += 1
+        return simulate(*a, **k)
+
+    monkeypatch.setattr(est, "simulate", counted)
+    est._makespan.cache_clear()
+    cluster = Cluster(gpus=3072, gpu_mem=80e9, peak_flops=312e12, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9))
+    result = plan("megatron-1t", cluster, global_batch=3072, seq_len=2048, max_cp=1)
+    assert result.ranked[0].layout.describe() == "tp 8 sp x pp 32 1f1b x dp 12, ZeRO 2 +cpu, AC none, b 1"
+    assert (result.considered, result.fitting) == (14904, 1972)
+    assert calls["simulate"] <= 24 // 2  # 11 measured: costings shared across ZeRO stages and offload

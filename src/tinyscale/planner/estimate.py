@@ -199,23 +199,52 @@ def _rank_elements(cfg: GPTConfig, plan: LayoutPlan, rank: int) -> tuple[int, in
     return sum(x.numel for x in tensors), max(blocks.values(), default=0)
 
 
-@functools.lru_cache(maxsize=4096)
+def _compute_schedule(name: str, p: int, m: int, v: int):
+    return {"afab": lambda: afab(p, m), "1f1b": lambda: one_f_one_b(p, m), "zb_h1": lambda: zb_h1(p, m),
+            "interleaved_1f1b": lambda: interleaved_1f1b(p, m, v)}[name]()
+
+
+@functools.lru_cache(maxsize=8)  # a schedule of a large pipeline is 10^5 actions: keep few
 def _schedule(name: str, p: int, m: int, v: int):
-    make = {"afab": lambda: afab(p, m), "1f1b": lambda: one_f_one_b(p, m), "zb_h1": lambda: zb_h1(p, m),
-            "interleaved_1f1b": lambda: interleaved_1f1b(p, m, v)}[name]
-    return add_communication(make())
+    return add_communication(_compute_schedule(name, p, m, v))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peak_held(name: str, p: int, m: int, v: int, held: tuple) -> tuple:
+    """Per pipeline rank, the most that its chunks hold at once when model stage k's forward keeps
+    `held[k]` until its BW or W frees it (the simulator's in-flight rule). The count depends on each
+    rank's order of actions, not on when they run, so it is walked on the lists, unsimulated."""
+    peaks = []
+    for actions in _compute_schedule(name, p, m, v):
+        now = peak = 0
+        for a in actions:
+            now += held[a.stage] if a.kind == F else -held[a.stage] if a.kind in (BW, W) else 0
+            peak = max(peak, now)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 @functools.lru_cache(maxsize=4096)
 def _in_flight(name: str, p: int, m: int, v: int, simulated: bool) -> tuple[int, ...]:
     """Peak in-flight (micro-batch, chunk) pairs per pipeline rank, all its chunks at once:
-    simulated (unit costs), or the schedules' closed forms (afab m; 1f1b and ZB-H1 min(p - r, m)
-    and min(p, m); interleaved: rank r's warm-up 2(p - r - 1) + (v - 1)p forwards + 1, at most v m)."""
+    counted on the schedule's lists as the simulator counts them (`_peak_held` of ones), or the
+    schedules' closed forms (afab m; 1f1b and ZB-H1 min(p - r, m) and min(p, m); interleaved: rank
+    r's warm-up 2(p - r - 1) + (v - 1)p forwards + 1, at most v m)."""
     if simulated:
-        return tuple(simulate(_schedule(name, p, m, v)).peak_in_flight_per_rank)
+        return _peak_held(name, p, m, v, (1,) * (p * v))
     per_rank = {"afab": lambda r: m, "1f1b": lambda r: min(p - r, m), "zb_h1": lambda r: min(p, m),
                 "interleaved_1f1b": lambda r: min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)}[name]
     return tuple(per_rank(r) for r in range(p))
+
+
+@functools.lru_cache(maxsize=1024)
+def _makespan(name: str, p: int, m: int, v: int, fwd: tuple, bwd: tuple, send: float) -> float:
+    """The simulated step of schedule `name` with model stage k's forward `fwd[k]` and backward
+    `bwd[k]` (zero bubble's B and W half of it each) and `send` latency per message: once per
+    distinct costing (layouts that differ only in ZeRO stage or offload share it)."""
+    kinds = {F: lambda a: fwd[a.stage], BW: lambda a: bwd[a.stage], B: lambda a: bwd[a.stage] / 2,
+             W: lambda a: bwd[a.stage] / 2}
+    return simulate(_schedule(name, p, m, v), lambda a: kinds[a.kind](a), latency=send).makespan
 
 
 @dataclasses.dataclass
@@ -237,27 +266,33 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
         return Estimate(lay, {}, {}, 0.0, False, problem)
     p, b, s, tp, cp, sp = compute_bytes or dtype_bytes, lay.micro_batch, seq_len, lay.tp, lay.cp, lay.sp
     m = lay.num_microbatches(global_batch)
-    plan = lay.plan()
+    # model states do not depend on the schedule: 1F1B and ZB-H1 share one cache entry
+    plan = dataclasses.replace(lay, schedule="1f1b" if lay.virtual_stages == 1 else lay.schedule).plan()
     params, grads, masters, states, worst = _states(cfg, plan, dtype_bytes, compute_bytes)
     host = 0
     if lay.offload != "none":
         host, masters, states = masters + states, 0, 0
+    if params + grads + masters + states > USABLE * cluster.gpu_mem:  # pruned: no activations, no time
+        memory = {"parameters": params, "gradients": grads, "master_weights": masters, "optimizer_states": states,
+                  "activations": 0, "buffers": 0, "host": host, "total": params + grads + masters + states}
+        return Estimate(lay, memory, {}, 0.0, False, f"its model states alone need {memory['total'] / 1e9:.1f} GB "
+                                                     f"> {USABLE * cluster.gpu_mem / 1e9:.1f} GB usable")
     stages = _partition(cfg, lay.pp, lay.virtual_stages) if lay.pp > 1 else None
     if lay.schedule == "interleaved_1f1b" and m % lay.pp:
         return Estimate(lay, {}, {}, 0.0, False, f"interleaved 1F1B needs {m} micro-batches to be a multiple of pp {lay.pp}")
-    sched = _schedule(lay.schedule, lay.pp, m, lay.virtual_stages) if lay.pp > 1 and simulate_pipeline else None
-    in_flight = _in_flight(lay.schedule, lay.pp, m, lay.virtual_stages, simulate_pipeline) if stages else None
     layer = layer_activation_bytes(cfg, b, s, p, lay.policy, tp=tp, sp=sp, cp=cp)
     whole = layer_activation_bytes(cfg, b, s, p, "none", tp=tp, sp=sp, cp=cp)
-    acts = []
-    for rank in range(lay.pp):
-        mine = [st for st in stages if st.rank == rank] if stages else None
-        if mine is None:
-            a = cfg.n_layer * layer + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=True, last=True)
-        else:
-            a = in_flight[rank] * max(len(st.layers) * layer + extra_activation_bytes(
-                cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=st.embedding, last=st.head) for st in mine)
-        acts.append(a + (whole - layer))  # one checkpointed block's backward brings its tensors back
+    if stages is None:
+        acts = [cfg.n_layer * layer + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=True, last=True)]
+    else:
+        held = tuple(len(st.layers) * layer + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=st.embedding,
+                                                                     last=st.head) for st in stages)
+        if simulate_pipeline:  # each rank's peak of the bytes its chunks hold, walked in its own order
+            acts = list(_peak_held(lay.schedule, lay.pp, m, lay.virtual_stages, held))
+        else:  # the closed form's count at the rank's fullest chunk
+            in_flight = _in_flight(lay.schedule, lay.pp, m, lay.virtual_stages, False)
+            acts = [in_flight[r] * max(held[st.stage] for st in stages if st.rank == r) for r in range(lay.pp)]
+    acts = [a + (whole - layer) for a in acts]  # one checkpointed block's backward brings its tensors back
     # buffers: the gradient bucket, or stage 3's largest gathered unit (a block) and its prefetch
     n_rank, block = _rank_elements(cfg, plan, worst)
     buffers = {0: min(DDP_BUCKET, p * n_rank), 1: p * min(n_rank, 5e8), 2: p * min(n_rank, 5e8),
@@ -266,14 +301,14 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
               "activations": max(acts), "buffers": buffers, "host": host}
     memory["total"] = params + grads + masters + states + max(acts) + buffers
     fits = memory["total"] <= USABLE * cluster.gpu_mem
-    time = _step_time(cfg, lay, cluster, m, s, p, stages, sched, simulate_pipeline, n_rank)
+    time = _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank)
     tokens = global_batch * seq_len
     mfu = model_flops_per_token(cfg, seq_len) * tokens / (time["total"] * lay.world * cluster.peak_flops)
     problem = None if fits else f"needs {memory['total'] / 1e9:.1f} GB > {USABLE * cluster.gpu_mem / 1e9:.1f} GB usable"
     return Estimate(lay, memory, time, mfu, fits, problem)
 
 
-def _step_time(cfg, lay, cluster, m, s, p, stages, sched, simulate_pipeline, n_rank) -> dict:
+def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank) -> dict:
     """Seconds per step by part (see the module doc); parts sum to `total`."""
     degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
     rate = cluster.peak_flops * cluster.efficiency
@@ -314,13 +349,13 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, sched, simulate_pipeline, n_r
         parts = {k: m * sum(costs[st][0][k] for st in ranks[slow]) for k in ("compute", "recompute", "tp", "cp")}
         send = cluster.link("pp", degrees).send(act / (lay.tp if lay.sp else 1))
         if simulate_pipeline:
-            kinds = {F: lambda a: fwd[a.stage], BW: lambda a: bwd[a.stage], B: lambda a: bwd[a.stage] / 2,
-                     W: lambda a: bwd[a.stage] / 2}  # zero bubble's split: B and W half the backward each
-            makespan = simulate(sched, lambda a: kinds[a.kind](a), latency=send).makespan
-        else:  # closed form for equal stages at the slowest one's costs
-            v, pp = lay.virtual_stages, lay.pp
+            order = sorted(fwd)
+            makespan = _makespan(lay.schedule, lay.pp, m, lay.virtual_stages, tuple(fwd[k] for k in order),
+                                 tuple(bwd[k] for k in order), send)
+        else:  # closed form for equal stages at the slowest one's costs; the first micro-batch's
+            v, pp = lay.virtual_stages, lay.pp  # sends cross all pp v stages, forward and back
             makespan = busy[slow] * (1 + (pp - 1) / (v * m) / (3 if lay.schedule == "zb_h1" else 1)) \
-                + 2 * (pp - 1) * send
+                + 2 * (pp * v - 1) * send
         parts["bubble"] = makespan - busy[slow]
         t_bwd_last = bwd[stages[-1].stage]
     grad_bytes = p * n_rank

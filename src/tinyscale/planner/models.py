@@ -5,7 +5,13 @@ Every model is a `GPTConfig` (Llama-style block: RMSNorm, GQA, SwiGLU), so FLOPs
 4h GeLU MLP (2 matrices of h x 4h) is written as a SwiGLU of width 8h/3 (3 matrices), the same
 parameters and FLOPs; its learned positions and biases are left out.
 
-    llama2-7b / 13b / 70b   Touvron et al. 2023 (Llama 2), table of shapes; 70B with 8 K/V heads
+    llama2-7b / 13b / 70b   Llama 2 (Touvron et al. 2023b) states parameters, 4,096 context, GQA
+                            for 34B and 70B only (table 1) and the 32k vocabulary, not the shapes;
+                            it keeps Llama 1's architecture (sec. 2.2), whose paper (Touvron et al.
+                            2023a, table 2) gives layers/width/heads: 32/4096/32, 40/5120/40 and, for
+                            its 65B, 80/8192/64. The MLP widths (11008, 13824, 28672) and the 70B's
+                            8 K/V heads are from Meta's released configs (params.json;
+                            num_key_value_heads in meta-llama/Llama-2-70b-hf's config.json)
     gpt3-175b               Brown et al. 2020, table 2.1 (96 layers, h 12288, 96 heads)
     megatron-1t             Narayanan et al. 2021, table 1 (128 layers, h 25600, 160 heads)
     custom sizes            "layers=80,d_model=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000"

@@ -7,11 +7,13 @@
 
 Enumerated: tp (dividing the heads, at most a node unless `max_tp` says more), cp, pp (at most
 the layers), dp the rest; micro-batch 1, 2, 4, 8 (dividing the batch per dp rank); schedules
-1f1b, interleaved 1F1B with 2 chunks, ZB-H1 (GPipe's afab has 1F1B's time and more memory);
+1f1b, interleaved 1F1B with 2 chunks and every chunk count that splits the layers evenly
+(`virtual_stage_choices`), ZB-H1 (GPipe's afab has 1F1B's time and more memory);
 ZeRO 0-3 and CPU offload at stages 2-3 (ZeRO-Offload); activation checkpointing none,
 selective, full. Two passes: every candidate costed with the schedules' closed forms
-(`estimate(..., simulate_pipeline=False)`), then the `refine` fastest that fit again with the
-pipeline simulated on their own per-stage costs; the ranking is the second pass's.
+(`estimate(..., simulate_pipeline=False)`; one whose model states alone exceed the memory stops
+there), then the `refine` fastest that fit again with the pipeline simulated on their own
+per-stage costs (one simulation per distinct costing); the ranking is the second pass's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def virtual_stage_choices(n_layer: int, pp: int) -> list[int]:
+    """The chunks per rank interleaved 1F1B tries at pp: 2, and every v whose pp x v model stages
+    take the same number of blocks (n_layer % (pp v) == 0, NeMo's and Megatron-LM's rule), up to
+    one block a stage. The engine runs any pp x v <= n_layer (`engine.pipeline_layout`); the
+    uneven ones in between (besides 2) are left out to keep the search small."""
+    return [v for v in range(2, n_layer // pp + 1) if v == 2 or n_layer % (pp * v) == 0]
+
+
 def layouts(cfg: GPTConfig, gpus: int, global_batch: int, *, max_tp: int, max_cp: int = 8):
     """Every candidate `Layout` on `gpus` GPUs (see the module doc)."""
     for tp in (t for t in _divisors(gpus) if t <= max_tp):
@@ -45,8 +55,9 @@ def layouts(cfg: GPTConfig, gpus: int, global_batch: int, *, max_tp: int, max_cp
                     m = global_batch // (dp * b)
                     schedules = [("1f1b", 1)]
                     if pp > 1:
-                        schedules += [("zb_h1", 1)] + ([("interleaved_1f1b", 2)]
-                                                       if m % pp == 0 and 2 * pp <= cfg.n_layer else [])
+                        schedules += [("zb_h1", 1)]
+                        if m % pp == 0:
+                            schedules += [("interleaved_1f1b", v) for v in virtual_stage_choices(cfg.n_layer, pp)]
                     for schedule, v in schedules:
                         for stage, offload in ZERO:
                             for policy in POLICIES:

@@ -73,7 +73,9 @@ class LayoutPlan:
     pipeline_reshard_after_forward: bool = False  # ZeRO 3 under a pipeline: free a stage after each pass
     checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)  # the section DP/ZeRO is built from (stage: zero_stage)
-    compile: CompileConfig = field(default_factory=CompileConfig)  # torch.compile of the blocks (engine/compiled.py)
+    # torch.compile of the blocks (engine/compiled.py); not in the plan's hash or equality (its compile_kwargs
+    # is a dict, and a plan is a cache key of the planner's: compiling changes no byte of a layout)
+    compile: CompileConfig = field(default_factory=CompileConfig, compare=False)
 
     @property
     def layout(self) -> MeshLayout:

@@ -1,10 +1,12 @@
 """Execute every notebook in notebooks/ top to bottom, as a reader would; fail on the first error.
 
     python scripts/run_notebooks.py [notebooks/00-setup.ipynb ...]
+    python scripts/run_notebooks.py --write notebooks/12-engine.ipynb   # save the new outputs too
 
 Each notebook runs in a fresh kernel with notebooks/ as its working directory (so it can
-import its helper modules and spawn ranks that import them). Outputs are not written back:
-this checks that the notebooks work, it does not change them.
+import its helper modules and spawn ranks that import them). Outputs are not written back
+unless --write is given: CI checks that the notebooks work, it does not change them; --write
+refreshes a notebook's stored outputs after the code it shows has changed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ CELL_TIMEOUT_S = 600  # a cell that trains on ranks may take minutes on 2 cores
 
 
 def main(paths: list[str]) -> int:
-    console = Console()
+    console, write = Console(), "--write" in paths
+    paths = [p for p in paths if p != "--write"]
     notebooks = [Path(p).resolve() for p in paths] or sorted((ROOT / "notebooks").glob("*.ipynb"))
     if not notebooks:
         console.print("[red]no notebooks found[/red]")
@@ -39,6 +42,8 @@ def main(paths: list[str]) -> int:
                 console.print(f"[red]FAILED[/red] {path.relative_to(ROOT)}:\n{err}")
                 return 1
         console.print(f"[green]ok[/green] {path.relative_to(ROOT)} in {time.perf_counter() - start:.0f} s")
+        if write:
+            nbformat.write(nb, path)
     return 0
 
 

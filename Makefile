@@ -64,6 +64,7 @@ bench: setup
 
 figures: setup
 	$(PY) benchmarks/lr_schedules.py --out lessons/figures/02-lr-schedules.svg
+	$(PY) benchmarks/watch_run.py --out lessons/figures/12-watching-a-run.svg
 
 clean:
 	rm -rf site runs .pytest_cache .hypothesis

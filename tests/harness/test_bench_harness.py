@@ -31,3 +31,41 @@ def test_bench_harness_json_files_merge_into_one(tmp_path):
     assert merged["ratios"] == {"cp_ring_vs_sdpa": 0.5, "ddp_bucketed_vs_torch_2": 0.97}
     assert json.loads((tmp_path / "bench.json").read_text()) == merged
     assert merged["runs"]["a"]["seq_len"] == 2048 and len(merged["runs"]["a"]["machine"]["load_average"]) == 3
+
+
+def _load_benchmark(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_harness_deepspeed_missing_exits_0_and_writes_no_ratios(tmp_path, monkeypatch, capsys):
+    """`make bench` without the [peers] extra: benchmarks/deepspeed.py measures nothing, says
+    how to install it, exits 0, and its --json holds no ratios (no stale ones to merge)."""
+    bench = _load_benchmark("deepspeed")
+    monkeypatch.setattr(bench.deepspeed_peer, "available", lambda: False)
+    out = tmp_path / "deepspeed.json"
+    assert bench.main(["--json", str(out)]) == 0
+    assert "pip install" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["ratios"] == {} and "DeepSpeed" in record["skipped"]
+
+
+def test_bench_harness_watch_run_without_tensorboard_exits_0(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import sys
+
+    bench = _load_benchmark("watch_run")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(bench, "launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran anyway")))
+    out = tmp_path / "watch_run.json"
+    monkeypatch.setattr(sys, "argv", ["watch_run.py", "--json", str(out), "--out", str(tmp_path / "w.svg")])
+    bench.main()  # returns; no SystemExit
+    assert "needs tensorboard" in capsys.readouterr().out
+    assert json.loads(out.read_text())["ratios"] == {} and not (tmp_path / "w.svg").exists()

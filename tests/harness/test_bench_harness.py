@@ -69,3 +69,36 @@ def test_bench_harness_watch_run_without_tensorboard_exits_0(tmp_path, monkeypat
     bench.main()  # returns; no SystemExit
     assert "needs tensorboard" in capsys.readouterr().out
     assert json.loads(out.read_text())["ratios"] == {} and not (tmp_path / "w.svg").exists()
+
+
+FAKE_BENCHMARK = '''
+import json, sys
+from pathlib import Path
+counter = Path(__file__).with_suffix(".count")
+n = int(counter.read_text()) + 1 if counter.exists() else 1
+counter.write_text(str(n))
+with open(Path(__file__).parent / "order.txt", "a") as f:
+    f.write(Path(__file__).stem + str(n) + " ")
+ratios = {"%s": [0.9, 0.5, 0.6][n - 1]}
+Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps({"ratios": ratios, "machine": {"load_average": [1, 2, 3]}}))
+'''
+
+
+def test_bench_harness_repeat_round_robin_three_values_and_median(tmp_path):
+    """`python -m tinyscale.bench repeat`: every benchmark once per run, run after run (round
+    robin), each key's values in run order and their median, with the machine and torch."""
+    from tinyscale.bench import repeat
+
+    for name, key in (("alpha", "a_ratio"), ("beta", "b_ratio")):
+        (tmp_path / f"{name}.py").write_text(FAKE_BENCHMARK % key)
+    benchmarks = {"alpha": (["--steps", "1"], ("a_ratio",)), "beta": ([], ("b_ratio", "b_other"))}
+    out = tmp_path / "bench.json"
+    result = repeat(3, str(out), benchmarks, folder=str(tmp_path), work=str(tmp_path / "work"))
+    assert (tmp_path / "order.txt").read_text().split() == ["alpha1", "beta1", "alpha2", "beta2", "alpha3", "beta3"]
+    assert result["medians"]["a_ratio"] == {"values": [0.9, 0.5, 0.6], "median": 0.6}  # mean 0.667
+    assert result["ratios"] == {"a_ratio": 0.6, "b_ratio": 0.6}
+    assert [e["missing"] for e in result["log"]] == [[], ["b_other"]] * 3  # a key a benchmark failed to write
+    machine = result["machine"]
+    assert machine["cores"] >= 1 and machine["cpu_model"] and len(machine["load_average_before"]) == 3
+    assert len(machine["load_average_after"]) == 3 and result["torch"] and result["date_utc"]
+    assert json.loads(out.read_text()) == result

@@ -15,6 +15,7 @@
 
     python -m tinyscale.bench merge OUT.json IN.json ...   (what `make bench` runs)
     python -m tinyscale.bench repeat [--runs 3] [--out runs/bench.json]   (make bench-medians)
+    python -m tinyscale.bench table runs/bench.json KEY ...   (the Markdown a lesson quotes)
 
 `repeat` runs issue 30's benchmarks (`REPEAT`: each with the sizes given there) `--runs`
 times, round robin (run 1 of every benchmark, then run 2 of every one, ...: a change in the
@@ -179,6 +180,23 @@ def repeat(runs: int = 3, out: str = "runs/bench.json", benchmarks: Mapping[str,
 # --8<-- [end:repeat]
 
 
+def table(record: Mapping, keys: Sequence[str]) -> str:
+    """A Markdown table of `repeat`'s record for `keys` (each run's value and the median), with
+    the date, machine and torch above it: what a lesson quotes (`... bench table FILE KEY ...`)."""
+    m = record["machine"]
+    lines = [f"{record['runs']} runs, {record['date_utc']} UTC, {m['cpu_model']} ({m['cores']} cores), load average "
+             f"{'/'.join(map(str, m['load_average_before']))} before and "
+             f"{'/'.join(map(str, m['load_average_after']))} after, torch {record['torch']}", "",
+             "| key | " + " | ".join(f"run {i + 1}" for i in range(record["runs"])) + " | median |",
+             "|---|" + "---|" * (record["runs"] + 1)]
+    for k in keys:
+        v = record["medians"].get(k)
+        values = v["values"] if v else []
+        cells = [f"{x:.3g}" for x in values] + ["(none)"] * (record["runs"] - len(values))
+        lines.append(f"| `{k}` | " + " | ".join(cells) + f" | {'(none)' if v is None else format(v['median'], '.3g')} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "merge":
@@ -200,7 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{result['seconds']:.0f} s for {a.runs} runs; wrote {a.out}" +
               (f"; {len(failed)} run(s) failed or wrote no ratios: see its log" if failed else ""))
         return 1 if failed else 0
+    if len(argv) >= 2 and argv[0] == "table":
+        print(table(json.loads(Path(argv[1]).read_text()), argv[2:]))
+        return 0
     print("usage: python -m tinyscale.bench merge OUT.json IN.json ...\n"
+          "       python -m tinyscale.bench table runs/bench.json KEY ...\n"
           "       python -m tinyscale.bench repeat [--runs 3] [--out runs/bench.json] [--only NAME ...]",
           file=sys.stderr)
     return 2

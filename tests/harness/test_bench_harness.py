@@ -102,3 +102,8 @@ def test_bench_harness_repeat_round_robin_three_values_and_median(tmp_path):
     assert machine["cores"] >= 1 and machine["cpu_model"] and len(machine["load_average_before"]) == 3
     assert len(machine["load_average_after"]) == 3 and result["torch"] and result["date_utc"]
     assert json.loads(out.read_text()) == result
+    from tinyscale.bench import table
+
+    lines = table(result, ["a_ratio", "b_other"]).splitlines()
+    assert lines[0].startswith("3 runs, ") and machine["cpu_model"] in lines[0] and result["torch"] in lines[0]
+    assert lines[-2:] == ["| `a_ratio` | 0.9 | 0.5 | 0.6 | 0.6 |", "| `b_other` | (none) | (none) | (none) | (none) |"]

@@ -107,14 +107,18 @@ def merge(out: str, inputs: Sequence[str]) -> dict:
 
 # --8<-- [start:repeat]
 # Issue 30's rows: the benchmark, the sizes it runs at here, and the keys it must write. Sized
-# so that 3 runs take at most 12 minutes on 2 idle cores (the benchmarks' defaults, less
-# steps where a default would not fit; the step counts are in each run's record).
+# so that 3 runs take at most 12 minutes on 2 idle cores: each benchmark's default shapes and
+# model (pipeline m 8, 4 layers; CP T 2048, H 8, K 2, D 64, cp 2; DDP 2 and 4 ranks, ZeRO and
+# DeepSpeed 2 ranks, small GPT, 4 rows per rank), with fewer timed steps than their defaults
+# (after their own warm-up; the step counts are in each run's record). At load 10 to 39 on
+# the 2 cores, 3 runs with more steps (pipeline 4, DDP and ZeRO 8, DeepSpeed 6) took 25 minutes
+# (2026-11-26), DeepSpeed the largest and most variable part (81 to 310 s a run).
 REPEAT: dict[str, tuple[list[str], tuple[str, ...]]] = {
-    "pipeline": (["--steps", "4"], ("pp_1f1b_vs_torch", "pp_afab_vs_torch", "pp_1f1b_bubble_gap_points")),
+    "pipeline": (["--steps", "3"], ("pp_1f1b_vs_torch", "pp_afab_vs_torch", "pp_1f1b_bubble_gap_points")),
     "context_parallel": (["--steps", "3"], ("cp_ring_vs_sdpa", "cp_ulysses_vs_sdpa")),
-    "ddp": (["--steps", "8"], ("ddp_bucketed_vs_torch_2", "ddp_bucketed_vs_torch_4")),
-    "zero": (["--steps", "8"], ("zero1_vs_ddp", "zero2_vs_ddp", "zero3_vs_fsdp2")),
-    "deepspeed": (["--steps", "6"], ("zero0_vs_deepspeed", "zero1_vs_deepspeed", "zero2_vs_deepspeed",
+    "ddp": (["--steps", "6"], ("ddp_bucketed_vs_torch_2", "ddp_bucketed_vs_torch_4")),
+    "zero": (["--steps", "6"], ("zero1_vs_ddp", "zero2_vs_ddp", "zero3_vs_fsdp2")),
+    "deepspeed": (["--steps", "4"], ("zero0_vs_deepspeed", "zero1_vs_deepspeed", "zero2_vs_deepspeed",
                                      "zero3_vs_deepspeed")),
 }
 

@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tinyscale-installed
 
-.PHONY: setup demo test test-thorough docs notebooks bench figures clean help
+.PHONY: setup demo test test-thorough docs notebooks bench bench-medians figures clean help
 
 help:
 	@echo "make demo           set up .venv and train the GPT on 4 CPU ranks, compared with 1 process"
@@ -21,6 +21,7 @@ help:
 	@echo "make docs           build the lesson site into site/ (mkdocs build --strict)"
 	@echo "make notebooks      execute every notebook in notebooks/"
 	@echo "make bench          run every benchmark; their ratios merged into runs/bench.json"
+	@echo "make bench-medians  issue 30's benchmarks 3 times, round robin: values and medians in runs/bench.json"
 	@echo "make figures        refresh the lessons' figures that benchmarks draw"
 
 setup: $(STAMP)
@@ -62,8 +63,14 @@ bench: setup
 	  $(PY) $$b --json runs/bench/$$n.json || exit 1; done
 	$(PY) -m tinyscale.bench merge runs/bench.json runs/bench/*.json
 
+# Issue 30's rows, 3 runs round robin (tinyscale.bench.REPEAT: benchmarks and sizes): each ratio's
+# three values and median, the date, CPU model, cores, load before/after and torch in runs/bench.json.
+bench-medians: setup
+	$(PY) -m tinyscale.bench repeat --runs 3 --out runs/bench.json
+
 figures: setup
 	$(PY) benchmarks/lr_schedules.py --out lessons/figures/02-lr-schedules.svg
+	$(PY) benchmarks/watch_run.py --out lessons/figures/12-watching-a-run.svg
 
 clean:
 	rm -rf site runs .pytest_cache .hypothesis

@@ -2,7 +2,9 @@
 
     python benchmarks/deepspeed.py [--world-size 2] [--model small] [--steps 10] [--micro 4] [--json PATH]
 
-Needs DeepSpeed (the `peers` extra: pip install -e ".[peers]"; `make setup` installs it). It
+Needs DeepSpeed (the `peers` extra: pip install -e ".[peers]"; `make setup` installs it); without
+it, it says so and exits 0 having measured nothing (so `make bench` runs on without the extra;
+--json then writes no ratios, and a "skipped" note in place of stale ones). It
 runs in a process of its own (`tinyscale.testing.deepspeed_peer`, with DS_ACCELERATOR=cpu and
 gloo); the first run builds DeepSpeed's shared-memory op, which takes minutes once. On the same
 rank processes, for each stage, both engines train their own float32 copy of the GPT from the
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -33,6 +34,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.data import sample_batches, stdlib_corpus
 from tinyscale.models import GPTConfig
 from tinyscale.testing import deepspeed_peer
@@ -48,12 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per engine and stage (after 2 warm-up)")
     parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
     parser.add_argument("--stages", default="0,1,2,3")
-    parser.add_argument("--json", metavar="PATH", help="write the ratios here")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     console = Console()
     if not deepspeed_peer.available():
-        console.print("DeepSpeed is not installed: pip install -e '.[peers]' (make setup does), then rerun")
-        return 1
+        console.print("DeepSpeed is not installed, so nothing is measured: pip install -e '.[peers]' "
+                      "(make setup does), then rerun")
+        write_json(args.json, {}, skipped="DeepSpeed is not installed (the peers extra)")
+        return 0
     cfg = GPTConfig.preset(args.model)
     seq = min(cfg.max_seq_len, 128)
     rows = args.micro * args.world_size
@@ -86,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(str(stage), *(f"{1e3 * statistics.median(t):.1f} ({1e3 * min(t):.1f} .. {1e3 * max(t):.1f})"
                                     for t in (ours, theirs)), f"{ratio:.2f}x", f"{diff:.1e}")
     console.print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ratios, f, indent=2)
-        console.print(f"wrote {args.json}")
+    write_json(args.json, ratios, world_size=args.world_size, model=args.model, steps=args.steps)
     if not ok:
         console.print(f"[red]the losses differ by more than {LOSS_REL:g} relative[/red]")
         return 1

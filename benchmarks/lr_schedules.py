@@ -18,6 +18,7 @@ Tests: `pytest -k lr_schedule`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from tinyscale.bench import add_json_argument, write_json
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the figure (make figures: lessons/figures/02-lr-schedules.svg)")
     add_json_argument(parser)
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        print("benchmarks/lr_schedules.py needs matplotlib (pip install -e '.[notebooks]'): nothing drawn")
+        write_json(args.json, {}, skipped="not installed: matplotlib")
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,6 +1,10 @@
 """Lesson 12's "Watching a run" figure: a 2-rank run's TensorBoard events, read back and plotted.
 
-    .venv/bin/python benchmarks/watch_run.py [--steps 40] [--out lessons/figures/12-watching-a-run.svg]
+    .venv/bin/python benchmarks/watch_run.py [--steps 40] [--out runs/12-watching-a-run.svg] [--json PATH]
+
+(`make figures` writes the lesson's copy, lessons/figures/12-watching-a-run.svg; `make bench`
+only runs/.) Needs tensorboard and matplotlib (the `monitor` and `notebooks` extras); without
+them it says so and exits 0 having drawn nothing.
 
 A small GPT trains on the stdlib corpus on 2 CPU ranks through tinyscale.deepspeed's loop, with
 the config's ``tensorboard`` and ``wall_clock_breakdown`` on. Two faults are injected on
@@ -14,6 +18,7 @@ time blocked in collectives) against both ranks' step time.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import tinyscale.deepspeed as deepspeed
+from tinyscale.bench import add_json_argument, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.dist import launch
 from tinyscale.models import GPT, GPTConfig
@@ -94,9 +100,18 @@ def plot(folder: Path, out: Path, health: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", type=Path, default=Path("lessons/figures/12-watching-a-run.svg"))
+    parser.add_argument("--out", type=Path, default=Path("runs/12-watching-a-run.svg"),
+                        help="the figure (make figures: lessons/figures/12-watching-a-run.svg)")
     parser.add_argument("--png", action="store_true", help="also write a PNG beside the SVG")
+    add_json_argument(parser)
     args = parser.parse_args()
+    missing = [m for m in ("tensorboard", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"benchmarks/watch_run.py needs {' and '.join(missing)} (pip install -e '.[monitor,notebooks]'): "
+              "nothing drawn")
+        write_json(args.json, {}, skipped=f"not installed: {', '.join(missing)}")
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         result = launch(_train, 2, tmp, args.steps, timeout_s=600)[0]
@@ -105,6 +120,7 @@ def main() -> None:
         if args.png:  # a raster copy to look at
             plot(Path(tmp) / "watch", args.out.with_suffix(".png"), result["health"])
     print(f"wrote {args.out}")
+    write_json(args.json, {}, figure=str(args.out))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,14 @@
   timings on a shared machine mean little without it).
 
     python -m tinyscale.bench merge OUT.json IN.json ...   (what `make bench` runs)
+    python -m tinyscale.bench repeat [--runs 3] [--out runs/bench.json]   (make bench-medians)
+    python -m tinyscale.bench table runs/bench.json KEY ...   (the Markdown a lesson quotes)
+
+`repeat` runs issue 30's benchmarks (`REPEAT`: each with the sizes given there) `--runs`
+times, round robin (run 1 of every benchmark, then run 2 of every one, ...: a change in the
+machine's load spreads over all of them instead of landing on one), and writes each ratio's
+values and their median to `--out`, with the date, the machine (CPU model, cores, load
+averages before and after) and the torch version: what an acceptance figure needs beside it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -96,7 +105,132 @@ def merge(out: str, inputs: Sequence[str]) -> dict:
     return merged
 
 
+# --8<-- [start:repeat]
+# Issue 30's rows: the benchmark, the sizes it runs at here, and the keys it must write. Sized
+# so that 3 runs take at most 12 minutes on 2 idle cores: each benchmark's default shapes and
+# model (pipeline m 8, 4 layers; CP T 2048, H 8, K 2, D 64, cp 2; DDP 2 and 4 ranks, ZeRO and
+# DeepSpeed 2 ranks, small GPT, 4 rows per rank), with fewer timed steps than their defaults
+# (after their own warm-up; the step counts are in each run's record). At load 10 to 39 on
+# the 2 cores, 3 runs with more steps (pipeline 4, DDP and ZeRO 8, DeepSpeed 6) took 25 minutes
+# (2026-11-26), DeepSpeed the largest and most variable part (81 to 310 s a run).
+REPEAT: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "pipeline": (["--steps", "3"], ("pp_1f1b_vs_torch", "pp_afab_vs_torch", "pp_1f1b_bubble_gap_points")),
+    "context_parallel": (["--steps", "3"], ("cp_ring_vs_sdpa", "cp_ulysses_vs_sdpa")),
+    "ddp": (["--steps", "6"], ("ddp_bucketed_vs_torch_2", "ddp_bucketed_vs_torch_4")),
+    "zero": (["--steps", "6"], ("zero1_vs_ddp", "zero2_vs_ddp", "zero3_vs_fsdp2")),
+    "deepspeed": (["--steps", "4"], ("zero0_vs_deepspeed", "zero1_vs_deepspeed", "zero2_vs_deepspeed",
+                                     "zero3_vs_deepspeed")),
+}
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else platform.processor())."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def medians(runs: Sequence[Mapping[str, float]]) -> dict[str, dict]:
+    """{key: {"values": [one per run that wrote it], "median": ...}} over every key any run wrote."""
+    keys = sorted({k for r in runs for k in r})
+    out = {}
+    for k in keys:
+        values = [r[k] for r in runs if k in r]
+        out[k] = {"values": values, "median": round(statistics.median(values), 4)}
+    return out
+
+
+def repeat(runs: int = 3, out: str = "runs/bench.json", benchmarks: Mapping[str, tuple] | None = None,
+           folder: str = "benchmarks", python: str = sys.executable, work: str = "runs/bench/repeat") -> dict:
+    """Run each benchmark `runs` times, round robin; write and return the record (see module doc)."""
+    import torch
+
+    benchmarks = REPEAT if benchmarks is None else benchmarks
+    Path(work).mkdir(parents=True, exist_ok=True)
+    started, load_before = time.time(), [round(x, 2) for x in os.getloadavg()]
+    ratios: dict[str, list[dict]] = {name: [] for name in benchmarks}
+    log = []
+    for run in range(runs):
+        for name, (args, expected) in benchmarks.items():
+            path = Path(work) / f"{name}-{run + 1}.json"
+            path.unlink(missing_ok=True)
+            command = [python, str(Path(folder) / f"{name}.py"), *args, "--json", str(path)]
+            print(f"== run {run + 1}/{runs}: {' '.join(command[1:])}", flush=True)
+            start = time.time()
+            done = subprocess.run(command)
+            record = json.loads(path.read_text()) if path.exists() else {}
+            got = record.get("ratios", {})
+            log.append({"run": run + 1, "benchmark": name, "args": args, "returncode": done.returncode,
+                        "seconds": round(time.time() - start, 1), "load_average": record.get("machine", {})
+                        .get("load_average"), "missing": [k for k in expected if k not in got],
+                        **({"skipped": record["skipped"]} if "skipped" in record else {})})
+            ratios[name].append(got)
+    result = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
+        "machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+                    "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()]},
+        "torch": torch.__version__, "runs": runs, "seconds": round(time.time() - started, 1),
+        "ratios": {k: v["median"] for name in benchmarks for k, v in medians(ratios[name]).items()},
+        "medians": {k: v for name in benchmarks for k, v in medians(ratios[name]).items()},
+        "log": log,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+# --8<-- [end:repeat]
+
+
+def table(record: Mapping, keys: Sequence[str]) -> str:
+    """A Markdown table of `repeat`'s record for `keys` (each run's value and the median), with
+    the date, machine and torch above it: what a lesson quotes (`... bench table FILE KEY ...`)."""
+    m = record["machine"]
+    lines = [f"{record['runs']} runs, {record['date_utc']} UTC, {m['cpu_model']} ({m['cores']} cores), load average "
+             f"{'/'.join(map(str, m['load_average_before']))} before and "
+             f"{'/'.join(map(str, m['load_average_after']))} after, torch {record['torch']}", "",
+             "| key | " + " | ".join(f"run {i + 1}" for i in range(record["runs"])) + " | median |",
+             "|---|" + "---|" * (record["runs"] + 1)]
+    for k in keys:
+        v = record["medians"].get(k)
+        values = v["values"] if v else []
+        cells = [f"{x:.3g}" for x in values] + ["(none)"] * (record["runs"] - len(values))
+        lines.append(f"| `{k}` | " + " | ".join(cells) + f" | {'(none)' if v is None else format(v['median'], '.3g')} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "merge":
+        print(json.dumps(merge(argv[1], argv[2:])["ratios"], indent=2))
+        return 0
+    if argv and argv[0] == "repeat":
+        import argparse
+
+        parser = argparse.ArgumentParser(prog="python -m tinyscale.bench repeat")
+        parser.add_argument("--runs", type=int, default=3)
+        parser.add_argument("--out", default="runs/bench.json")
+        parser.add_argument("--only", nargs="+", choices=sorted(REPEAT), help="these benchmarks only")
+        a = parser.parse_args(argv[1:])
+        chosen = {n: REPEAT[n] for n in (a.only or REPEAT)}
+        result = repeat(a.runs, a.out, chosen)
+        for k, v in result["medians"].items():
+            print(f"{k:32s} median {v['median']:8.3f}   runs {v['values']}")
+        failed = [e for e in result["log"] if e["returncode"] or (e["missing"] and "skipped" not in e)]
+        print(f"{result['seconds']:.0f} s for {a.runs} runs; wrote {a.out}" +
+              (f"; {len(failed)} run(s) failed or wrote no ratios: see its log" if failed else ""))
+        return 1 if failed else 0
+    if len(argv) >= 2 and argv[0] == "table":
+        print(table(json.loads(Path(argv[1]).read_text()), argv[2:]))
+        return 0
+    print("usage: python -m tinyscale.bench merge OUT.json IN.json ...\n"
+          "       python -m tinyscale.bench table runs/bench.json KEY ...\n"
+          "       python -m tinyscale.bench repeat [--runs 3] [--out runs/bench.json] [--only NAME ...]",
+          file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "merge":
-        sys.exit("usage: python -m tinyscale.bench merge OUT.json IN.json ...")
-    print(json.dumps(merge(sys.argv[2], sys.argv[3:])["ratios"], indent=2))
+    sys.exit(main())

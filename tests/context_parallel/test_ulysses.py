@@ -66,3 +66,20 @@ def test_ulysses_kv_replication_rule():
     assert kv_replication(6, 2, 3) == 3
     with pytest.raises(ValueError, match=r"n_head=6 % cp=4 = 2"):
         kv_replication(6, 3, 4)
+
+
+def test_ulysses_permute_gradient_is_the_inverse_gather():
+    """Ulysses' reorder (shard order <-> position order) differentiates as index_select does,
+    by a gather with the inverse permutation instead of a zero fill and an index_add."""
+    from tinyscale.context_parallel.ulysses import Permute
+
+    g = torch.Generator().manual_seed(0)
+    index = torch.randperm(7, generator=g)  # not its own inverse (checked below)
+    inverse = torch.argsort(index)
+    assert not torch.equal(index, inverse)
+    x = torch.randn(2, 3, 7, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(2, 3, 7, 4, dtype=torch.float64, generator=g)
+    (grad_ours,) = torch.autograd.grad((Permute.apply(x, index, inverse, 2) * weight).sum(), x)
+    (grad_torch,) = torch.autograd.grad((x.index_select(2, index) * weight).sum(), x)
+    assert torch.equal(Permute.apply(x, index, inverse, 2), x.index_select(2, index))
+    assert torch.equal(grad_ours, grad_torch)

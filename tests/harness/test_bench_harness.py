@@ -31,3 +31,79 @@ def test_bench_harness_json_files_merge_into_one(tmp_path):
     assert merged["ratios"] == {"cp_ring_vs_sdpa": 0.5, "ddp_bucketed_vs_torch_2": 0.97}
     assert json.loads((tmp_path / "bench.json").read_text()) == merged
     assert merged["runs"]["a"]["seq_len"] == 2048 and len(merged["runs"]["a"]["machine"]["load_average"]) == 3
+
+
+def _load_benchmark(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_harness_deepspeed_missing_exits_0_and_writes_no_ratios(tmp_path, monkeypatch, capsys):
+    """`make bench` without the [peers] extra: benchmarks/deepspeed.py measures nothing, says
+    how to install it, exits 0, and its --json holds no ratios (no stale ones to merge)."""
+    bench = _load_benchmark("deepspeed")
+    monkeypatch.setattr(bench.deepspeed_peer, "available", lambda: False)
+    out = tmp_path / "deepspeed.json"
+    assert bench.main(["--json", str(out)]) == 0
+    assert "pip install" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["ratios"] == {} and "DeepSpeed" in record["skipped"]
+
+
+def test_bench_harness_watch_run_without_tensorboard_exits_0(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import sys
+
+    bench = _load_benchmark("watch_run")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    monkeypatch.setattr(bench, "launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran anyway")))
+    out = tmp_path / "watch_run.json"
+    monkeypatch.setattr(sys, "argv", ["watch_run.py", "--json", str(out), "--out", str(tmp_path / "w.svg")])
+    bench.main()  # returns; no SystemExit
+    assert "needs tensorboard" in capsys.readouterr().out
+    assert json.loads(out.read_text())["ratios"] == {} and not (tmp_path / "w.svg").exists()
+
+
+FAKE_BENCHMARK = '''
+import json, sys
+from pathlib import Path
+counter = Path(__file__).with_suffix(".count")
+n = int(counter.read_text()) + 1 if counter.exists() else 1
+counter.write_text(str(n))
+with open(Path(__file__).parent / "order.txt", "a") as f:
+    f.write(Path(__file__).stem + str(n) + " ")
+ratios = {"%s": [0.9, 0.5, 0.6][n - 1]}
+Path(sys.argv[sys.argv.index("--json") + 1]).write_text(json.dumps({"ratios": ratios, "machine": {"load_average": [1, 2, 3]}}))
+'''
+
+
+def test_bench_harness_repeat_round_robin_three_values_and_median(tmp_path):
+    """`python -m tinyscale.bench repeat`: every benchmark once per run, run after run (round
+    robin), each key's values in run order and their median, with the machine and torch."""
+    from tinyscale.bench import repeat
+
+    for name, key in (("alpha", "a_ratio"), ("beta", "b_ratio")):
+        (tmp_path / f"{name}.py").write_text(FAKE_BENCHMARK % key)
+    benchmarks = {"alpha": (["--steps", "1"], ("a_ratio",)), "beta": ([], ("b_ratio", "b_other"))}
+    out = tmp_path / "bench.json"
+    result = repeat(3, str(out), benchmarks, folder=str(tmp_path), work=str(tmp_path / "work"))
+    assert (tmp_path / "order.txt").read_text().split() == ["alpha1", "beta1", "alpha2", "beta2", "alpha3", "beta3"]
+    assert result["medians"]["a_ratio"] == {"values": [0.9, 0.5, 0.6], "median": 0.6}  # mean 0.667
+    assert result["ratios"] == {"a_ratio": 0.6, "b_ratio": 0.6}
+    assert [e["missing"] for e in result["log"]] == [[], ["b_other"]] * 3  # a key a benchmark failed to write
+    machine = result["machine"]
+    assert machine["cores"] >= 1 and machine["cpu_model"] and len(machine["load_average_before"]) == 3
+    assert len(machine["load_average_after"]) == 3 and result["torch"] and result["date_utc"]
+    assert json.loads(out.read_text()) == result
+    from tinyscale.bench import table
+
+    lines = table(result, ["a_ratio", "b_other"]).splitlines()
+    assert lines[0].startswith("3 runs, ") and machine["cpu_model"] in lines[0] and result["torch"] in lines[0]
+    assert lines[-2:] == ["| `a_ratio` | 0.9 | 0.5 | 0.6 | 0.6 |", "| `b_other` | (none) | (none) | (none) | (none) |"]

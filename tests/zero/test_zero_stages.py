@@ -254,3 +254,60 @@ def test_zero1_agrees_with_torch_zero_redundancy_optimizer(world):
     theirs = run_on_ranks(_torch_zero_redundancy, world, 4, 3, 2)
     for (_, state, _, _), torch_state in zip(ours, theirs):
         assert_state_dicts_close(state, torch_state, what="ours vs ZeroRedundancyOptimizer")
+
+
+def _flat_buffer_run(stage):
+    """Two steps of 2 accumulated micro-batches on 2 ranks; FlatUnit.flatten raises from the
+    first backward on (the gradients must already sit in the flat buffers)."""
+    from tinyscale.zero import ZeroStage1, ZeroStage2
+    from tinyscale.zero.flat import FlatUnit
+
+    rank = dist.get_rank()
+    model, batches = _setup("gpt", 0, 8, 2)
+    make = lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.05)  # noqa: E731
+    zero = ZeroStage1(model.parameters(), make) if stage == 1 else ZeroStage2(model.parameters(), make,
+                                                                              bucket_bytes=8 * 3000)
+    original = FlatUnit.flatten
+    FlatUnit.flatten = lambda *a, **k: (_ for _ in ()).throw(AssertionError("flattened a copy"))
+    try:  # (the rank processes are reused by the next test: put flatten back)
+        return _train_two_steps(stage, model, batches, zero, rank)
+    finally:
+        FlatUnit.flatten = original
+
+
+def _train_two_steps(stage, model, batches, zero, rank):
+    views = []
+    for x, y in batches:
+        for micro in range(2):
+            rows = slice(4 * rank + 2 * micro, 4 * rank + 2 * micro + 2)
+            (model(x[rows], y[rows]) / 2).backward()
+            flat = zero.grad_flat if stage == 1 else []
+            views.append([any(p.grad is not None and p.grad.data_ptr() == b.data_ptr() + 8 * u.offsets[i]
+                              for b, u in zip(flat, zero.sharded.units) for i, q in enumerate(u.params) if q is p)
+                          for p in model.parameters()])
+        zero.step()
+    return ts.testing.state_dict_cpu(model), views, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_gradients_live_in_the_flat_buffer_no_flattening_copy(stage):
+    """Stages 1 and 2 send each unit's gradients from the flat buffer they were put in when
+    backward produced them (stage 1: .grad is a view of its slot, later micro-batches add into
+    it; stage 2: .grad is freed into the bucket): nothing is flattened before a reduce-scatter,
+    and the float64 result is one process's."""
+    (ours, views, grads), *_ = run_on_ranks(_flat_buffer_run, 2, stage)
+    model, batches = _setup("gpt", 0, 8, 2)  # one process: the same 8 rows a step, the same sums
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    for x, y in batches:
+        for micro in range(2):
+            for rank in range(2):
+                rows = slice(4 * rank + 2 * micro, 4 * rank + 2 * micro + 2)
+                (model(x[rows], y[rows]) / 4).backward()  # / 2 micro-batches / 2 ranks (their average)
+        opt.step()
+        opt.zero_grad()
+    assert_state_dicts_close(ours, ts.testing.state_dict_cpu(model))  # float64 default tolerance
+    assert all(g is None for g in grads)  # after the step: no full gradient held by .grad
+    if stage == 1:
+        assert all(all(v) for v in views)  # every .grad a view of its slot after each backward
+    else:
+        assert not any(any(v) for v in views)  # stage 2: no .grad kept after backward

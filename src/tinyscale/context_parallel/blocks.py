@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from tinyscale.context_parallel.merge import (
-    _finite_or_zero, _mask, block_attention, block_attention_backward,
+    _finite_or_zero, _mask, block_attention, block_attention_backward, check_mask_kind,
 )
 from tinyscale.kernels import flash_block, flash_block_backward, kernel_ok
 
@@ -41,7 +41,7 @@ def cpu_flash_ok(q: torch.Tensor) -> bool:
 def _flash_mask(Tq: int, Tk: int, kind: str, key_valid: torch.Tensor | None, dtype, device):
     """(is_causal, additive mask (Tq | 1, Tk) or None) for the kernel; None mask when no key is padded."""
     if key_valid is None or bool(key_valid.all()):
-        _mask(Tq, Tk, kind, None, device)  # validates kind (and a causal block's squareness)
+        check_mask_kind(Tq, Tk, kind)  # no (Tq, Tk) mask built: 4 M elements at Tq = Tk = 2048
         return kind == "causal", None
     allowed = _mask(Tq, Tk, kind, key_valid, device)  # (Tq, Tk) bool
     if kind == "full":

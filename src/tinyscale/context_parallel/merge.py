@@ -35,14 +35,19 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(x), torch.zeros_like(x), x)
 
 
-def _mask(Tq: int, Tk: int, kind: str, key_valid: torch.Tensor | None, device) -> torch.Tensor | None:
-    """(Tq, Tk) bool, True where query i may see key j; None when every pair is visible."""
+def check_mask_kind(Tq: int, Tk: int, kind: str) -> None:
+    """Raise unless `kind` is known and, if causal, the block is square (nothing is built)."""
     if kind not in MASK_KINDS:
         raise ValueError(f"causal_mask_kind={kind!r} is unknown: use one of {MASK_KINDS}")
+    if kind == "causal" and Tq != Tk:
+        raise ValueError(f"a causal (diagonal) block needs as many queries as keys, got {Tq} and {Tk}")
+
+
+def _mask(Tq: int, Tk: int, kind: str, key_valid: torch.Tensor | None, device) -> torch.Tensor | None:
+    """(Tq, Tk) bool, True where query i may see key j; None when every pair is visible."""
+    check_mask_kind(Tq, Tk, kind)
     allowed = None
     if kind == "causal":
-        if Tq != Tk:
-            raise ValueError(f"a causal (diagonal) block needs as many queries as keys, got {Tq} and {Tk}")
         allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril()  # key j <= query i
     if key_valid is not None:
         keys = key_valid.to(device)[None, :].expand(Tq, Tk)  # padded keys are never visible

@@ -15,7 +15,8 @@ The attention itself runs on the fastest exact kernel the device has (`blocks.py
 the CPU's flash kernel, or merge.py's block with dropout).
 
 A zigzag layout gathers the sequence in shard order; attention runs on it reordered to
-global order (one index_select each way), so the causal mask is the plain triangle.
+global order (one gather each way, and one each way in backward: `Permute`), so the causal
+mask is the plain triangle; a contiguous layout is already in order (no gather).
 
 Shape legend: B batch, H query heads, K key/value heads, Tl local length, P padded length
 (= cp * Tl), D head dim. Lesson: lessons/09-context-parallel.md.
@@ -86,6 +87,21 @@ class HeadToSeq(torch.autograd.Function):
 # --8<-- [end:all-to-all]
 
 
+class Permute(torch.autograd.Function):
+    """x.index_select(dim, index) for a permutation `index` of that dim; the gradient is the
+    inverse permutation's gather (`inverse`), one copy, where autograd's own for index_select
+    is a zero-filled buffer and an index_add."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse, dim: int):
+        ctx.inverse, ctx.dim = inverse, dim
+        return x.index_select(dim, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(ctx.dim, ctx.inverse), None, None, None
+
+
 def kv_replication(n_head: int, n_kv_head: int, cp: int) -> int:
     """How many copies of each K/V head travel, so that cp divides the K/V heads (1: none)."""
     if n_head % cp:
@@ -114,7 +130,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     qh, kh, vh = (SeqToHead.apply(t, group) for t in (q, k, v))  # (B, H/cp | K'/cp, P, D), shard order
     shard_order = torch.cat([layout.positions(r) for r in range(cp)]).to(q.device)  # (P,) position of each row
     to_global = torch.argsort(shard_order)  # global position p is at row to_global[p]
-    qh, kh, vh = (t.index_select(2, to_global) for t in (qh, kh, vh))  # (B, N, P, D) in position order
+    reorder = not bool((shard_order == torch.arange(len(shard_order), device=q.device)).all())  # contiguous: no
+    if reorder:
+        qh, kh, vh = (Permute.apply(t, to_global, shard_order, 2) for t in (qh, kh, vh))  # (B, N, P, D) by position
     key_valid = None
     if layout.padded_len != layout.seq_len:
         key_valid = torch.arange(layout.padded_len, device=q.device) < layout.seq_len
@@ -130,5 +148,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     else:  # counter dropout: merge.py's block, differentiated by autograd
         out, _ = block_attention(qh, kh, vh, causal_mask_kind=kind, scale=scale, key_valid=key_valid,
                                  dropout_scale=dropout_scale)
-    return HeadToSeq.apply(out.index_select(2, shard_order), group)  # back to shard order -> (B, H, Tl, D)
+    if reorder:
+        out = Permute.apply(out, shard_order, to_global, 2)  # back to shard order
+    return HeadToSeq.apply(out, group)  # -> (B, H, Tl, D)
 # --8<-- [end:ulysses]

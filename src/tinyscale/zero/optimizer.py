@@ -349,11 +349,15 @@ class ShardedOptimizer:
     prescale_gradients: bool = True
     gradient_predivide_factor: float = 1.0
 
-    def reduce_scatter_into(self, unit_index: int, grads: Sequence[torch.Tensor | None], async_op: bool = False):
+    def reduce_scatter_into(self, unit_index: int, grads: Sequence[torch.Tensor | None] | None,
+                            async_op: bool = False, *, flat: torch.Tensor | None = None):
         """Sum `grads` (shaped like the unit's params) over ranks; add this rank's averaged
-        shard into its gradient buffer. Returns a handle whose wait() completes the add."""
+        shard into its gradient buffer. Returns a handle whose wait() completes the add.
+        `flat` instead of `grads`: the unit's gradients already laid out in its padded flat
+        layout (stages 1 and 2 keep them there: no flattening copy); it is divided and, without
+        reduce_scatter, overwritten in place."""
         unit = self.units[unit_index]
-        flat = unit.flatten(grads)
+        flat = unit.flatten(grads) if flat is None else flat
         if self.grad[unit_index] is None:
             self.grad[unit_index] = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         if not self.distributed:

@@ -17,7 +17,12 @@ same as DDP's all-reduce, split in two with the optimizer step in the middle. (A
 implementation that all-reduces gradients AND all-gathers parameters moves 3 Psi.)
 
 The reduce-scatter happens once per step, after the last micro-batch's backward: a rank
-holds its full local gradient until then (what stage 2 removes).
+holds its full local gradient until then (what stage 2 removes). It holds it in the unit's
+flat buffer (`grad_flat`, allocated at the step's first gradient): when autograd hands a
+parameter its gradient, a hook copies it into the parameter's slot and makes ``.grad`` a view
+of that slot, so later micro-batches accumulate straight into the buffer and the
+reduce-scatter sends the buffer as it is (no second, flattened copy of the gradient). After
+the step the buffers are freed and ``.grad`` is None: between steps no gradient is held.
 """
 
 from __future__ import annotations
@@ -42,15 +47,45 @@ class ZeroStage1:
                                         offload=offload_optimizer, nvme_path=nvme_path,
                                         param_dtype=param_dtype, loss_scaler=loss_scaler, sub_group_size=sub_group_size,
                                         pin_memory=pin_memory)
-        for p in self.sharded.params:  # which parameters got a gradient this step (unused ones are not stepped)
-            p.register_post_accumulate_grad_hook(self.sharded.mark_used)
+        # Each unit's gradients live in one padded flat buffer, from the step's first gradient to its end.
+        self.grad_flat: list[torch.Tensor | None] = [None] * len(self.sharded.units)
+        self._where = {p: (u, i) for u, unit in enumerate(self.sharded.units) for i, p in enumerate(unit.params)}
+        for p in self.sharded.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _slot(self, p: torch.Tensor) -> torch.Tensor:
+        """p's slot in its unit's flat gradient buffer (allocated here if the step has none yet)."""
+        u, i = self._where[p]
+        unit = self.sharded.units[u]
+        if self.grad_flat[u] is None:
+            self.grad_flat[u] = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
+            self.grad_flat[u][unit.numel:].zero_()  # padding: zeros in the sum
+        return self.grad_flat[u][unit.offsets[i]: unit.offsets[i] + unit.shapes[i].numel()].view(unit.shapes[i])
 
     # --8<-- [start:reduce]
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """p got a gradient (marked used: unused ones are not stepped); the first one of a step
+        (autograd's own tensor) moves into p's slot and .grad becomes that view, so the next
+        micro-batches' gradients are added into the flat buffer in place."""
+        self.sharded.mark_used(p)
+        slot = self._slot(p)
+        if p.grad.data_ptr() != slot.data_ptr():
+            slot.copy_(p.grad)
+            p.grad = slot
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Average the accumulated local gradients into this rank's shards; free the full ones."""
         for i, unit in enumerate(self.sharded.units):
-            self.sharded.reduce_scatter_into(i, [p.grad for p in unit.params]).wait()
+            for p in unit.params:  # a gradient set or replaced outside backward's hook: copy it in
+                slot = self._slot(p)
+                if p.grad is None:
+                    slot.zero_()  # no gradient here: zeros in the sum
+                elif p.grad.data_ptr() != slot.data_ptr():
+                    slot.copy_(p.grad)
+            self.sharded.reduce_scatter_into(i, None, flat=self.grad_flat[i]).wait()
+            self.grad_flat[i] = None
             for p in unit.params:
                 p.grad = None
     # --8<-- [end:reduce]
@@ -59,6 +94,7 @@ class ZeroStage1:
         """Forget the gradients of a step that raised (stage 1 communicates only in `step`)."""
         for p in self.sharded.params:
             p.grad = None
+        self.grad_flat = [None] * len(self.grad_flat)
         self.sharded.forget_usage()
 
     def complete_abandoned(self, micro_batches_left: int) -> bool:

@@ -5,10 +5,12 @@
     zero.step()     # step my shard, all-gather parameters
 
 What changes from stage 1: parameters are packed into buckets (units of at most
-``bucket_bytes``, last layers first). When backward has produced every gradient of a
-bucket, a hook flattens them, launches an asynchronous **reduce-scatter** and frees the
-full gradients (``p.grad = None``); the averaged shard is added into this rank's gradient
-buffer when backward ends. So after backward a rank holds only its 1/N of the gradient
+``bucket_bytes``, last layers first). As backward produces each gradient, a hook copies it
+into its slot of the bucket's flat buffer (allocated at the bucket's first gradient) and
+frees it (``p.grad = None``): the gradients live in the flat buffer, so nothing is flattened
+before the send, and a bucket never holds its gradients twice. When every gradient of a
+bucket is in, its asynchronous **reduce-scatter** is launched; the averaged shard is added
+into this rank's gradient buffer when backward ends. So after backward a rank holds only its 1/N of the gradient
 (plus, during backward, the buckets in flight), and the communication overlaps backward.
 
 Memory per rank: parameters B*Psi, gradients B*Psi/N, master + optimizer state K*Psi/N.
@@ -52,6 +54,7 @@ class ZeroStage2:
         self._pending: list = []
         self._next = 0
         self._queued = False
+        self._flat: list[torch.Tensor | None] = [None] * len(self.sharded.units)  # buckets being filled
         self._deferred = False  # inside no_sync(): gradients accumulate, nothing is sent
         self.events: list[tuple[str, int | None, float]] = []
         for p in self._where:
@@ -69,16 +72,40 @@ class ZeroStage2:
             Variable._execution_engine.queue_callback(self._on_backward_end)
         u, i = self._where[param]
         self.sharded.mark_used(param)
+        if u >= self._next:  # (a bucket already launched: its gradient waits in .grad for the next)
+            self._fill(u, i, param)
         self._ready[u].add(i)
         while self.overlap and self._next < len(self._ready) and \
                 len(self._ready[self._next]) == len(self.sharded.units[self._next].params):
             self._launch(self._next)
 
-    def _launch(self, u: int) -> None:
+    def _fill(self, u: int, i: int, param: torch.Tensor) -> None:
+        """Move param's gradient into its slot of bucket u's flat buffer and free it."""
         unit = self.sharded.units[u]
-        self._pending.append(self.sharded.reduce_scatter_into(u, [p.grad for p in unit.params], async_op=True))
+        if self._flat[u] is None:
+            self._flat[u] = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.device)
+            self._flat[u][unit.numel:].zero_()  # padding
+        slot = self._flat[u][unit.offsets[i]: unit.offsets[i] + unit.shapes[i].numel()]
+        if i in self._ready[u]:  # a second gradient in one backward (the parameter used twice)
+            slot.add_(param.grad.reshape(-1))
+        else:
+            slot.copy_(param.grad.reshape(-1))
+        param.grad = None
+
+    def _launch(self, u: int) -> None:
+        unit, flat = self.sharded.units[u], self._flat[u]
+        if flat is None:  # no_sync / reduce_gradients: the accumulated .grad, flattened
+            work = self.sharded.reduce_scatter_into(u, [p.grad for p in unit.params], async_op=True)
+        else:
+            for i, (p, shape) in enumerate(zip(unit.params, unit.shapes)):
+                if i not in self._ready[u]:  # no gradient this backward: what .grad holds, or zeros
+                    slot = flat[unit.offsets[i]: unit.offsets[i] + shape.numel()]
+                    slot.zero_() if p.grad is None else slot.copy_(p.grad.reshape(-1))
+            work = self.sharded.reduce_scatter_into(u, None, async_op=True, flat=flat)
+            self._flat[u] = None
+        self._pending.append(work)
         for p in unit.params:
-            p.grad = None  # the bucket's flat copy is on the wire; the full gradient is not kept
+            p.grad = None  # the bucket's flat buffer is on the wire; the full gradient is not kept
         self.events.append(("launch", u, time.perf_counter()))
         self._next = u + 1
     # --8<-- [end:hook]
@@ -133,6 +160,7 @@ class ZeroStage2:
             for p in unit.params:
                 p.grad = None
         self.sharded.grad = [None] * len(self.sharded.grad)
+        self._flat = [None] * len(self._flat)
         self.sharded.forget_usage()
 
     def complete_abandoned(self, micro_batches_left: int) -> bool:

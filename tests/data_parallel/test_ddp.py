@@ -62,11 +62,11 @@ def _model_and_batches(kind, seed, rows, steps, uses=None):
 
 
 def train_data_parallel(impl, kind, seed, micro, accum, steps, bucket_cap_mb, sync_last=True, optimizer="sgd",
-                        uses=None):
+                        uses=None, ddp_kwargs=None):
     """Run on every rank: the plain training loop a DDP user writes."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model, batches = _model_and_batches(kind, seed, micro * accum * world, steps, uses)
-    ddp = wrap(impl, model, bucket_cap_mb)
+    ddp = wrap(impl, model, bucket_cap_mb, **(ddp_kwargs or {}))
     config = ts.EngineConfig.load({"optimizer": OPTIMIZERS[optimizer], "train_micro_batch_size_per_gpu": micro})
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], config.optimizer)
     losses = []
@@ -136,6 +136,32 @@ def test_ddp_bucketed_issues_one_allreduce_per_bucket(cap_mb, expected_buckets):
         # accumulation over 2 micro-batches still syncs once per step: no all-reduce under no_sync
         assert calls == steps * expected_buckets
         assert [e[1] for e in events if e[0] == "launch"] == list(range(expected_buckets))
+
+
+def test_ddp_bucketed_first_bucket_cap_packs_the_first_to_fill_small_and_the_rest_large():
+    from tinyscale.data_parallel import assign_buckets
+
+    params = [p for p in TinyMLP().parameters() if p.requires_grad]  # bytes, last first: 128 2048 128 1024 64
+    assert [len(b) for b in assign_buckets(params, 2**30)] == [5]
+    # torch's layout: the first bucket (first to fill in backward) capped small, the rest in one
+    assert [len(b) for b in assign_buckets(params, 2**30, first_cap_bytes=2200)] == [2, 3]
+    assert [len(b) for b in assign_buckets(params, 1200)] == [1, 1, 2, 1]
+    assert [len(b) for b in assign_buckets(params, 1200, first_cap_bytes=2200)] == [2, 2, 1]
+
+
+def test_ddp_bucketed_first_bucket_cap_trains_like_one_process_and_overlaps():
+    # float64 tiny GPT (328,960 bytes of gradients): a 0.1 MB first bucket and one of 25 MB
+    # for the rest: 2 all-reduces per step; accumulation over 2 micro-batches, weight decay
+    kwargs = {"first_bucket_cap_mb": 0.1}
+    results = run_on_ranks(train_data_parallel, 2, IMPLEMENTATIONS["bucketed"], "gpt", 5, 1, 2, 2, 25.0,
+                           True, "adamw", None, kwargs)
+    ref_losses, ref_state = _reference("gpt", 5, 4, 2, "adamw")
+    for losses, state, calls, events in results:
+        assert_losses_close(losses, ref_losses)
+        assert_state_dicts_close(state, ref_state, what="parameters after 2 steps")
+        assert calls == 2 * 2
+        end = next(t for kind, _, t in events if kind == "backward_end")
+        assert [b for kind, b, t in events if kind == "launch" and t < end][:1] == [0]  # the small one goes early
 
 
 def test_ddp_bucketed_starts_the_first_allreduce_before_backward_finishes():

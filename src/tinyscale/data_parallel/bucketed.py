@@ -9,7 +9,9 @@ What it changes from `naive.py`:
    of at most ``bucket_cap_mb``. Backward produces gradients roughly in reverse order of
    the forward, so the first bucket fills first. One all-reduce per bucket instead of one
    per parameter: a few large messages instead of hundreds of small ones, each paying the
-   collective's latency once.
+   collective's latency once. ``first_bucket_cap_mb=1`` gives torch DDP's layout (its
+   default): a small first bucket that goes early, then few large ones (on 2 CPU cores each
+   extra message costs milliseconds of gloo's thread work on the backward's core: lesson 02).
 2. **Overlap.** A gradient hook copies each gradient into its bucket as soon as autograd
    has it; when a bucket is full its all-reduce is *launched asynchronously* and backward
    carries on computing earlier layers' gradients while the bytes move.
@@ -61,8 +63,11 @@ class Bucket:
 
 
 # --8<-- [start:assign]
-def assign_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
-    """Pack parameters, last registered first, into groups of at most `cap_bytes`.
+def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
+                   first_cap_bytes: int | None = None) -> list[list[torch.Tensor]]:
+    """Pack parameters, last registered first, into groups of at most `cap_bytes`; the first
+    group (the first to fill in backward) of at most `first_cap_bytes` if given (torch DDP's
+    1 MiB first bucket: communication starts early, the rest goes in few large messages).
 
     A bucket holds one dtype on one device (it is one flat buffer); a parameter larger than
     the cap gets a bucket of its own.
@@ -72,7 +77,8 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int) -> list[list[torc
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
         current = buckets[-1] if buckets else None
-        if (current is None or size + nbytes > cap_bytes
+        cap = first_cap_bytes if first_cap_bytes is not None and len(buckets) == 1 else cap_bytes
+        if (current is None or size + nbytes > cap
                 or p.dtype != current[0].dtype or p.device != current[0].device):
             buckets.append([])
             size = 0
@@ -120,10 +126,12 @@ class BucketedDDP(DataParallelBase):
         return pre, self.world_size / pre
 
     def __init__(self, module, process_group=None, bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False, overlap: bool = True, gradient_as_bucket_view: bool = True):
+                 find_unused_parameters: bool = False, overlap: bool = True, gradient_as_bucket_view: bool = True,
+                 first_bucket_cap_mb: float | None = None):
         """`overlap=False` holds every launch until backward ends (to measure what overlap buys).
         `gradient_as_bucket_view`: each ``.grad`` is a view of its bucket slot after backward (torch's
         DDP option; a later backward accumulates into it, as into any .grad), else a copy.
+        `first_bucket_cap_mb`: the first bucket's cap (torch DDP's 1 MiB), else `bucket_cap_mb`.
         `find_unused_parameters` is accepted for torch's signature and changes nothing: unused
         parameters are always found, by flags that ride in the last bucket's all-reduce."""
         super().__init__(module, process_group, find_unused_parameters)
@@ -131,10 +139,13 @@ class BucketedDDP(DataParallelBase):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         if bucket_cap_mb <= 0:
             raise ValueError(f"BucketedDDP: bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if first_bucket_cap_mb is not None and first_bucket_cap_mb <= 0:
+            raise ValueError(f"BucketedDDP: first_bucket_cap_mb must be positive (or None), got {first_bucket_cap_mb}")
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.buckets = []
         self._where: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (bucket index, slot)
-        groups = assign_buckets(self.params, self.bucket_cap_bytes)
+        first = None if first_bucket_cap_mb is None else int(min(first_bucket_cap_mb, bucket_cap_mb) * 2**20)
+        groups = assign_buckets(self.params, self.bucket_cap_bytes, first)
         for b, group in enumerate(groups):
             offsets, total = [], 0
             for i, p in enumerate(group):

@@ -15,7 +15,9 @@ schedules the bubble measured from each compute action's start and end (a clock 
 share) beside the simulator's, run on the median measured cost of each (stage, kind) and the
 per-message latency measured in the same processes (a ping-pong of one activation-sized
 message, half the median round trip), and the closed form (which assumes equal stages and free
-messages). Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
+messages). Each send and receive is charged the mean of what it held its rank for, per (stage,
+kind): a send its share of the time until its run of messages reaches a receive, a receive
+its time less its wait for the data. Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
 pp_afab_vs_torch and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points).
 Lesson: lessons/08-pipeline-parallel.md.
 """
@@ -32,7 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from tinyscale.pipeline.schedules import SEND_B, SEND_F
+from tinyscale.dist import comm
+from tinyscale.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F
 from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
@@ -55,7 +58,9 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
     p, rank = dist.get_world_size(), dist.get_rank()
     cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=n_layer, n_head=4, d_model=128, ffn_hidden=384)
     (inputs, targets), = synthetic_token_batches(num_batches=1, batch_size=2 * m, seq_len=32, vocab_size=128, seed=1)
-    runs, logs, messages = {}, {name: [] for name in OURS}, {"send": [], "recv": []}
+    runs, logs = {}, {name: [] for name in OURS}
+    holds = {name: {} for name in OURS}  # (stage, kind) of a send / receive -> seconds it held its rank
+    waited: list[float] = []  # seconds inside comm.Work.wait during the current receive
     for name, (make, v) in OURS.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
         stages = {s.stage: GPTStage(model, s) for s in stages_on_rank(partition_gpt(cfg, p, virtual_stages=v), rank)}
@@ -67,20 +72,27 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
                 log.append((a, start, time.perf_counter()))
             setattr(executor, method, timed)
 
-        def communicate(actions, run=executor._communicate, log=messages):  # what a message holds its rank for
+        # What each message holds its rank for. A send: its share of the time from the start of
+        # its run of messages to the run's first receive (frames built, isends issued), in every
+        # run, not only runs of sends alone (the last stage's SEND_B shares a run with a
+        # RECV_F). A receive: its time less what it spent waiting for the data to arrive, the
+        # wait the simulator derives from the schedule and `latency`.
+        def communicate(actions, run=executor._communicate, log=holds[name], ex=executor):
             start = time.perf_counter()
+            ex.first_receive = None
             run(actions)
-            kinds = {a.kind for a in actions}
-            if actions and kinds <= {SEND_F, SEND_B}:  # sends alone: posting them (frames built, isend issued)
-                log["send"].append((time.perf_counter() - start) / len(actions))
+            sends = [a for a in actions if a.kind in (SEND_F, SEND_B)]
+            end = ex.first_receive or time.perf_counter()
+            for a in sends:
+                log.setdefault((a.stage, a.kind), []).append((end - start) / len(sends))
 
-        def receive(a, run=getattr(executor, "_receive", None), log=messages):
+        def receive(a, run=executor._receive, log=holds[name], ex=executor):
             start = time.perf_counter()
+            ex.first_receive = ex.first_receive or start
+            waited.clear()
             run(a)
-            log["recv"].append(time.perf_counter() - start)
-        executor._communicate = communicate
-        if hasattr(executor, "_receive"):  # (an executor without it: receives are not timed apart)
-            executor._receive = receive
+            log.setdefault((a.stage, a.kind), []).append(time.perf_counter() - start - sum(waited))
+        executor._communicate, executor._receive = communicate, receive
         runs[name] = (model, lambda ex=executor: ex.run(inputs.chunk(m), targets.chunk(m)))
     for name, (cls, _) in TORCH.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
@@ -90,12 +102,21 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         kwargs = {"target": targets, "losses": []} if rank == p - 1 else {}
         runs[name] = (model, lambda s=schedule, kw=kwargs: s.step(inputs, **kw) if rank == 0 else s.step(**kw))
     actions = {}
+    wait = comm.Work.wait
+
+    def timed_wait(work):
+        start = time.perf_counter()
+        wait(work)
+        waited.append(time.perf_counter() - start)
+    comm.Work.wait = timed_wait  # this rank process only: what a receive spends waiting
 
     def step(name, i):
         model, run = runs[name]
         model.zero_grad()
         if name in logs:
             logs[name].clear()
+            if i == 1:  # the warm-up round's messages (headers, first frames) are not counted
+                holds[name].clear()
         run()
         dist.barrier()  # the step ends when both ranks are done
         if name in logs and i:  # round 0 is warm-up
@@ -103,10 +124,10 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
 
     times = round_robin({name: lambda i, name=name: step(name, i) for name in runs}, steps, warmup=1,
                         before=dist.barrier)
-    # a receive's own cost: its lower quartile (most receives also wait for their data)
+    comm.Work.wait = wait
     return {"times": times, "actions": actions, "latency": _latency(2 * cfg.max_seq_len * cfg.d_model + 1),
-            "send_s": statistics.median(messages["send"]),
-            "recv_s": statistics.quantiles(messages["recv"], n=4)[0] if len(messages["recv"]) > 1 else 0.0}
+            "holds": {name: {key: statistics.mean(d) for key, d in h.items()} for name, h in holds.items()},
+            "median_holds": {name: {key: statistics.median(d) for key, d in h.items()} for name, h in holds.items()}}
 
 
 def _latency(numel: int, trips: int = 30) -> float:
@@ -130,7 +151,7 @@ def bubbles(per_rank: list[dict], name: str, m: int, latency: float = 0.0,
             message_cost: dict | None = None) -> tuple[float, float]:
     """Measured bubble (median over steps) and the simulator's on the measured median costs,
     each message arriving `latency` seconds after its send, each send and receive holding its
-    rank for message_cost["send"] / ["recv"] seconds."""
+    rank for message_cost[(stage, kind)] seconds (0 without it)."""
     p = len(per_rank)
     steps = len(per_rank[0]["actions"][name])
     measured, durations = [], {}
@@ -145,10 +166,17 @@ def bubbles(per_rank: list[dict], name: str, m: int, latency: float = 0.0,
                 durations.setdefault(_kind(a), []).append(e - s)
     cost = {key: statistics.median(d) for key, d in durations.items()}
     make, _ = OURS[name]
-    held = message_cost or {"send": 0.0, "recv": 0.0}
+    held = message_cost or {}
     sim = simulate(add_communication(make(p, m)), lambda a: cost[(a.stage, a.kind)], latency=latency,
-                   message_cost=lambda a: held["send" if a.kind in (SEND_F, SEND_B) else "recv"])
+                   message_cost=lambda a: held.get((a.stage, a.kind), 0.0))
     return statistics.median(measured), float(sim.bubble_fraction)
+
+
+def message_holds(per_rank: list[dict], name: str, which: str = "holds") -> dict:
+    """(stage, kind) -> mean seconds a send / receive of schedule `name` held its rank (each
+    stage's messages are on one rank). The mean, not the median: a few receives hold their
+    rank for milliseconds (most for 0.2 ms), and the simulator must charge each rank the total."""
+    return {key: t for r in per_rank for key, t in r[which][name].items()}
 
 
 def _kind(action: str) -> tuple[int, str]:
@@ -168,19 +196,22 @@ def main() -> None:
     per_rank = ts.dist.launch(_bench_rank, p, m, args.layers, args.steps, timeout_s=300)
     times = {name: statistics.median(slowest([r["times"][name] for r in per_rank])) for name in per_rank[0]["times"]}
     latency = statistics.median(r["latency"] for r in per_rank)
-    held = {"send": statistics.median(r["send_s"] for r in per_rank),
-            "recv": statistics.median(r["recv_s"] for r in per_rank)}
+    held = {name: message_holds(per_rank, name) for name in OURS}
+    sends = [t for (_, kind), t in held["1f1b"].items() if kind in (SEND_F, SEND_B)]
+    recvs = [t for (_, kind), t in held["1f1b"].items() if kind in (RECV_F, RECV_B)]
     table = Table(title=f"pipeline step on {p} CPU ranks, m = {m}, {args.layers} layers, float32 "
                         f"(median of {args.steps} steps)")
     for col in ("variant", "step ms", "ours / torch", "bubble measured", "simulated (measured costs)",
-                f"simulated (+ messages: {latency * 1e6:.0f} us latency, {held['send'] * 1e6:.0f} us "
-                f"per send, {held['recv'] * 1e6:.0f} us per receive)", "closed form"):
+                f"simulated (+ messages: {latency * 1e6:.0f} us latency, each send and receive's mean measured "
+                f"hold; 1F1B: {' '.join(f'{t * 1e6:.0f}' for t in sends)} us per send, "
+                f"{' '.join(f'{t * 1e6:.0f}' for t in recvs)} us per receive)", "closed form"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     torch_of = {ours: name for name, (_, ours) in TORCH.items()}
     gaps = {}
+    measured_1f1b, with_median_holds = bubbles(per_rank, "1f1b", m, latency, message_holds(per_rank, "1f1b", "median_holds"))
     for name in OURS:
         measured, simulated = bubbles(per_rank, name, m)
-        _, with_latency = bubbles(per_rank, name, m, latency, held)
+        _, with_latency = bubbles(per_rank, name, m, latency, held[name])
         gaps[name] = 100 * (measured - with_latency)
         ratio = f"{times[name] / times[torch_of[name]]:.2f}" if name in torch_of else ""
         table.add_row(f"ours {name}", f"{times[name] * 1e3:.1f}", ratio, f"{measured:.1%}", f"{simulated:.1%}",
@@ -192,7 +223,9 @@ def main() -> None:
     write_json(args.json, {"pp_1f1b_vs_torch": times["1f1b"] / times["torch 1F1B"],
                            "pp_afab_vs_torch": times["afab"] / times["torch GPipe"],
                            "pp_1f1b_bubble_gap_points": gaps["1f1b"]},
-               latency_s=latency, send_s=held["send"], recv_s=held["recv"], microbatches=m, steps=args.steps)
+               latency_s=latency, send_s=statistics.median(sends), recv_s=statistics.median(recvs),
+               gap_points_median_holds=100 * (measured_1f1b - with_median_holds),
+               holds_1f1b_us={f"{s}{kind}": round(t * 1e6) for (s, kind), t in held["1f1b"].items()}, microbatches=m, steps=args.steps)
 
 
 if __name__ == "__main__":

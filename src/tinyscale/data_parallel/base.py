@@ -39,6 +39,26 @@ def broadcast_parameters(module: nn.Module, process_group=None) -> None:
 # --8<-- [end:broadcast]
 
 
+def all_reduce_in(buffer: torch.Tensor, dtype: torch.dtype | None, group):
+    """Start the sum of `buffer` over `group`, sent in `dtype`; wait() leaves it in `buffer` (a
+    bucket of BucketedDDP, an expert shard's gradient)."""
+    if dtype is None or dtype == buffer.dtype:
+        return comm.all_reduce(buffer, group=group, async_op=True)
+    wire = buffer.to(dtype)  # the usage flags too: counts up to N are exact in fp16 and bf16 (N <= 256)
+    return _CastBack(comm.all_reduce(wire, group=group, async_op=True), wire, buffer)
+
+
+class _CastBack:
+    """An all-reduce of a cast copy: wait() copies the sum back into the bucket's own dtype."""
+
+    def __init__(self, work, wire: torch.Tensor, buffer: torch.Tensor):
+        self._work, self._wire, self._buffer = work, wire, buffer
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._buffer.copy_(self._wire)
+
+
 class DataParallelBase(nn.Module):
     """Shared plumbing; subclasses implement `_grad_ready(param)` and `_finish_backward()`."""
 
@@ -114,11 +134,21 @@ class DataParallelBase(nn.Module):
     # --8<-- [end:hooks]
 
     # --8<-- [start:expert-shards]
-    # Read by `_reduce_expert_shards` (BucketedDDP documents them; the engine sets them): the
-    # expert shards are sent in comm_dtype and pre- / post-divided as the dense buckets are.
+    # DeepSpeed's communication_data_type (the engine sets it): each bucket (BucketedDDP) and each
+    # expert shard, already divided, is cast to this dtype for its all-reduce and the sum cast back;
+    # fp16/bf16 halve the bytes and round each rank's term and the sum. None: the gradients' dtype.
+    # (A comm hook, when registered, sends what it decides instead.)
     comm_dtype: torch.dtype | None = None
+    # DeepSpeed's prescale_gradients / gradient_predivide_factor (the engine sets them): true
+    # divides by N before the all-reduce (the default here); false by the factor before and by
+    # N / factor after (DeepSpeed's default, factor 1: sum, then divide).
     prescale_gradients: bool = True
     gradient_predivide_factor: float = 1.0
+
+    def _pre_post(self, n: int) -> tuple[float, float]:
+        """(divide before, divide after) the sum of a mean over n ranks."""
+        pre = n if self.prescale_gradients else self.gradient_predivide_factor
+        return pre, n / pre
 
     @torch.no_grad()
     def _reduce_expert_shards(self) -> None:
@@ -130,17 +160,12 @@ class DataParallelBase(nn.Module):
             shard = p.expert_shard
             if p.grad is None:  # the peers send theirs: keep the collectives matched
                 p.grad = torch.zeros_like(p)
-            pre = shard.mean_over if self.prescale_gradients else self.gradient_predivide_factor
+            pre, post = self._pre_post(shard.mean_over)
             p.grad.div_(pre)
             if dist.get_world_size(shard.group) > 1:
-                if self.comm_dtype is None or self.comm_dtype == p.grad.dtype:
-                    comm.all_reduce(p.grad, group=shard.group)
-                else:  # the sum rounded in the wire's dtype, cast back (bucketed.py's `_all_reduce_in`)
-                    wire = p.grad.to(self.comm_dtype)
-                    comm.all_reduce(wire, group=shard.group)
-                    p.grad.copy_(wire)
-            if shard.mean_over != pre:
-                p.grad.div_(shard.mean_over / pre)
+                all_reduce_in(p.grad, self.comm_dtype, shard.group).wait()
+            if post != 1:
+                p.grad.div_(post)
     # --8<-- [end:expert-shards]
 
     def _backward_started(self) -> None:

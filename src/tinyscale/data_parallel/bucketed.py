@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinyscale.data_parallel.base import DataParallelBase
+from tinyscale.data_parallel.base import DataParallelBase, all_reduce_in
 from tinyscale.dist import comm
 
 
@@ -88,42 +88,9 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
 # --8<-- [end:assign]
 
 
-def _all_reduce_in(buffer: torch.Tensor, dtype: torch.dtype | None, group):
-    """Start the sum of `buffer` over `group`, sent in `dtype`; wait() leaves it in `buffer`."""
-    if dtype is None or dtype == buffer.dtype:
-        return comm.all_reduce(buffer, group=group, async_op=True)
-    wire = buffer.to(dtype)  # the usage flags too: counts up to N are exact in fp16 and bf16 (N <= 256)
-    return _CastBack(comm.all_reduce(wire, group=group, async_op=True), wire, buffer)
-
-
-class _CastBack:
-    """An all-reduce of a cast copy: wait() copies the sum back into the bucket's own dtype."""
-
-    def __init__(self, work, wire: torch.Tensor, buffer: torch.Tensor):
-        self._work, self._wire, self._buffer = work, wire, buffer
-
-    def wait(self) -> None:
-        self._work.wait()
-        self._buffer.copy_(self._wire)
-
-
 class BucketedDDP(DataParallelBase):
     """Data parallelism with bucketed, asynchronous all-reduces launched during backward."""
 
-    # DeepSpeed's communication_data_type (the engine sets it): each bucket, already divided by N,
-    # is cast to this dtype for its all-reduce and the sum cast back into the bucket; fp16/bf16
-    # halve the bytes and round each rank's term and the sum. None: the gradients' own dtype.
-    # (A comm hook, when registered, sends what it decides instead.)
-    comm_dtype: torch.dtype | None = None
-    # DeepSpeed's prescale_gradients / gradient_predivide_factor (the engine sets them): true
-    # divides each bucket by N before its all-reduce (the default here); false by the factor
-    # before and by N / factor after (DeepSpeed's default, factor 1: sum, then divide).
-    prescale_gradients: bool = True
-    gradient_predivide_factor: float = 1.0
-
-    def _pre_post(self) -> tuple[float, float]:
-        pre = self.world_size if self.prescale_gradients else self.gradient_predivide_factor
-        return pre, self.world_size / pre
 
     def __init__(self, module, process_group=None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, overlap: bool = True, gradient_as_bucket_view: bool = True,
@@ -228,8 +195,8 @@ class BucketedDDP(DataParallelBase):
             state, hook = self._comm_hook
             bucket.work = _HookWork(hook(state, _BucketView(self, b, gradients)), bucket.buffer[:gradients], flags)
         else:
-            bucket.buffer[:gradients].div_(self._pre_post()[0])
-            bucket.work = _all_reduce_in(bucket.buffer, self.comm_dtype, self.process_group)
+            bucket.buffer[:gradients].div_(self._pre_post(self.world_size)[0])
+            bucket.work = all_reduce_in(bucket.buffer, self.comm_dtype, self.process_group)
         self.events.append(("launch", b, time.perf_counter()))
         self._next_launch = b + 1
     # --8<-- [end:grad_ready]
@@ -256,7 +223,7 @@ class BucketedDDP(DataParallelBase):
         used = (self._flags > 0).tolist()  # got a gradient on some rank (the flags' sum counts them)
         for bucket in self.buckets:
             bucket.work.wait()  # the average: each rank sent its gradients divided by N (prescaled)
-            post, gradients = self._pre_post()[1], bucket.offsets[-1] + bucket.params[-1].numel()
+            post, gradients = self._pre_post(self.world_size)[1], bucket.offsets[-1] + bucket.params[-1].numel()
             if post != 1 and self._comm_hook is None:  # prescale_gradients false: divide the sum now
                 bucket.buffer[:gradients].div_(post)
             for i, p in enumerate(bucket.params):

@@ -11,7 +11,11 @@ docs_dir, so this hook:
 3. stops the build when the vendored Mermaid/KaTeX/iframe-worker files are missing (run
    `scripts/fetch_site_assets.sh`), since material would silently fall back to a CDN;
 4. fails any page that references an external script or stylesheet: the site must
-   work offline.
+   work offline;
+5. lets a long inline code span in a table cell (a test's node id, a source path) wrap
+   after its separators (`/`, `::`, `_`, `.`, `,`): table code otherwise stays on one line
+   (docs/stylesheets/extra.css), and one 90-character node id made every question-bank
+   table wider than the text column.
 """
 
 from __future__ import annotations
@@ -49,6 +53,19 @@ _EXTERNAL_ASSET = re.compile(
     r"|<link\b(?=[^>]*\brel=[\"']?stylesheet)[^>]*\bhref=[\"']?(?:https?:)?//[^\"'\s>]+",
     re.IGNORECASE,
 )
+
+
+# A table cell, and in it an inline code span with no markup inside, at least LONG_CODE long.
+_TABLE_CELL = re.compile(r"(?s)<td\b[^>]*>.*?</td>")
+LONG_CODE = 32
+_LONG_CODE = re.compile(r"<code>([^<]{%d,})</code>" % LONG_CODE)
+_BREAK_AFTER = re.compile(r"(::|[/_.,])")
+
+
+def _breakable(cell: re.Match) -> str:
+    return _LONG_CODE.sub(
+        lambda m: '<code class="ts-wrap">' + _BREAK_AFTER.sub(r"\1<wbr>", m.group(1)) + "</code>", cell.group(0)
+    )
 
 
 def _repo_root(config: MkDocsConfig) -> Path:
@@ -104,6 +121,10 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     if page.file.src_uri.startswith(LESSONS_DIR + "/"):
         markdown = _rewrite_repo_links(markdown)
     return markdown
+
+
+def on_page_content(html: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    return _TABLE_CELL.sub(_breakable, html)
 
 
 def on_post_page(output: str, page: Page, config: MkDocsConfig) -> str:

@@ -2,7 +2,10 @@
 
 Opened from disk (file://), as a reader without a server opens it: every page loads
 without a SEVERE console message, math is typeset by KaTeX and Mermaid draws every diagram
-(no raw `$$`, `\\(` or ```mermaid left), search finds a lesson for "zero", and the memory
+(no raw `$$`, `\\(` or ```mermaid left), every image loads, no snippet marker
+`--8<--` is left unexpanded, every link to an anchor of the site finds its target, no page is
+wider than the window and no inline code makes a table wider than half the text column,
+search finds a lesson for "zero", and the memory
 calculator's page shows, for a grid of inputs, the bytes `tinyscale.calculator.estimate`
 computes. Run: `pytest -k site_browser` (the calculator's check also has `calculator`).
 
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -32,6 +36,8 @@ SOURCES = ("docs", "lessons", "src", "mkdocs.yml")
 # 404.html links its assets from the site's root (/assets/...): a server shows it for any
 # missing path, so from disk it cannot load them. Every other page uses relative links.
 NOT_FROM_DISK = {"404.html"}
+# The page that teaches the snippet syntax shows `--8<--` in its examples.
+SHOWS_SNIPPET_SYNTAX = {"lessons/index.html"}
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states", "activations")
 
 
@@ -106,14 +112,27 @@ return {
       .filter((e) => e.getBoundingClientRect().height === 0).length,
   raw_math: [...document.querySelectorAll(".arithmatex")].filter((e) => !e.querySelector(".katex")).length
       + ["$$", "\\\\(", "\\\\["].filter((d) => text.includes(d)).length,
+  broken_image: [...document.images].filter((i) => !(i.complete && i.naturalWidth > 0)).length,
+  // Anywhere, code included: a snippet that did not expand is left inside its code block.
+  raw_snippet: (document.body.textContent.match(/--8<--/g) || []).length,
+  wider_than_window: document.documentElement.scrollWidth > window.innerWidth ? 1 : 0,
+  // One unbreakable code span (a test id, a path) wider than half the text column makes the
+  // whole table scroll sideways; docs/hooks.py lets the long ones wrap.
+  wide_table_code: [...document.querySelectorAll("article td code")].filter((c) =>
+      c.getBoundingClientRect().width > c.closest("article").clientWidth / 2).length,
 };
+"""
+# Links into the site with a fragment (resolved by the browser), and the ids a page has.
+_LINKS_AND_IDS = """
+return [[...document.querySelectorAll("a[href*='#']")].map((a) => a.href).filter((h) => h.startsWith("file:")),
+        [...document.querySelectorAll("[id]")].map((e) => e.id)];
 """
 
 
 def test_site_browser_every_page_loads_and_renders_math_and_mermaid(browser, site_dir):
     pages = sorted(p for p in site_dir.rglob("*.html") if p.name not in NOT_FROM_DISK)
     assert len(pages) >= 10, f"only {len(pages)} pages in {site_dir}"
-    problems = []
+    problems, links, ids = [], {}, {}
     browser.get_log("browser")  # drop anything logged before
     for page in pages:
         browser.get(page.as_uri())
@@ -122,8 +141,17 @@ def test_site_browser_every_page_loads_and_renders_math_and_mermaid(browser, sit
         found = browser.execute_script(_PAGE_PROBLEMS)
         severe = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         name = str(page.relative_to(site_dir))
+        if name in SHOWS_SNIPPET_SYNTAX:
+            found.pop("raw_snippet")
         problems += [f"{name}: {what} x{n}" for what, n in found.items() if n]
         problems += [f"{name}: console: {message[:300]}" for message in severe]
+        links[name], ids[page.as_uri()] = browser.execute_script(_LINKS_AND_IDS)
+        ids[page.as_uri()] = set(ids[page.as_uri()])
+    for name, hrefs in links.items():
+        for href in hrefs:
+            target, _, anchor = href.partition("#")
+            if anchor and target in ids and unquote(anchor) not in ids[target]:
+                problems.append(f"{name}: link to a missing anchor: {href}")
     assert not problems, "\n".join(problems)
 
 

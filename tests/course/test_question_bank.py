@@ -84,6 +84,16 @@ def test_question_bank_proofs_exist(questions):
     assert missing == []
 
 
+def test_question_bank_groups_each_question_under_a_lesson_that_answers_it(questions):
+    # The page lists questions "grouped by the lesson that answers it": the group is the lesson
+    # of one of its sections, or the lesson planned to answer it (DS-33 sat under 12-engine
+    # while only lesson 03 answered it).
+    def answering(q: bank.Question) -> set[str]:
+        return {s.split("#")[0].removeprefix("lessons/").removesuffix(".md") for s in q.sections} | {q.planned}
+
+    assert [(q.id, q.group) for q in questions if q.group not in answering(q)] == []
+
+
 def test_question_bank_answered_questions_have_a_proof_and_planned_lessons_are_unwritten(questions):
     assert [q.id for q in questions if q.sections and not q.proof] == []
     # A question's planned part waits for a lesson that does not exist yet, or, for a lesson

@@ -192,6 +192,21 @@ def test_planner_ep_costs_all_to_alls_on_the_ep_group_s_link():
         assert no_ep.time["ep"] == 0 and no_ep.memory["parameters"] > est.memory["parameters"]
 
 
+
+def test_planner_ep_reduces_expert_gradients_over_dp_over_ep_ranks():
+    """ZeRO 0, nothing hidden: the dense gradients all-reduced over dp, the expert shards' over
+    their edp group (dp / ep ranks, separately; at ep 1 they are in dp's buckets like the rest)."""
+    cluster = Cluster(gpus=16, gpus_per_node=4, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), overlap=False)
+    cfg = MOE.with_(moe_experts=8)
+    for lay in (Layout(dp=16, ep=4), Layout(dp=16)):
+        est = estimate(cfg, lay, cluster, global_batch=16, seq_len=SEQ)
+        n_rank, _, n_expert = _rank_elements(cfg, lay.plan(), 0)
+        assert (n_expert > 0) == (lay.ep > 1)
+        link = cluster.inter  # dp 16 spans 4 nodes
+        want = link.all_reduce(2 * (n_rank - n_expert), 16) + (link.all_reduce(2 * n_expert, 4) if n_expert else 0)
+        assert est.time["dp"] == pytest.approx(want, rel=1e-12), lay.describe()
+
+
 MIXTRAL = resolve_model("mixtral-8x7b")  # Jiang et al. 2024, table 1 (planner/models.py)
 
 

@@ -215,9 +215,9 @@ def test_planner_ep_mixtral_8x7b_keeps_its_ep_groups_inside_a_node():
     The answer, and why it is sane:
     - ep 4 on 4-GPU nodes: each ep group is one node, so the four all-to-alls per block per
       micro-batch run on NVLink and cost 5% of the step. ep does not cut FLOPs (every rank computes
-      k = 2 experts' worth per token whatever ep is); it cuts the expert bytes each GPU holds and
-      reduces (E / ep experts, over dp / ep ranks), which is what lets dp 32 with ZeRO 3 and no
-      pipeline fit.
+      k = 2 experts' worth per token whatever ep is); it cuts what ZeRO 3 gathers for each
+      micro-batch (E / ep experts, from dp / ep ranks) until it hides behind the compute: the same
+      layout at ep 1 loses +119% and at ep 2 +14% to gathers on the NIC.
     - ep 8 needs two nodes for each ep group: its all-to-alls run on the NIC, 12x slower, and its
       best layout loses by them (+61%).
     - Without ep every GPU holds all 8 experts; the best such layout needs pp 8, whose last stage
@@ -237,5 +237,9 @@ def test_planner_ep_mixtral_8x7b_keeps_its_ep_groups_inside_a_node():
     assert best.time["ep"] / best.time["total"] == pytest.approx(0.053, abs=5e-4)
     across, why = {f: (e, w) for f, e, w in result.alternatives}["expert parallelism across nodes"]
     assert across.layout.ep == 8 and why.startswith("+61% step time: ep 8's all-to-alls (inter-node, 25 GB/s)")
+    for ep, slower in ((1, 2.192), (2, 1.136)):
+        other = estimate(MIXTRAL, dataclasses.replace(lay, ep=ep), cluster, global_batch=256, seq_len=4096)
+        assert other.time["total"] / best.time["total"] == pytest.approx(slower, abs=5e-4)
+        assert other.time["dp"] > 0 == best.time["dp"]  # ZeRO 3's gathers not hidden
     no_ep = next(e for e in result.ranked if e.layout.ep == 1)
     assert no_ep.layout.pp == 8 and no_ep.time["total"] / best.time["total"] == pytest.approx(1.035, abs=5e-4)

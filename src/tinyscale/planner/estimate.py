@@ -33,6 +33,18 @@ its group crosses (`cluster.py`), plus the host's overhead per layer per micro-b
 convention, `tinyscale.mfu`'s default) while the time counts the causal half a fused kernel
 computes, so at long sequences MFU can exceed `efficiency`. Not modelled: matmul efficiency falling for small shapes, overlap
 inside tp, stragglers. A cluster without overlap (`Cluster.overlap=False`, CPU ranks) hides nothing.
+
+An MoE GPT (lesson 13): an MoE block's feed-forward costs the router and each token's k kept
+experts plus the shared ones (`moe_layer_flops`), whole on every tp rank (the engine leaves the
+MoE unsplit by tp); with ep > 1, per MoE block and micro-batch, three all-to-alls in the forward
+(the counts, then dispatch and combine of N k' rows of C elements) and two in the backward (three
+more with full recomputation, which runs the forward again), N = b s tokens, each all-to-all
+(ep-1) alpha + (ep-1)/ep n / beta on the ep group's link (`Cluster.link("ep")`), on the critical
+path (the experts wait for their rows), bytes n as the ledger counts them (`moe_all_to_all_bytes`);
+the expert shards' gradients reduced (ZeRO: reduce-scattered, gathered) over their edp group of
+dp / ep ranks, as a collective of their own beside the dense one over dp. Routing is taken as
+balanced (every ep rank computes and receives N k' rows); the busiest expert's rank, which sets
+the pace when it is not, is not modelled. The MoE block's activations: `moe_activation_bytes`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ the layers), dp the rest; micro-batch 1, 2, 4, 8 (dividing the batch per dp rank
 ZeRO 0-3 and CPU offload at stages 2-3 (ZeRO-Offload); activation checkpointing none,
 selective, full. An MoE GPT (`GPTConfig.moe_experts`) also tries every ep that the engine takes
 (`engine.expert.check_layout`): ep dividing dp and the expert count; it gets no cp and no SP
-(the engine refuses both: each rank would route a slice of the sequence); a dense GPT gets ep 1. Two passes: every candidate costed with the schedules' closed forms
+(the engine refuses both: each rank would route a slice of the sequence); a dense GPT gets ep 1.
+Two passes: every candidate costed with the schedules' closed forms
 (`estimate(..., simulate_pipeline=False)`; one whose model states alone exceed the memory stops
 there), then the `refine` fastest that fit again with the pipeline simulated on their own
 per-stage costs (one simulation per distinct costing); the ranking is the second pass's.

@@ -74,6 +74,15 @@ def test_planner_ep_enumerates_what_the_engine_accepts():
     assert {lay.ep for lay in dense} == {1} and any(lay.cp > 1 for lay in dense) and any(lay.sp for lay in dense)
 
 
+def test_planner_ep_autotune_reads_parallel_expert_from_the_user_s_config():
+    from tinyscale.planner.autotune import layout_of_config, trial_config
+
+    lay = Layout(dp=4, ep=2)
+    base = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    config = trial_config(base, lay)
+    assert config["parallel"]["expert"] == 2 and layout_of_config(config, 4) == lay
+
+
 @pytest.mark.parametrize("lay, cfg", [
     (Layout(dp=4, ep=3), MOE.with_(moe_experts=6)),          # ep divides E, not dp
     (Layout(dp=4, ep=4), MOE.with_(moe_experts=6)),          # ep divides dp, not E

@@ -364,7 +364,7 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
                      for moe in (False, True)} for policy in (lay.policy, "none"))
 
     def blocks(layers) -> float:  # what a run of blocks keeps: dense ones and MoE ones
-        n_moe = sum(cfg.is_moe_layer(i) for i in layers)
+        n_moe = sum(cfg.is_moe_layer(i) for i in layers) if cfg.moe_experts else 0
         return (len(layers) - n_moe) * layer[False] + n_moe * layer[True]
 
     if stages is None:
@@ -452,7 +452,7 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank, n_
 
     def stage_cost(blocks, last: bool) -> tuple[dict, float]:
         """(parts of one micro-batch's forward + backward on a stage of `blocks`, its forward alone)."""
-        n_moe = sum(cfg.is_moe_layer(i) for i in blocks)
+        n_moe = sum(cfg.is_moe_layer(i) for i in blocks) if cfg.moe_experts else 0
         layers, dense = len(blocks), len(blocks) - n_moe
         forward = (dense * per_layer + n_moe * moe_layer + head * last) / rate + (layers + last) * launch
         fwd = forward + layers * (tp_fwd + cp_fwd) + n_moe * ep_fwd

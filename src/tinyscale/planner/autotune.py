@@ -49,7 +49,8 @@ def layout_of_config(config: dict, world: int) -> Layout:
                   offload=zero.get("offload_optimizer", {}).get("device", "none"),
                   policy=config.get("activation_checkpointing", {}).get("policy", "none"),
                   micro_batch=config.get("train_micro_batch_size_per_gpu", 1),
-                  sequence_parallel=par.get("sequence_parallel", False) if tp > 1 else None)
+                  sequence_parallel=par.get("sequence_parallel", False) if tp > 1 else None,
+                  ep=par.get("expert", 1))
 
 
 def trial_config(base: dict, lay: Layout) -> dict:

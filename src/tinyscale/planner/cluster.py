@@ -6,11 +6,15 @@ one GPU can send on it), for n bytes over k ranks, ring algorithms (Thakur et al
 
     all-reduce                2 (k-1) alpha + 2 (k-1)/k n / beta
     all-gather, reduce-scatter  (k-1) alpha +   (k-1)/k n / beta   (n: the whole, gathered tensor)
+    all-to-all                  (k-1) alpha +   (k-1)/k n / beta   (n: what one rank sends in all, its
+                                                                    own 1/k included: pairwise exchange)
     send (point to point)           alpha +          n / beta
 
 Which link an axis's group crosses follows from the mesh's order, (pp, dp, cp, tp) with tp fastest
 (`tinyscale.dist.mesh`): ranks are numbered node by node, so a group of k ranks `stride` apart
-stays inside a node exactly when stride x k divides gpus_per_node (tp 6 on 8-GPU nodes straddles). A group that crosses nodes runs at
+stays inside a node exactly when stride x k divides gpus_per_node (tp 6 on 8-GPU nodes straddles).
+An ep group is a run of ep consecutive dp ranks (`tinyscale.moe.parallel`): dp's stride, ep ranks;
+the expert-data-parallel group (dp / ep ranks ep apart) spans dp's block. A group that crosses nodes runs at
 the inter-node link's speed (a ring is as fast as its slowest hop). `topology.py` refines the
 intra-node link from `nvidia-smi topo -m`.
 """
@@ -36,6 +40,7 @@ class Link:
         return 0.0 if k <= 1 else (k - 1) * self.alpha + (k - 1) / k * nbytes / self.beta
 
     reduce_scatter = all_gather
+    all_to_all = all_gather  # each rank sends (k-1)/k of its input, k-1 messages
 
     def send(self, nbytes: float) -> float:
         return self.alpha + nbytes / self.beta
@@ -88,12 +93,13 @@ class Cluster:
         return -(-self.gpus // self.gpus_per_node)
 
     def link(self, axis: str, degrees: dict[str, int]) -> Link:
-        """The link `axis`'s groups cross, for mesh degrees {"pp", "dp", "cp", "tp"}."""
+        """The link `axis`'s groups cross, for mesh degrees {"pp", "dp", "cp", "tp"} (and "ep" for
+        axis "ep": runs of ep consecutive dp ranks)."""
         if axis in ("tp", "cp") and self.tp_link is not None:
             return self.intra if self.tp_link == "intra" else self.inter
         stride = 1
         for name in reversed(AXIS_ORDER):  # tp, cp, dp, pp: each axis's stride is the product after it
-            if name == axis:
+            if name == ("dp" if axis == "ep" else axis):
                 break
             stride *= degrees[name]
         size = stride * degrees[axis]  # the block of consecutive ranks one group spans

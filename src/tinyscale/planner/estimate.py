@@ -33,6 +33,18 @@ its group crosses (`cluster.py`), plus the host's overhead per layer per micro-b
 convention, `tinyscale.mfu`'s default) while the time counts the causal half a fused kernel
 computes, so at long sequences MFU can exceed `efficiency`. Not modelled: matmul efficiency falling for small shapes, overlap
 inside tp, stragglers. A cluster without overlap (`Cluster.overlap=False`, CPU ranks) hides nothing.
+
+An MoE GPT (lesson 13): an MoE block's feed-forward costs the router and each token's k kept
+experts plus the shared ones (`moe_layer_flops`), whole on every tp rank (the engine leaves the
+MoE unsplit by tp); with ep > 1, per MoE block and micro-batch, three all-to-alls in the forward
+(the counts, then dispatch and combine of N k' rows of C elements) and two in the backward (three
+more with full recomputation, which runs the forward again), N = b s tokens, each all-to-all
+(ep-1) alpha + (ep-1)/ep n / beta on the ep group's link (`Cluster.link("ep")`), on the critical
+path (the experts wait for their rows), bytes n as the ledger counts them (`moe_all_to_all_bytes`);
+the expert shards' gradients reduced (ZeRO: reduce-scattered, gathered) over their edp group of
+dp / ep ranks, as a collective of their own beside the dense one over dp. Routing is taken as
+balanced (every ep rank computes and receives N k' rows); the busiest expert's rank, which sets
+the pace when it is not, is not modelled. The MoE block's activations: `moe_activation_bytes`.
 """
 
 from __future__ import annotations
@@ -40,11 +52,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from torch import nn
+
+from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.dist.mesh import MeshLayout
+from tinyscale.engine import expert
 from tinyscale.engine.layout_memory import _partition, rank_model_state_bytes, rank_tensors
 from tinyscale.engine.plan import LayoutPlan
 from tinyscale.mfu import forward_flops, model_flops_per_token
 from tinyscale.models.config import GPTConfig
+from tinyscale.models.gpt import GPT
+from tinyscale.moe import all_to_all_bytes
 from tinyscale.pipeline.schedules import B, BW, F, W, add_communication, afab, interleaved_1f1b, one_f_one_b, zb_h1
 from tinyscale.pipeline.simulator import simulate
 from tinyscale.planner.cluster import Cluster
@@ -117,14 +135,17 @@ class Layout:
 
 # --8<-- [start:layer-activations]
 def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, *, tp: int = 1,
-                           sp: bool = False, cp: int = 1) -> float:
+                           sp: bool = False, cp: int = 1, moe: bool = False, ep: int = 1) -> float:
     """Bytes one block keeps for backward per micro-batch on one rank: `block_saved_bytes`'s
     tensors, those tp splits (q, k, v, wo's input, the MLP's, attention's log-sum-exp) over tp,
     the norms' insides (input, normalised input, 1/rms) over tp only under SP (Korthikanti et al.
     2022, sec. 4.2.2); the norms' outputs stay whole: they are the all-gathered inputs the
     column-parallel wq/wk/wv and w_gate/w_up save (Megatron gathers them again in backward
-    instead). cp splits the tokens. ("sdpa" attention, no dropout.)"""
+    instead). cp splits the tokens. ("sdpa" attention, no dropout.) `moe`: an MoE block, whose
+    feed-forward keeps `moe_activation_bytes` instead of the SwiGLU's four (whole on every tp rank)."""
+    mlp_saved = moe_activation_bytes(cfg, b, s, p, ep) if moe and policy in ("none", "selective") else 0.0
     s, h, F, kv, a = s / cp, cfg.d_model, cfg.ffn_dim, cfg.kv_dim, cfg.n_head
+    F = 0 if moe else F  # an MoE block has no dense SwiGLU
     norms = 4 * s * b * h + 2 * s * b  # two RMSNorms: input, normalised input, 1/rms
     gathered = 2 * s * b * h  # their outputs, as the column-parallel layers save them
     if policy == "full":
@@ -137,8 +158,39 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
         split = 4 * s * b * h + 4 * s * b * F + a * s * b
     else:
         raise ValueError(f"policy {policy!r}: the planner knows none, selective, full, offload")
-    return p * (norms / (tp if sp else 1) + gathered + split / tp)
+    return p * (norms / (tp if sp else 1) + gathered + split / tp) + mlp_saved
 # --8<-- [end:layer-activations]
+
+
+# --8<-- [start:moe-activations]
+def kept_per_token(cfg: GPTConfig) -> float:
+    """Expert assignments a token keeps under balanced routing: k, or k x cf when a capacity
+    factor cf < 1 caps each expert at cf N k / E rows (the engine sends and computes kept rows
+    only, unpadded: `tinyscale.moe.dispatch`); imbalance, which drops more, is not modelled."""
+    cf = cfg.moe_capacity_factor
+    return cfg.moe_top_k * (1.0 if cf is None else min(1.0, cf))
+
+
+def moe_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, ep: int = 1) -> float:
+    """Bytes an MoE feed-forward keeps for backward per micro-batch on one rank, beside its input
+    (the norm's output, counted by the block), with N = b s tokens and M = N k kept assignments
+    (`kept_per_token`), C d_model, F_e an expert's width, S shared experts, E experts:
+    the dispatched rows, the expert outputs and their weighted copy (3 M C), each expert's
+    SwiGLU insides (4 M F_e, as a dense MLP's four) and the combine weights (M), in the compute
+    dtype; the shared experts' SwiGLU insides (4 N S F_e); the router's logits, probabilities
+    and top-k weights in float32 at least (N (2E + k + 2) + E); the int64 top-k and token indices
+    (N k + 2 M). With ep > 1 the rows a rank receives (R, the same M on average) are sorted by
+    expert first: the sorted rows and the outputs before the way back are kept as well as the
+    returned outputs (4 M C instead of 3), with the sort's int64 order (M). Not split by tp: every
+    tp rank runs the whole MoE on its tokens (`tensor_parallel.apply`). Read off the saved tensors
+    of one MoE forward at ep 1 and 2."""
+    N = b * s
+    M = N * kept_per_token(cfg)
+    C, Fe, E, k = cfg.d_model, cfg.expert_dim, cfg.moe_experts, cfg.moe_top_k
+    rows = 3 if ep == 1 else 4  # (M, C) tensors kept
+    return (p * (M * (rows * C + 4 * Fe + 1) + 4 * N * cfg.moe_shared_experts * Fe)
+            + max(p, 4) * (N * (2 * E + k + 2) + E) + 8 * (N * k + 2 * M + (M if ep > 1 else 0)))
+# --8<-- [end:moe-activations]
 
 
 def extra_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, *, tp: int = 1, sp: bool = False,
@@ -153,8 +205,34 @@ def extra_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, *, tp: int = 
     return out
 
 
+class _ShapeOnly(GPT):
+    """A GPT without parameters (building a 47B model to read its config would take minutes): the
+    engine's expert check reads only `isinstance(model, GPT)` and `model.config`."""
+
+    def __init__(self, config: GPTConfig) -> None:  # noqa: D107 - no GPT.__init__: nothing is allocated
+        nn.Module.__init__(self)
+        self.config = config
+
+
+@functools.lru_cache(maxsize=4096)
+def _expert_refusal(cfg: GPTConfig, world: int, parallel: tuple) -> str | None:
+    """The engine's own words (`engine.expert.check_layout`, run by `plan_layout`) on an ep > 1
+    or MoE layout: ep dividing dp and E, no cp, no SP with an MoE GPT."""
+    try:
+        config = EngineConfig.load({"train_batch_size": world, "parallel": dict(parallel)})
+        expert.check_layout(config, _ShapeOnly(cfg), world)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def check_layout(cfg: GPTConfig, lay: Layout, global_batch: int, seq_len: int) -> str | None:
-    """Why the engine (or arithmetic) cannot run `lay`, or None."""
+    """Why the engine (or arithmetic) cannot run `lay`, or None. An MoE GPT's (or ep > 1) layout
+    is also asked of the engine's expert check, whose reason is returned as it words it."""
+    if cfg.moe_experts or lay.ep > 1:
+        refusal = _expert_refusal(cfg, lay.world, tuple(lay.config(global_batch)["parallel"].items()))
+        if refusal:
+            return refusal
     K = cfg.kv_heads
     if cfg.n_head % lay.tp or (K % lay.tp and lay.tp % K):
         return f"tp {lay.tp} splits neither {cfg.n_head} heads nor {K} K/V heads"
@@ -188,15 +266,17 @@ def _states(cfg: GPTConfig, plan: LayoutPlan, dtype_bytes: int, compute_bytes: i
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_elements(cfg: GPTConfig, plan: LayoutPlan, rank: int) -> tuple[int, int]:
-    """(elements `rank` holds before ZeRO, those of its largest block)."""
+def _rank_elements(cfg: GPTConfig, plan: LayoutPlan, rank: int) -> tuple[int, int, int]:
+    """(elements `rank` holds before ZeRO, those of its largest block, those of its expert shards:
+    reduced and ZeRO-sharded over edp when ep > 1; at ep 1 they sit in dp's buckets like the rest)."""
     tensors = rank_tensors(cfg, plan, rank)
     blocks: dict[str, int] = {}
     for x in tensors:
         if x.name.startswith("blocks."):
             key = x.name.split(".")[1]
             blocks[key] = blocks.get(key, 0) + x.numel
-    return sum(x.numel for x in tensors), max(blocks.values(), default=0)
+    experts = sum(x.numel for x in tensors if x.kind == "expert") if plan.ep > 1 else 0
+    return sum(x.numel for x in tensors), max(blocks.values(), default=0), experts
 
 
 def _compute_schedule(name: str, p: int, m: int, v: int):
@@ -280,43 +360,86 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
     stages = _partition(cfg, lay.pp, lay.virtual_stages) if lay.pp > 1 else None
     if lay.schedule == "interleaved_1f1b" and m % lay.pp:
         return Estimate(lay, {}, {}, 0.0, False, f"interleaved 1F1B needs {m} micro-batches to be a multiple of pp {lay.pp}")
-    layer = layer_activation_bytes(cfg, b, s, p, lay.policy, tp=tp, sp=sp, cp=cp)
-    whole = layer_activation_bytes(cfg, b, s, p, "none", tp=tp, sp=sp, cp=cp)
+    layer, whole = ({moe: layer_activation_bytes(cfg, b, s, p, policy, tp=tp, sp=sp, cp=cp, moe=moe, ep=lay.ep)
+                     for moe in (False, True)} for policy in (lay.policy, "none"))
+
+    def blocks(layers) -> float:  # what a run of blocks keeps: dense ones and MoE ones
+        n_moe = sum(cfg.is_moe_layer(i) for i in layers) if cfg.moe_experts else 0
+        return (len(layers) - n_moe) * layer[False] + n_moe * layer[True]
+
     if stages is None:
-        acts = [cfg.n_layer * layer + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=True, last=True)]
+        acts = [blocks(range(cfg.n_layer)) + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=True,
+                                                                    last=True)]
     else:
-        held = tuple(len(st.layers) * layer + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=st.embedding,
-                                                                     last=st.head) for st in stages)
+        held = tuple(blocks(st.layers) + extra_activation_bytes(cfg, b, s, p, tp=tp, sp=sp, cp=cp, first=st.embedding,
+                                                                last=st.head) for st in stages)
         if simulate_pipeline:  # each rank's peak of the bytes its chunks hold, walked in its own order
             acts = list(_peak_held(lay.schedule, lay.pp, m, lay.virtual_stages, held))
         else:  # the closed form's count at the rank's fullest chunk
             in_flight = _in_flight(lay.schedule, lay.pp, m, lay.virtual_stages, False)
             acts = [in_flight[r] * max(held[st.stage] for st in stages if st.rank == r) for r in range(lay.pp)]
-    acts = [a + (whole - layer) for a in acts]  # one checkpointed block's backward brings its tensors back
+    back = max(whole[moe] - layer[moe] for moe in {cfg.is_moe_layer(i) for i in range(cfg.n_layer)})
+    acts = [a + back for a in acts]  # one checkpointed block's backward brings its tensors back
     # buffers: the gradient bucket, or stage 3's largest gathered unit (a block) and its prefetch
-    n_rank, block = _rank_elements(cfg, plan, worst)
+    n_rank, block, n_expert = _rank_elements(cfg, plan, worst)
     buffers = {0: min(DDP_BUCKET, p * n_rank), 1: p * min(n_rank, 5e8), 2: p * min(n_rank, 5e8),
                3: 2 * p * max(block, 1)}[lay.zero_stage]
     memory = {"parameters": params, "gradients": grads, "master_weights": masters, "optimizer_states": states,
               "activations": max(acts), "buffers": buffers, "host": host}
     memory["total"] = params + grads + masters + states + max(acts) + buffers
     fits = memory["total"] <= USABLE * cluster.gpu_mem
-    time = _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank)
+    time = _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank, n_expert)
     tokens = global_batch * seq_len
     mfu = model_flops_per_token(cfg, seq_len) * tokens / (time["total"] * lay.world * cluster.peak_flops)
     problem = None if fits else f"needs {memory['total'] / 1e9:.1f} GB > {USABLE * cluster.gpu_mem / 1e9:.1f} GB usable"
     return Estimate(lay, memory, time, mfu, fits, problem)
 
 
-def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank) -> dict:
+# --8<-- [start:moe-time]
+def moe_layer_flops(cfg: GPTConfig, s: int) -> float:
+    """Forward matmul FLOPs of one MoE feed-forward over one sequence of s tokens, on the rank that
+    routes them: the router (2 C E per token) and each kept assignment's SwiGLU expert plus the
+    shared experts (6 C F_e each): s (2 C E + 6 C F_e (k' + S)), k' = `kept_per_token` (at k' = k,
+    `tinyscale.mfu.mlp_flops_per_token`'s MoE term). Not E experts' worth, and not the dense
+    SwiGLU's 6 C F. With ep, a rank computes E / ep experts on the rows of all its ep group, the
+    same k' s rows on average (balanced routing); under tp every tp rank runs it whole."""
+    C, Fe = cfg.d_model, cfg.expert_dim
+    return s * (2 * C * cfg.moe_experts + 6 * C * Fe * (kept_per_token(cfg) + cfg.moe_shared_experts))
+
+
+def moe_all_to_all_bytes(cfg: GPTConfig, lay: Layout, seq_len: int, p: int) -> dict[str, float]:
+    """The bytes one rank's all-to-alls carry for one MoE layer and one micro-batch, as the comm
+    ledger records them (an all-to-all's input size), by `tinyscale.moe.all_to_all_bytes`: the
+    counts (E int64) once, then the N k' rows of C elements out and back in the forward (dispatch,
+    combine: 2 N k' C p) and again reversed in the backward (2 N k' C p), with N = b s tokens. At
+    ep 1 there are none. Summed over an ep group's ranks this is exact whatever the routing (each
+    kept assignment is sent once and received once) when nothing is dropped; one rank's own share
+    is its routing's."""
+    if lay.ep == 1:
+        return {"counts": 0, "forward": 0, "backward": 0}
+    rows = lay.micro_batch * seq_len * kept_per_token(cfg)
+    return all_to_all_bytes(cfg.moe_experts, rows, rows, cfg.d_model, p)
+# --8<-- [end:moe-time]
+
+
+def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank, n_expert) -> dict:
     """Seconds per step by part (see the module doc); parts sum to `total`."""
-    degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+    degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
     rate = cluster.peak_flops * cluster.efficiency
     fl = forward_flops(cfg, s, causal=True)
-    per_layer = (fl.qkvo + fl.attention + fl.mlp) / cfg.n_layer * lay.micro_batch / (lay.tp * lay.cp)
+    dense_mlp = s * 6 * cfg.d_model * cfg.ffn_dim  # one dense block's SwiGLU
+    per_layer = (fl.qkvo + fl.attention + cfg.n_layer * dense_mlp) / cfg.n_layer * lay.micro_batch / (lay.tp * lay.cp)
+    moe_layer = ((fl.qkvo + fl.attention) / cfg.n_layer / (lay.tp * lay.cp) + moe_layer_flops(cfg, s) / lay.cp) \
+        * lay.micro_batch if cfg.moe_experts else 0.0
     attn_layer = fl.attention / cfg.n_layer * lay.micro_batch / (lay.tp * lay.cp)
     head = fl.head * lay.micro_batch / (lay.tp * lay.cp)
     recompute = {"none": 0.0, "offload": 0.0, "selective": attn_layer, "full": per_layer}[lay.policy]
+    recompute_moe = moe_layer if lay.policy == "full" else recompute
+    ep_link = cluster.link("ep", degrees)
+    a2a = moe_all_to_all_bytes(cfg, lay, s, p)
+    rows_one = a2a["forward"] / 2  # one all-to-all of the rows
+    ep_fwd = ep_link.all_to_all(a2a["counts"], lay.ep) + 2 * ep_link.all_to_all(rows_one, lay.ep)
+    ep_bwd = 2 * ep_link.all_to_all(rows_one, lay.ep) + (ep_fwd if lay.policy == "full" else 0.0)
     act = lay.micro_batch * s / lay.cp * cfg.d_model * p  # one (b, s/cp, h) activation
     tp_link, cp_link = cluster.link("tp", degrees), cluster.link("cp", degrees)
     tp_one = tp_link.all_reduce(act, lay.tp)  # = all-gather + reduce-scatter under SP
@@ -327,26 +450,29 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank) ->
     cp_bwd = max(0.0, (lay.cp - 1) * cp_link.send(2 * kv_chunk) - 2 * hide * attn_layer / rate) if lay.cp > 1 else 0.0
     launch = cluster.launch_overhead
 
-    def stage_cost(layers: int, last: bool) -> tuple[dict, float]:
-        """(parts of one micro-batch's forward + backward on a stage, its forward alone)."""
-        forward = (layers * per_layer + head * last) / rate + (layers + last) * launch
-        fwd = forward + layers * (tp_fwd + cp_fwd)
-        return {"compute": 3 * forward, "recompute": layers * recompute / rate,
-                "tp": layers * (tp_fwd + tp_bwd), "cp": layers * (cp_fwd + cp_bwd)}, fwd
+    def stage_cost(blocks, last: bool) -> tuple[dict, float]:
+        """(parts of one micro-batch's forward + backward on a stage of `blocks`, its forward alone)."""
+        n_moe = sum(cfg.is_moe_layer(i) for i in blocks) if cfg.moe_experts else 0
+        layers, dense = len(blocks), len(blocks) - n_moe
+        forward = (dense * per_layer + n_moe * moe_layer + head * last) / rate + (layers + last) * launch
+        fwd = forward + layers * (tp_fwd + cp_fwd) + n_moe * ep_fwd
+        return {"compute": 3 * forward, "recompute": (dense * recompute + n_moe * recompute_moe) / rate,
+                "tp": layers * (tp_fwd + tp_bwd), "cp": layers * (cp_fwd + cp_bwd),
+                "ep": n_moe * (ep_fwd + ep_bwd)}, fwd
 
     if stages is None:
-        one, fwd_one = stage_cost(cfg.n_layer, True)
+        one, fwd_one = stage_cost(range(cfg.n_layer), True)
         parts = {k: m * v for k, v in one.items()}
         parts["bubble"] = 0.0
         t_bwd_last = sum(one.values()) - fwd_one
     else:
-        costs = {st.stage: stage_cost(len(st.layers), st.head) for st in stages}
+        costs = {st.stage: stage_cost(st.layers, st.head) for st in stages}
         fwd = {k: f for k, (_, f) in costs.items()}
         bwd = {k: sum(c.values()) - fwd[k] for k, (c, _) in costs.items()}
         ranks = {r: [st.stage for st in stages if st.rank == r] for r in range(lay.pp)}
         busy = {r: m * sum(fwd[k] + bwd[k] for k in ks) for r, ks in ranks.items()}
         slow = max(busy, key=busy.get)
-        parts = {k: m * sum(costs[st][0][k] for st in ranks[slow]) for k in ("compute", "recompute", "tp", "cp")}
+        parts = {k: m * sum(costs[st][0][k] for st in ranks[slow]) for k in ("compute", "recompute", "tp", "cp", "ep")}
         send = cluster.link("pp", degrees).send(act / (lay.tp if lay.sp else 1))
         if simulate_pipeline:
             order = sorted(fwd)
@@ -358,19 +484,20 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank) ->
                 + 2 * (pp * v - 1) * send
         parts["bubble"] = makespan - busy[slow]
         t_bwd_last = bwd[stages[-1].stage]
-    grad_bytes = p * n_rank
-    n = lay.dp * lay.cp
+    # the dense parameters over dp x cp; expert shards (ep > 1) over their edp group, dp / ep ranks
+    # in dp's block of ranks (so on dp's link), as separate collectives
+    groups = [(n_rank - n_expert, lay.dp * lay.cp)] + ([(n_expert, lay.dp // lay.ep)] if n_expert else [])
     dp_link = cluster.link("dp", degrees)
     if lay.zero_stage == 3:  # per micro-batch: gather for forward, again for backward, reduce-scatter
-        per_mb = 2 * dp_link.all_gather(grad_bytes, n) + dp_link.reduce_scatter(grad_bytes, n)
+        per_mb = sum(2 * dp_link.all_gather(p * n, k) + dp_link.reduce_scatter(p * n, k) for n, k in groups)
         compute_mb = (parts["compute"] + parts["recompute"]) / m
         parts["dp"] = m * max(0.0, per_mb - hide * compute_mb)
     else:
-        reduce = dp_link.all_reduce(grad_bytes, n)  # = reduce-scatter + all-gather's halves
-        after = dp_link.all_gather(grad_bytes, n) if lay.zero_stage in (1, 2) else 0.0
-        reduce = dp_link.reduce_scatter(grad_bytes, n) if lay.zero_stage in (1, 2) else reduce
+        reduce = sum(dp_link.all_reduce(p * n, k) for n, k in groups)  # = reduce-scatter + all-gather's halves
+        after = sum(dp_link.all_gather(p * n, k) for n, k in groups) if lay.zero_stage in (1, 2) else 0.0
+        reduce = sum(dp_link.reduce_scatter(p * n, k) for n, k in groups) if lay.zero_stage in (1, 2) else reduce
         parts["dp"] = max(0.0, reduce - hide * t_bwd_last) + after
-    shard = n_rank / (n if lay.zero_stage else 1)
+    shard = sum(n / (k if lay.zero_stage else 1) for n, k in groups)
     if lay.offload != "none":
         parts["optimizer"] = 2 * p * shard / cluster.host_bw + shard / cluster.host_adam
     else:

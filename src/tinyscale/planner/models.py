@@ -14,7 +14,12 @@ parameters and FLOPs; its learned positions and biases are left out.
                             num_key_value_heads in meta-llama/Llama-2-70b-hf's config.json)
     gpt3-175b               Brown et al. 2020, table 2.1 (96 layers, h 12288, 96 heads)
     megatron-1t             Narayanan et al. 2021, table 1 (128 layers, h 25600, 160 heads)
+    mixtral-8x7b            Jiang et al. 2024 ("Mixtral of Experts"), table 1: 32 layers, width 4096,
+                            32 heads with 8 K/V heads, expert width 14336, 8 experts per block of
+                            which each token uses 2, vocabulary 32000, 32k context; every block MoE,
+                            no shared experts: 46.7B parameters, 12.9B used per token
     custom sizes            "layers=80,d_model=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000"
+                            (an MoE GPT: add experts=8,top_k=2)
 """
 
 from __future__ import annotations
@@ -34,14 +39,17 @@ PLANNER_PRESETS: dict[str, GPTConfig] = {
                            ffn_hidden=32768),
     "megatron-1t": GPTConfig(vocab_size=51200, max_seq_len=2048, n_layer=128, n_head=160, d_model=25600,
                              ffn_hidden=68266),
+    "mixtral-8x7b": GPTConfig(vocab_size=32000, max_seq_len=32768, n_layer=32, n_head=32, n_kv_head=8, d_model=4096,
+                              ffn_hidden=14336, moe_experts=8, moe_top_k=2),
 }
 _KEYS = {"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "kv_heads": "n_kv_head",
-         "ffn": "ffn_hidden", "vocab": "vocab_size", "tied": "tie_embeddings"}
+         "ffn": "ffn_hidden", "vocab": "vocab_size", "tied": "tie_embeddings", "experts": "moe_experts",
+         "top_k": "moe_top_k"}
 
 
 def resolve_model(spec: str | GPTConfig) -> GPTConfig:
     """A preset's name, "key=value,..." sizes (keys: layers, d_model, heads, kv_heads, ffn, vocab,
-    tied), or a GPTConfig as is."""
+    tied, experts, top_k), or a GPTConfig as is."""
     if isinstance(spec, GPTConfig):
         return spec
     if spec in PLANNER_PRESETS:

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="which layout to run: every layout of a cluster, ranked by step time")
     p.add_argument("--model", default="llama2-70b",
                    help=f"a preset ({', '.join(PLANNER_PRESETS)}) or sizes layers=..,d_model=..,heads=..,"
-                        "kv_heads=..,ffn=..,vocab=..")
+                        "kv_heads=..,ffn=..,vocab=.. (an MoE GPT: experts=..,top_k=..; ep is then searched)")
     p.add_argument("--gpus", type=int, default=64)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-mem", type=float, default=80, help="GB per GPU (default 80)")

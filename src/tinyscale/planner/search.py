@@ -10,7 +10,10 @@ the layers), dp the rest; micro-batch 1, 2, 4, 8 (dividing the batch per dp rank
 1f1b, interleaved 1F1B with 2 chunks and every chunk count that splits the layers evenly
 (`virtual_stage_choices`), ZB-H1 (GPipe's afab has 1F1B's time and more memory);
 ZeRO 0-3 and CPU offload at stages 2-3 (ZeRO-Offload); activation checkpointing none,
-selective, full. Two passes: every candidate costed with the schedules' closed forms
+selective, full. An MoE GPT (`GPTConfig.moe_experts`) also tries every ep that the engine takes
+(`engine.expert.check_layout`): ep dividing dp and the expert count; it gets no cp and no SP
+(the engine refuses both: each rank would route a slice of the sequence); a dense GPT gets ep 1.
+Two passes: every candidate costed with the schedules' closed forms
 (`estimate(..., simulate_pipeline=False)`; one whose model states alone exceed the memory stops
 there), then the `refine` fastest that fit again with the pipeline simulated on their own
 per-stage costs (one simulation per distinct costing); the ranking is the second pass's.
@@ -25,7 +28,7 @@ from tinyscale.planner.cluster import Cluster
 from tinyscale.planner.estimate import Estimate, Layout, estimate
 from tinyscale.planner.models import resolve_model
 
-PARTS = ("compute", "recompute", "tp", "cp", "bubble", "dp", "optimizer")
+PARTS = ("compute", "recompute", "tp", "cp", "ep", "bubble", "dp", "optimizer")
 ZERO = ((0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu"))
 POLICIES = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -43,8 +46,18 @@ def virtual_stage_choices(n_layer: int, pp: int) -> list[int]:
     return [v for v in range(2, n_layer // pp + 1) if v == 2 or n_layer % (pp * v) == 0]
 
 
+def expert_choices(cfg: GPTConfig, dp: int) -> list[int]:
+    """The ep degrees tried at dp: 1 for a dense GPT; for an MoE GPT every ep dividing both dp (the
+    ep groups are runs of ep dp ranks) and the expert count (each ep rank computes E / ep experts),
+    the engine's two rules (`engine.expert.check_layout`)."""
+    return [e for e in _divisors(dp) if cfg.moe_experts % e == 0] if cfg.moe_experts else [1]
+
+
 def layouts(cfg: GPTConfig, gpus: int, global_batch: int, *, max_tp: int, max_cp: int = 8):
     """Every candidate `Layout` on `gpus` GPUs (see the module doc)."""
+    if cfg.moe_experts:
+        max_cp = 1  # the engine refuses cp with an MoE GPT
+    sp = False if cfg.moe_experts else None  # ... and SP: tp > 1 runs without it
     for tp in (t for t in _divisors(gpus) if t <= max_tp):
         for cp in (c for c in _divisors(gpus // tp) if c <= max_cp):
             for pp in (p for p in _divisors(gpus // (tp * cp)) if p <= cfg.n_layer):
@@ -59,10 +72,12 @@ def layouts(cfg: GPTConfig, gpus: int, global_batch: int, *, max_tp: int, max_cp
                         if m % pp == 0:
                             schedules += [("interleaved_1f1b", v) for v in virtual_stage_choices(cfg.n_layer, pp)]
                     for schedule, v in schedules:
-                        for stage, offload in ZERO:
-                            for policy in POLICIES:
-                                yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual_stages=v, schedule=schedule,
-                                             zero_stage=stage, offload=offload, policy=policy, micro_batch=b)
+                        for ep in expert_choices(cfg, dp):
+                            for stage, offload in ZERO:
+                                for policy in POLICIES:
+                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, virtual_stages=v, schedule=schedule,
+                                                 zero_stage=stage, offload=offload, policy=policy, micro_batch=b,
+                                                 sequence_parallel=sp, ep=ep)
 
 
 LABELS = {
@@ -70,6 +85,7 @@ LABELS = {
     "recompute": "recomputation ({policy})",
     "tp": "tp {tp}'s per-layer collectives ({tp_link})",
     "cp": "cp {cp}'s ring passes not hidden behind attention",
+    "ep": "ep {ep}'s all-to-alls ({ep_link})",
     "bubble": "the pipeline bubble ({bubble:.0%} of its step)",
     "dp": "{dp_what} not hidden ({dp_link})",
     "optimizer": "the optimizer step ({opt_where})",
@@ -89,10 +105,11 @@ def why_lost(est: Estimate, best: Estimate, cluster: Cluster) -> str:
     diffs = {k: est.time[k] - best.time[k] for k in PARTS}
     part = max(diffs, key=diffs.get)
     lay = est.layout
-    degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}
+    degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
     words = LABELS[part].format(
-        policy=lay.policy, tp=lay.tp, cp=lay.cp, bubble=est.time["bubble"] / est.time["total"],
+        policy=lay.policy, tp=lay.tp, cp=lay.cp, ep=lay.ep, bubble=est.time["bubble"] / est.time["total"],
         tp_link=_where(cluster, "tp", degrees), dp_link=_where(cluster, "dp", degrees),
+        ep_link=_where(cluster, "ep", degrees),
         dp_what="ZeRO 3's gathers" if lay.zero_stage == 3 else "the gradient reduction",
         opt_where="offloaded: PCIe and the host's Adam" if lay.offload != "none" else "on the GPU")
     if slower < 0.005:
@@ -138,6 +155,15 @@ FAMILIES = {
 }
 
 
+def moe_families(cluster: Cluster) -> dict:
+    """An MoE GPT's families too: no ep, and ep groups that cross nodes (all-to-all on the NIC)."""
+    def across(lay) -> bool:
+        degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
+        return lay.ep > 1 and cluster.link("ep", degrees) is cluster.inter
+
+    return {"no expert parallelism": lambda lay: lay.ep == 1, "expert parallelism across nodes": across}
+
+
 def plan(model: str | GPTConfig, cluster: Cluster, *, global_batch: int, seq_len: int, refine: int = 24,
          max_tp: int | None = None, max_cp: int = 8, layouts_to_try=None, dtype_bytes: int = 4, compute_bytes: int = 2) -> PlanResult:
     """Every layout of `cluster` for `model`, ranked (see the module doc). `layouts_to_try`:
@@ -163,7 +189,7 @@ def plan(model: str | GPTConfig, cluster: Cluster, *, global_batch: int, seq_len
     reasons = ["best"] + [why_lost(e, best, cluster) for e in ranked[1:]]
     alternatives = []
     shown = {e.layout for e in ranked[:5]}
-    for family, keep in FAMILIES.items():
+    for family, keep in (FAMILIES | (moe_families(cluster) if cfg.moe_experts else {})).items():
         members = [e for e in fitting if keep(e.layout)]
         if members and members[0].layout not in shown:
             alt = estimate(cfg, members[0].layout, cluster, **kw)

@@ -146,6 +146,21 @@ def test_models_meta_device_then_reset_matches_direct_init():
     assert torch.equal(direct.rope_cos, lazy.rope_cos) and torch.equal(direct.rope_sin, lazy.rope_sin)
 
 
+def test_models_meta_device_draws_nothing(monkeypatch):
+    """On the meta device nothing is filled: the init draws no values (it drew each parameter's on
+    the CPU and threw them away: minutes for Mixtral 8x7B's 47B), and the shapes are the real ones."""
+    from tinyscale.planner.models import resolve_model
+
+    draws = []
+    normal = torch.Tensor.normal_
+    monkeypatch.setattr(torch.Tensor, "normal_",  # draws into real memory (nn.Embedding's own init stays on meta)
+                        lambda t, *a, **k: (t.is_meta or draws.append(t.numel())) and None or normal(t, *a, **k))
+    cfg = resolve_model("mixtral-8x7b")
+    model = GPT(cfg, device="meta")
+    assert draws == []
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+
+
 def test_models_state_dict_holds_parameters_only():
     model = GPT(TINY)
     assert not any("rope" in key for key in model.state_dict())

@@ -230,6 +230,8 @@ class GPT(nn.Module):
         sec. 2.3) so the residual stream does not grow with depth. Rebuilds the RoPE tables too:
         a model built on the meta device works after to_empty()."""
         cfg = self.config
+        if all(p.is_meta for p in self.parameters()):  # nothing to fill (and drawing 47B values took minutes)
+            return
         gen = torch.Generator(device="cpu").manual_seed(seed)
         norm_weights = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
         for name, param in self.named_parameters():

@@ -187,7 +187,7 @@ ENGINE_DIR = Path(tinyscale.engine.__file__).parent
 LAYOUT_SECTIONS = ("parallel", "zero_optimization")
 # The validators: what plan_layout calls (and plan_layout itself), the only readers of those sections.
 VALIDATORS = {("compression.py", "check_config"), ("context.py", "check_config"), ("context.py", "check_layout"),
-              ("expert.py", "check_layout"), ("parallelize.py", "check_config"),
+              ("compiled.py", "check_layout"), ("expert.py", "check_layout"), ("parallelize.py", "check_config"),
               ("parallelize.py", "check_tensor_layout"), ("parallelize.py", "check_autotp"),
               ("pipeline_layout.py", "config_problems"), ("pipeline_layout.py", "check_layout"),
               ("plan.py", "plan_layout")}

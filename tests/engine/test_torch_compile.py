@@ -13,6 +13,13 @@ Compiled training equals eager training, and every block reuses one compilation:
   "aot_eager" tp 2 with sequence parallelism (its collectives break each block's graph), the
   pipeline, context parallelism, counter dropout, an MoE GPT and the offload checkpointing policy.
 
+Activation checkpointing inside the compiled blocks (`-k torch_compile_checkpointing`): dp 2 at
+ZeRO 3 with full, and one process with every_k and stream dropout, train equal to eager and one
+process (default); what each policy keeps and reruns is measured eagerly and compiled, on one
+process (default); tp 2 + SP selective, tp 2 selective with exact stream dropout, pp 2 every_k,
+cp 2 selective, selective with counter dropout, and inductor with full and selective under
+`--thorough`, with the measurement behind refusing the saved-tensor-hook options.
+
 The tolerance is the suite's float64 rtol 1e-10 (`tinyscale.testing`), unchanged: inductor fuses
 and reorders float operations (a fused kernel sums a row in another order, keeps an intermediate
 in a register instead of rounding it through memory), so results may differ from eager in the last
@@ -90,6 +97,10 @@ LAYOUTS = {
                                   {"activation_checkpointing": {"policy": "selective"}}),
     "tp2-sp-selective": (2, {"tensor": 2, "sequence_parallel": True}, 0, {},
                          {"activation_checkpointing": {"policy": "selective"}}),
+    # tp's exact stream dropout: every mask drawn from torch's default generator, which the compiled
+    # recomputation replays (the tracker mode draws from its own: refused)
+    "tp2-selective-exact-dropout": (2, {"tensor": 2}, 0, {"dropout": 0.1},
+                                    {"activation_checkpointing": {"policy": "selective"}}),
     "pp2-every-k": (2, {"pipeline": 2}, 1, {"n_layer": 4}, {"activation_checkpointing": {"policy": "every_k",
                                                                                         "every_k": 2}}),
     "cp2-selective": (2, {"context": 2}, 2, {}, {"activation_checkpointing": {"policy": "selective"}}),
@@ -232,7 +243,7 @@ def test_torch_compile_checkpointing_keeps_and_recomputes_what_eager_does():
 
 
 THOROUGH_AOT = ("tp2-sp", "pp2", "cp2", "dp2-counter-dropout", "dp2-offload-checkpointing", "tp2-sp-selective",
-                "pp2-every-k", "cp2-selective")
+                "pp2-every-k", "cp2-selective", "tp2-selective-exact-dropout")
 
 
 @pytest.mark.thorough
@@ -298,16 +309,17 @@ def test_torch_compile_refuses_checkpoint_input_hooks_tp_stream_dropout_and_indu
         assert f"compile.enabled with activation_checkpointing.{option}=true" in str(err.value)
         assert "Dynamo does not trace" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        plan_layout(ts.EngineConfig.load(config({"tensor": 2}, backend="aot_eager",
+        plan_layout(ts.EngineConfig.load(config({"tensor": 2, "tensor_dropout": "tracker"}, backend="aot_eager",
                                                 activation_checkpointing={"policy": "selective"})),
                     gpt(dropout=0.1), world_size=2)
     message = str(err.value)
-    assert "activation_checkpointing.policy='selective', parallel.tensor=2" in message and "'counter'" in message
-    for masks in ("counter", "stream"):  # accepted: counter masks under tp; stream masks in one process
-        tp = 2 if masks == "counter" else 1
-        plan_layout(ts.EngineConfig.load(config({"tensor": tp}, backend="aot_eager",
+    assert "activation_checkpointing.policy='selective' and parallel.tensor_dropout='tracker'" in message
+    assert "'exact'" in message and "'counter'" in message
+    # accepted: counter masks under tp, the exact mode (torch's generator), stream masks in one process
+    for parallel, masks in (({"tensor": 2}, "counter"), ({"tensor": 2}, "stream"), ({}, "stream")):
+        plan_layout(ts.EngineConfig.load(config(parallel, backend="aot_eager",
                                                 activation_checkpointing={"policy": "selective"})),
-                    gpt(dropout=0.1, dropout_masks=masks), world_size=tp)
+                    gpt(dropout=0.1, dropout_masks=masks), world_size=2 if parallel else 1)
     # a whole block checkpointed over collectives or the MoE's routing: no graph at all (selective is served)
     for parallel, model, what in (({"tensor": 2}, gpt(), "parallel.tensor"), ({"context": 2}, gpt(), "parallel.context"),
                                   ({}, gpt(moe_experts=4, moe_top_k=2), "an MoE GPT")):

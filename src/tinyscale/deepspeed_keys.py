@@ -247,7 +247,9 @@ KEYS: tuple[Key, ...] = (
     _n("nebula", "DeepSpeed's asynchronous checkpoint service", _disabled, _OFF),
     # --- compile: tinyscale's enabled; backend and compile_kwargs as DeepSpeed's engine.compile(...) names them
     _h("compile.enabled", "tinyscale's own: torch.compile each GPT block (engine/compiled.py); DeepSpeed compiles "
-       "when the script calls engine.compile(), which tinyscale.deepspeed's engine has too"),
+       "when the script calls engine.compile(), which tinyscale.deepspeed's engine has too. With a checkpointing "
+       "policy, refused: partition_activations and cpu_checkpointing (saved-tensor hooks, not traced), full and "
+       "every_k under tp, cp or an MoE GPT (graph breaks inside the region), tp's tracker dropout"),
     _h("compile.backend", "torch.compile's backend (DeepSpeed's engine.compile(backend=...)): inductor, aot_eager "
        "or eager"),
     _h("compile.compile_kwargs", "torch.compile's mode, dynamic, fullgraph and options (DeepSpeed's "

@@ -37,6 +37,7 @@ from tinyscale.engine.layout_memory import (
     rank_tensors,
     zero_units,
 )
+from tinyscale.config import ZeroConfig
 from tinyscale.engine.plan import LayoutPlan
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.testing import run_on_ranks
@@ -121,7 +122,7 @@ def measured(world_size: int, thorough: bool) -> list:
 def plan_of(layout: tuple) -> LayoutPlan:
     dp, pp, cp, tp, stage, sp, _, schedule, _ = layout
     return LayoutPlan(world_size=world(layout), dp=dp, pp=pp, cp=cp, tp=tp, schedule=schedule, sequence_parallel=sp,
-                      virtual_stages=2 if pp > 1 and schedule == "interleaved_1f1b" else 1, zero_stage=stage)
+                      virtual_stages=2 if pp > 1 and schedule == "interleaved_1f1b" else 1, zero=ZeroConfig(stage=stage))
 
 
 def _id(job: tuple) -> str:
@@ -170,7 +171,7 @@ def test_layout_memory_reduces_to_model_state_bytes():
             padded = sum(n * math.ceil(sum(u) / n) for u in units.get(stage, [sizes]))
             paper = model_state_bytes(padded if stage else psi, n, stage)  # the sharded parts, padded
             whole = model_state_bytes(psi, 1, 0)  # what the stage leaves whole is unpadded
-            got = rank_model_state_bytes(cfg, LayoutPlan(n, n, 1, 1, 1, zero_stage=stage), dtype_bytes=4,
+            got = rank_model_state_bytes(cfg, LayoutPlan(n, n, 1, 1, 1, zero=ZeroConfig(stage=stage)), dtype_bytes=4,
                                          compute_bytes=2)
             for rank, states in got.items():
                 real, pieces = psi, len(sizes)
@@ -207,7 +208,7 @@ def test_layout_memory_one_replica_holds_the_model_and_its_copies(vocab, layers,
     C = heads * head_dim
     cfg = GPTConfig(vocab_size=vocab, max_seq_len=8, n_layer=layers, n_head=heads, n_kv_head=kv, d_model=C,
                     ffn_hidden=ffn * tp * 2, tie_embeddings=tied, bias=bias)
-    plan = LayoutPlan(dp * pp * tp, dp, pp, 1, tp, virtual_stages=virtual, zero_stage=stage)
+    plan = LayoutPlan(dp * pp * tp, dp, pp, 1, tp, virtual_stages=virtual, zero=ZeroConfig(stage=stage))
     replica = [r for r in range(plan.world_size) if r % (dp * tp) < tp]  # dp coordinate 0
     tensors = [x for r in replica for x in rank_tensors(cfg, plan, r)]
     counts = rank_param_counts(cfg, plan)

@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 import tinyscale as ts
 import tinyscale.engine
-from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.config import ConfigError, EngineConfig, ZeroConfig
 from tinyscale.data import synthetic_token_batches
 from tinyscale.engine.grad_norm import GradNorm
-from tinyscale.engine.plan import Placement, placements, plan_layout
+from tinyscale.engine.plan import LayoutPlan, Placement, placements, plan_layout
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close
 from tests.tensor_parallel.hf_models import READOUT_PLAN, Readout
@@ -80,6 +80,29 @@ def test_layout_plan_describes_each_axis():
     assert set(plan.axis_jobs()) == {"dp", "tp"}
     assert "parameters, gradients and states sharded over dp" in plan.axis_jobs()["dp"]
     assert plan.describe() == "4 ranks = pp 1 x dp 2 x cp 1 x tp 2, ZeRO stage 3"
+
+
+def test_layout_plan_zero_stage_has_one_source_the_zero_section():
+    """`plan.zero_stage` is `plan.zero.stage`: the engine's plan, the planner's and one built by hand
+    cannot carry two stages (the planner's plans had zero_stage 3 beside a default section at stage 0),
+    and plans that differ in the stage differ as the planner's cache keys."""
+    from tinyscale.planner.estimate import Layout
+
+    cfg = EngineConfig.load(config(2, stage=2))
+    plan = plan_layout(cfg, gpt(), world_size=2)
+    assert plan.zero_stage == plan.zero.stage == 2 and plan.zero == cfg.zero_optimization
+    for stage in range(4):
+        planned = Layout(dp=2, zero_stage=stage).plan()
+        assert planned.zero_stage == planned.zero.stage == stage
+        assert planned.describe().endswith(f"ZeRO stage {stage}")
+    plans = {Layout(dp=2, zero_stage=stage).plan() for stage in (0, 1, 1, 3)}
+    assert len(plans) == 3  # hashed by the section: equal stages one key, different stages different keys
+    by_hand = LayoutPlan(2, 2, 1, 1, 1, zero=ZeroConfig(stage=3))
+    assert by_hand.zero_stage == 3 and "parameters, gradients and states" in by_hand.axis_jobs()["dp"]
+    with pytest.raises(TypeError, match="zero_stage"):  # the second field is gone: nothing to disagree
+        LayoutPlan(2, 2, 1, 1, 1, zero_stage=1)
+    with pytest.raises(TypeError, match=r"LayoutPlan.zero=.*ZeroConfig\(stage=1\)"):
+        LayoutPlan(2, 2, 1, 1, 1, zero=1)
 
 
 def test_layout_plan_counted_elements_skip_padding_and_copies():
@@ -164,7 +187,7 @@ ENGINE_DIR = Path(tinyscale.engine.__file__).parent
 LAYOUT_SECTIONS = ("parallel", "zero_optimization")
 # The validators: what plan_layout calls (and plan_layout itself), the only readers of those sections.
 VALIDATORS = {("compression.py", "check_config"), ("context.py", "check_config"), ("context.py", "check_layout"),
-              ("expert.py", "check_layout"), ("parallelize.py", "check_config"),
+              ("compiled.py", "check_layout"), ("expert.py", "check_layout"), ("parallelize.py", "check_config"),
               ("parallelize.py", "check_tensor_layout"), ("parallelize.py", "check_autotp"),
               ("pipeline_layout.py", "config_problems"), ("pipeline_layout.py", "check_layout"),
               ("plan.py", "plan_layout")}

@@ -13,6 +13,13 @@ Compiled training equals eager training, and every block reuses one compilation:
   "aot_eager" tp 2 with sequence parallelism (its collectives break each block's graph), the
   pipeline, context parallelism, counter dropout, an MoE GPT and the offload checkpointing policy.
 
+Activation checkpointing inside the compiled blocks (`-k torch_compile_checkpointing`): dp 2 at
+ZeRO 3 with full, and one process with every_k and stream dropout, train equal to eager and one
+process (default); what each policy keeps and reruns is measured eagerly and compiled, on one
+process (default); tp 2 + SP selective, tp 2 selective with exact stream dropout, pp 2 every_k,
+cp 2 selective, selective with counter dropout, and inductor with full and selective under
+`--thorough`, with the measurement behind refusing the saved-tensor-hook options.
+
 The tolerance is the suite's float64 rtol 1e-10 (`tinyscale.testing`), unchanged: inductor fuses
 and reorders float operations (a fused kernel sums a row in another order, keeps an intermediate
 in a register instead of rounding it through memory), so results may differ from eager in the last
@@ -30,14 +37,19 @@ of accumulation.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tinyscale as ts
 from tinyscale import ConfigError
+from tinyscale.checkpointing import apply_policy, saved_tensors
+from tinyscale.config import CompileConfig
 from tinyscale.data import synthetic_token_batches
-from tinyscale.engine.compiled import compiled_graphs
+from tinyscale.engine.compiled import compile_blocks, compiled_graphs
+from tinyscale.engine.plan import plan_layout
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.reference import train as reference_train
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
@@ -77,6 +89,24 @@ LAYOUTS = {
     "dp2-offload-checkpointing": (2, {}, 2, {}, {"activation_checkpointing": {"policy": "offload"}}),
     # stream dropout: inductor draws torch's random numbers only with fallback_random (else refused)
     "dropout-fallback-random": (1, {}, 0, {"dropout": 0.1}, {"compile_kwargs": {"options": {"fallback_random": True}}}),
+    # activation checkpointing inside the compiled blocks (torch's checkpoint, traced as a higher-order op)
+    "dp2-zero3-full": (2, {}, 3, {}, {"activation_checkpointing": {"policy": "full"}}),
+    "every-k-stream-dropout": (1, {}, 0, {"n_layer": 3, "dropout": 0.1},
+                               {"activation_checkpointing": {"policy": "every_k", "every_k": 2}}),
+    "selective-counter-dropout": (1, {}, 0, {"dropout": 0.1, "dropout_masks": "counter"},
+                                  {"activation_checkpointing": {"policy": "selective"}}),
+    "tp2-sp-selective": (2, {"tensor": 2, "sequence_parallel": True}, 0, {},
+                         {"activation_checkpointing": {"policy": "selective"}}),
+    # tp's exact stream dropout: every mask drawn from torch's default generator, which the compiled
+    # recomputation replays (the tracker mode draws from its own: refused)
+    "tp2-selective-exact-dropout": (2, {"tensor": 2}, 0, {"dropout": 0.1},
+                                    {"activation_checkpointing": {"policy": "selective"}}),
+    "pp2-every-k": (2, {"pipeline": 2}, 1, {"n_layer": 4}, {"activation_checkpointing": {"policy": "every_k",
+                                                                                        "every_k": 2}}),
+    "cp2-selective": (2, {"context": 2}, 2, {}, {"activation_checkpointing": {"policy": "selective"}}),
+    "full-inductor": (1, {}, 0, {"dropout": 0.1}, {"activation_checkpointing": {"policy": "full"},
+                                                   "compile_kwargs": {"options": {"fallback_random": True}}}),
+    "selective-inductor": (1, {}, 0, {}, {"activation_checkpointing": {"policy": "selective"}}),
 }
 
 
@@ -130,11 +160,95 @@ def check_layout(world: int, names: tuple[str, ...], name: str, backend: str) ->
         assert graphs["block_entries"] == 1 and graphs["graphs"] >= 1, (name, rank, graphs)
 
 
+DEFAULT_DP2 = ("dp2-zero3", "dp2-zero3-full")  # one pooled 2-rank call for both tests
+
+
 def test_torch_compile_aot_eager_under_zero3_hooks_trains_like_eager_and_one_process():
-    check_layout(2, ("dp2-zero3",), "dp2-zero3", "aot_eager")
+    check_layout(2, DEFAULT_DP2, "dp2-zero3", "aot_eager")
 
 
-THOROUGH_AOT = ("tp2-sp", "pp2", "cp2", "dp2-counter-dropout", "dp2-offload-checkpointing")
+def test_torch_compile_checkpointing_full_under_zero3_hooks_trains_like_eager_and_one_process():
+    """Checkpointed compiled blocks whose parameters ZeRO 3 frees after the forward: the compiled
+    backward's recomputation runs after the backward gather hook refilled them."""
+    check_layout(2, DEFAULT_DP2, "dp2-zero3-full", "aot_eager")
+
+
+def test_torch_compile_checkpointing_every_k_replays_stream_dropout_like_eager():
+    """every_k (block 1 of 3) with stream dropout: the compiled recomputation draws the forward's
+    masks from the generator state it saved, and the plain blocks beside it draw theirs in order."""
+    check_layout(1, ("every-k-stream-dropout",), "every-k-stream-dropout", "aot_eager")
+
+
+class _BackwardOps(TorchDispatchMode):
+    """Counts the ATen ops a backward runs, by name (a higher-order op, such as the random op that
+    a compiled backward reruns under run_with_rng_state, by its own name)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.name() if isinstance(func, torch._ops.HigherOrderOperator) else func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _kept_and_redone(policy: str, compiled: bool) -> tuple[list, Counter]:
+    """A 2-block GPT with `policy` (every_k 2: block 1), eager or compiled (aot_eager): the tensors
+    its forward keeps for backward (parameters left out), and the ops its backward runs."""
+    torch._dynamo.reset()
+    model = apply_policy(gpt(attn_impl="math"), policy, every_k=2 if policy == "every_k" else None)
+    compile_blocks(model, CompileConfig(enabled=compiled, backend="aot_eager"))
+    idx, targets = next(iter(batches()))
+    rows = saved_tensors(model, idx, targets)
+    loss, mode = model(idx, targets), _BackwardOps()
+    with mode:
+        loss.backward()
+    return rows, mode.counts
+
+
+def test_torch_compile_checkpointing_keeps_and_recomputes_what_eager_does():
+    """Each policy means in a compiled block what it means eagerly: the same tensors kept (bytes),
+    the same attention cores (softmaxes) rerun in backward, and the same matmuls rerun but each
+    region's last one (the MLP's down projection, the core's P v), whose output no gradient needs:
+    the compiled backward leaves it out (as torch's eager checkpoint stops early; ours reruns it)."""
+    got = {(policy, compiled): _kept_and_redone(policy, compiled)
+           for policy in ("none", "full", "every_k", "selective") for compiled in (False, True)}
+
+    def nbytes(rows):
+        return sum({row.storage_key: row.storage_bytes for row in rows}.values())
+
+    def probabilities(rows):  # (B, H, T, T): Korthikanti's 5as/h part, what selective recomputes
+        return [row for row in rows if len(row.shape) == 4 and row.shape[-2:] == (SEQ, SEQ)]
+
+    def matmuls(counts):
+        return counts["mm"] + counts["bmm"]
+
+    regions = {"full": 2, "every_k": 1, "selective": 2}  # checkpointed blocks / attention cores
+    per_region = {"full": 9, "every_k": 9, "selective": 2}  # a block's forward: 7 mm + 2 bmm; a core's: 2 bmm
+    for compiled in (False, True):
+        none_rows, none_ops = got[("none", compiled)]
+        assert probabilities(none_rows) and none_ops["_softmax"] == 0
+        for policy, n in regions.items():
+            rows, ops = got[(policy, compiled)]
+            assert ops["_softmax"] == n, (policy, compiled, ops)
+            redone = matmuls(ops) - matmuls(none_ops)
+            assert redone == n * per_region[policy] - (n if compiled else 0), (policy, compiled, redone)
+            assert not any(row.dtype == torch.uint8 for row in rows)  # no random op: no generator state kept
+        assert not probabilities(got[("selective", compiled)][0])
+        full, every_k, none = (nbytes(got[(p, compiled)][0]) for p in ("full", "every_k", "none"))
+        assert 2 * every_k == full + none  # block 1 keeps what full keeps, block 0 what none keeps
+    assert nbytes(got[("full", True)][0]) == nbytes(got[("full", False)][0]) < nbytes(got[("none", True)][0]) / 3
+
+
+THOROUGH_AOT = ("tp2-sp", "pp2", "cp2", "dp2-counter-dropout", "dp2-offload-checkpointing", "tp2-sp-selective",
+                "pp2-every-k", "cp2-selective", "tp2-selective-exact-dropout")
+
+
+@pytest.mark.thorough
+def test_torch_compile_checkpointing_selective_with_counter_dropout_trains_like_eager():
+    check_layout(1, ("selective-counter-dropout",), "selective-counter-dropout", "aot_eager")
 
 
 @pytest.mark.thorough
@@ -158,6 +272,15 @@ def test_torch_compile_inductor_one_process_trains_like_eager_with_one_graph_for
 SHARDED = ("dp2-zero3", "tp2-sp")
 
 
+INDUCTOR_CHECKPOINTING = ("full-inductor", "selective-inductor")
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize("name", INDUCTOR_CHECKPOINTING)
+def test_torch_compile_checkpointing_inductor_trains_like_eager(name):
+    check_layout(1, INDUCTOR_CHECKPOINTING, name, "inductor")
+
+
 @pytest.mark.thorough
 def test_torch_compile_inductor_stream_dropout_with_fallback_random_draws_eagers_masks():
     check_layout(1, ("dropout-fallback-random",), "dropout-fallback-random", "inductor")
@@ -177,13 +300,61 @@ def _refusal(model: GPT, **cfg) -> str:
     return str(err.value)
 
 
-def test_torch_compile_refuses_checkpointed_blocks_and_inductor_stream_dropout_by_name():
-    message = _refusal(gpt(), activation_checkpointing={"policy": "full"})
-    assert "compile.enabled" in message and "activation_checkpointing.policy='full'" in message
+def test_torch_compile_refuses_checkpoint_input_hooks_tp_stream_dropout_and_inductor_stream_dropout_by_name():
+    for option in ("cpu_checkpointing", "partition_activations"):
+        section = {"policy": "full", option: True}
+        with pytest.raises(ConfigError) as err:  # partition_activations needs tp > 1 (the config's own check)
+            plan_layout(ts.EngineConfig.load(config({"tensor": 2}, backend="aot_eager",
+                                                    activation_checkpointing=section)), gpt(), world_size=2)
+        assert f"compile.enabled with activation_checkpointing.{option}=true" in str(err.value)
+        assert "Dynamo does not trace" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        plan_layout(ts.EngineConfig.load(config({"tensor": 2, "tensor_dropout": "tracker"}, backend="aot_eager",
+                                                activation_checkpointing={"policy": "selective"})),
+                    gpt(dropout=0.1), world_size=2)
+    message = str(err.value)
+    assert "activation_checkpointing.policy='selective' and parallel.tensor_dropout='tracker'" in message
+    assert "'exact'" in message and "'counter'" in message
+    # accepted: counter masks under tp, the exact mode (torch's generator), stream masks in one process
+    for parallel, masks in (({"tensor": 2}, "counter"), ({"tensor": 2}, "stream"), ({}, "stream")):
+        plan_layout(ts.EngineConfig.load(config(parallel, backend="aot_eager",
+                                                activation_checkpointing={"policy": "selective"})),
+                    gpt(dropout=0.1, dropout_masks=masks), world_size=2 if parallel else 1)
+    # a whole block checkpointed over collectives or the MoE's routing: no graph at all (selective is served)
+    for parallel, model, what in (({"tensor": 2}, gpt(), "parallel.tensor"), ({"context": 2}, gpt(), "parallel.context"),
+                                  ({}, gpt(moe_experts=4, moe_top_k=2), "an MoE GPT")):
+        for policy in ("full", "every_k"):
+            section = {"policy": policy} | ({"every_k": 2} if policy == "every_k" else {})
+            with pytest.raises(ConfigError) as err:
+                plan_layout(ts.EngineConfig.load(config(parallel, backend="aot_eager", activation_checkpointing=section)),
+                            model, world_size=2 if parallel else 1)
+            assert f"activation_checkpointing.policy={policy!r} and {what}" in str(err.value)
+            assert "0 graphs" in str(err.value)
     message = _refusal(gpt(dropout=0.1))
     assert "compile.enabled" in message and "dropout" in message and "fallback_random" in message
     with pytest.raises(ConfigError, match="compile.enabled: tinyscale compiles the blocks of its own GPT"):
         ts.initialize(torch.nn.Sequential(torch.nn.Linear(2, 2)), config(backend="inductor"))
+
+
+@pytest.mark.thorough
+def test_torch_compile_checkpointing_input_hooks_would_see_the_parameters(monkeypatch):
+    """The measurement behind refusing partition_activations / cpu_checkpointing: the hook around a
+    checkpoint sees its input and the RoPE tables eagerly (3 tensors per block), and, compiled, all
+    that the compiled checkpoint saves: the block's 9 parameters and a generator state too (13)."""
+    from tinyscale.checkpointing import saved_inputs
+
+    packed: list[tuple] = []
+    pack = saved_inputs.keep_inputs._pack
+    monkeypatch.setattr(saved_inputs.keep_inputs, "_pack", lambda self, t: packed.append(t.dtype) or pack(self, t))
+    counts = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        packed.clear()
+        model = apply_policy(gpt(), "full", inputs_to_host=True)
+        compile_blocks(model, CompileConfig(enabled=compiled, backend="aot_eager"))
+        model(*next(iter(batches()))).backward()
+        counts[compiled] = (len(packed), packed.count(torch.uint8))
+    assert counts == {False: (2 * 3, 0), True: (2 * 13, 2)}, counts
 
 
 def test_torch_compile_config_shorthand_and_deepcompile_keys_noted():

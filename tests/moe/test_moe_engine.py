@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import tinyscale as ts
-from tinyscale.config import ConfigError
+from tinyscale.config import ConfigError, ZeroConfig
 from tinyscale.data import synthetic_token_batches
 from tinyscale.engine.layout_memory import CATEGORIES, rank_model_state_bytes
 from tinyscale.engine.plan import LayoutPlan, placements
@@ -143,7 +143,7 @@ def test_moe_engine_expert_parallel_layouts_equal_one_process(index):
 
 def _plan(spec: dict) -> LayoutPlan:
     return LayoutPlan(world_size=spec["world"], dp=spec["dp"], pp=spec["pp"], cp=1, tp=spec["tp"],
-                      zero_stage=spec["stage"], ep=spec["ep"], moe=True)
+                      zero=ZeroConfig(stage=spec["stage"]), ep=spec["ep"], moe=True)
 
 
 @pytest.mark.parametrize("world,layouts,index", [(2, WORLD2, 0), (4, WORLD4, 2), (4, WORLD4, 5)],

@@ -23,12 +23,32 @@ gradient hooks and ZeRO-3's gather and release hooks run as without compilation.
 
 It composes with (each trained equal to eager and to one process in float64,
 `tests/engine/test_torch_compile.py`): data parallelism, ZeRO 1-3 over dp, tensor and sequence
-parallelism, the pipeline, context parallelism, counter dropout, an MoE GPT, the offload
+parallelism, the pipeline, context parallelism, counter dropout, an MoE GPT, every activation
 checkpointing policy, and clipping, weight decay, accumulation, a tied embedding and GQA.
+
 Collectives (tensor and context parallelism) and the MoE's routing break a block's graph: Dynamo
 runs them eagerly between compiled pieces, so a block is several graphs, still one cache entry
 shared by every block. Neither refused nor tested here: fp16 and bf16, expert parallelism,
 pipeline schedules other than 1f1b, and compile_kwargs other than the defaults.
+
+Activation checkpointing inside a compiled block (policies full, every_k, selective): Dynamo is
+tracing the block when the policy's `checkpoint()` runs, and there `checkpoint()` calls torch's
+non-reentrant checkpoint (`tinyscale.checkpointing.api.compiled_checkpoint`), which Dynamo traces
+as a higher-order op: every op of the checkpointed region is tagged "recompute" in AOTAutograd's
+joint graph, so the compiled forward keeps only the region's inputs and the compiled backward
+runs the region's ops again before the gradients that need them. Ours cannot be traced (its
+saved-tensor hooks run Python at each unpack; the compiled backward saved its own tensors and
+the recomputation found no inputs: StopIteration). What is kept and redone is the policy's, as
+eagerly (`pytest -k torch_compile_checkpointing`, one process, attention "math"): `full` keeps
+the same bytes (the blocks' inputs), `selective` keeps no (B, H, T, T) tensor, and the same
+softmaxes run again in backward; the compiled backward skips each region's last matmul (the
+MLP's down projection, the attention's P v), whose output no gradient needs, as torch's eager
+checkpoint stops early and ours does not. Random ops rerun in the backward graph get the
+generator state they had in the forward (saved beside the inputs, one CPU state of 5,056 bytes
+per random op: eagerly the checkpoint keeps one per region, outside autograd), so stream
+dropout's masks are replayed (with inductor: `fallback_random`, as below).
+`use_reentrant` has no effect there: the compiled checkpoint is the non-reentrant one (Dynamo
+traces no other); the policy's `generators` are not replayed (refused below where one draws).
 Refused (`check_layout`), each with its reason:
 
 - a model that is not tinyscale's GPT: its blocks are not known (compile them yourself, e.g.
@@ -39,11 +59,27 @@ Refused (`check_layout`), each with its reason:
   the loss differs by 5e-4 at the first step); with fallback_random it draws torch's, and trains
   like eager and one process. Counter masks are hashed from the dropout clock by torch ops and
   need nothing;
-- activation checkpointing policies full, every_k and selective: tinyscale's checkpoint keeps its
-  inputs through saved-tensor hooks, and AOTAutograd's compiled backward saves its own tensors, so
-  the recomputation finds no inputs (StopIteration at the first backward). A compiled block
-  chooses what it saves for backward itself: AOTAutograd's min-cut partitioner recomputes cheap
-  pointwise ops, and `torch._functorch.config.activation_memory_budget` trades more.
+- `activation_checkpointing.partition_activations` or `cpu_checkpointing` with a checkpointing
+  policy: both are saved-tensor hooks around the checkpoint (checkpointing/saved_inputs.py) that
+  should see its inputs only. Dynamo does not trace `saved_tensors_hooks` (it breaks the block's
+  graph there), so the hook wraps the compiled checkpoint, and what that saves passes through it:
+  measured, 13 tensors per block (its input, the two RoPE tables, the block's 9 parameters and
+  a generator state) where eagerly 3 pass; the parameters would be split over tp or copied to
+  the host at every step;
+- policies full and every_k with tensor or context parallelism or an MoE GPT: the checkpointed
+  block then holds collectives (TP's all-reduces, the ring's exchanges) or the MoE's data-dependent
+  routing, each a graph break, and a checkpoint's region is one higher-order op, which cannot
+  break: Dynamo gives up on the whole block (measured: 0 graphs compiled with tp 2 + SP, with cp 2
+  and with the MoE GPT; with `selective` instead, 14, 4 and 13). `selective` composes with them:
+  its core holds no collective under tp, and under cp the core's ring exchanges break the graph
+  with or without checkpointing, so the core runs eagerly (trained equal in `--thorough`);
+- tensor parallelism's tracker dropout (parallel.tensor > 1, tensor_dropout "tracker",
+  GPTConfig.dropout > 0, masks "stream") with a checkpointing policy: the sharded activations draw
+  from the RNG tracker's own torch.Generator (tensor_parallel/random.py), which eager checkpoints
+  replay (`generators`), but the compiled recomputation restores only torch's default generator
+  (run_with_rng_state), so a recomputed mask is a new one (measured, tp 2 selective: the loss off
+  by 1.8e-4 at step 1, 1.5e-3 at step 3). The exact mode draws from torch's default generator, and
+  trains like eager (measured: equal losses; `--thorough`); counter masks need no generator.
 """
 
 from __future__ import annotations
@@ -74,12 +110,30 @@ def check_layout(config: EngineConfig, model: nn.Module, world_size: int = 1, me
                         "inductor draws dropout's random numbers itself, inside the fused kernel, so the masks "
                         "differ from the eager run's; set compile.compile_kwargs.options.fallback_random true "
                         "(torch's generator, as eager), or GPTConfig.dropout_masks 'counter'")
-    policy = config.activation_checkpointing.policy
-    if policy in ("full", "every_k", "selective"):
-        problems.append(f"{FIELD} with activation_checkpointing.policy={policy!r}: tinyscale's checkpoint keeps "
-                        "its inputs through saved-tensor hooks, which the compiled backward replaces by the "
-                        "tensors it saves itself, so the recomputation finds no inputs; a compiled block chooses "
-                        "what it saves (AOTAutograd recomputes cheap ops): set the policy 'none' or 'offload'")
+    ac = config.activation_checkpointing
+    if ac.policy in ("full", "every_k", "selective"):  # checkpoints inside the compiled blocks (docstring)
+        for option in ("partition_activations", "cpu_checkpointing"):
+            if getattr(ac, option):
+                problems.append(f"{FIELD} with activation_checkpointing.{option}=true: it is a saved-tensor hook "
+                                "on the checkpoint's inputs, which Dynamo does not trace, so it would act on all "
+                                "that the compiled checkpoint saves (the block's parameters too); set it false, "
+                                "or compile.enabled false")
+        breaks = [what for what, on in (("parallel.tensor", config.parallel.tensor > 1),
+                                        ("parallel.context", config.parallel.context > 1),
+                                        ("an MoE GPT", bool(getattr(cfg, "moe_experts", 0)))) if on]
+        if ac.policy != "selective" and breaks:
+            problems.append(f"{FIELD} with activation_checkpointing.policy={ac.policy!r} and {', '.join(breaks)}: a "
+                            "checkpointed block then holds collectives or the MoE's data-dependent routing, which "
+                            "break Dynamo's graph, and a checkpoint's region must be one graph, so Dynamo compiles "
+                            "none of the block (measured: 0 graphs); use policy 'selective' (its core has no "
+                            "collective under tensor parallelism) or compile.enabled false")
+        if (config.parallel.tensor > 1 and config.parallel.tensor_dropout == "tracker" and cfg.dropout > 0
+                and cfg.dropout_masks == "stream"):
+            problems.append(f"{FIELD} with activation_checkpointing.policy={ac.policy!r} and parallel.tensor_dropout="
+                            f"'tracker' (GPTConfig.dropout={cfg.dropout}, stream masks): the compiled "
+                            "recomputation replays torch's default generator only, not the RNG tracker's, so "
+                            "recomputed masks differ (measured: loss off by 1.8e-4 at step 1); set "
+                            "parallel.tensor_dropout 'exact' or GPTConfig.dropout_masks 'counter'")
     if problems:
         raise ConfigError("\n".join(problems))
 

@@ -62,7 +62,6 @@ class LayoutPlan:
     schedule: str = "1f1b"
     sequence_parallel: bool = False
     context_algorithm: str = "ring"
-    zero_stage: int = 0
     ep: int = 1  # expert parallelism: runs of ep dp ranks split the experts (engine/expert.py)
     moe: bool = False  # the model is an MoE GPT (its routing is logged in engine.last_step["moe"])
     # What the transforms read besides the degrees, copied from the config here: after plan_layout
@@ -72,10 +71,22 @@ class LayoutPlan:
     context_sharding: str = "zigzag"  # how cp cuts the sequence (zigzag, contiguous)
     pipeline_reshard_after_forward: bool = False  # ZeRO 3 under a pipeline: free a stage after each pass
     checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
-    zero: ZeroConfig = field(default_factory=ZeroConfig)  # the section DP/ZeRO is built from (stage: zero_stage)
+    # the section DP/ZeRO is built from, and the one record of the stage (`zero_stage` reads it): a plan
+    # built by hand says `zero=ZeroConfig(stage=s)`, so no second field can disagree with it
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
     # torch.compile of the blocks (engine/compiled.py); not in the plan's hash or equality (its compile_kwargs
     # is a dict, and a plan is a cache key of the planner's: compiling changes no byte of a layout)
     compile: CompileConfig = field(default_factory=CompileConfig, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.zero, ZeroConfig):
+            raise TypeError(f"LayoutPlan.zero={self.zero!r}: pass a ZeroConfig, e.g. zero=ZeroConfig(stage=1) "
+                            "(it is also where the plan's ZeRO stage lives: plan.zero_stage reads zero.stage)")
+
+    @property
+    def zero_stage(self) -> int:
+        """ZeRO's stage over dp (x cp): the `zero` section's, the only place it is kept."""
+        return self.zero.stage
 
     @property
     def layout(self) -> MeshLayout:
@@ -133,7 +144,7 @@ def plan_layout(config: EngineConfig, model: nn.Module, world_size: int,
     return LayoutPlan(world_size=world_size, dp=world_size // (tp * cp * pp), pp=pp, cp=cp, tp=tp,
                       virtual_stages=par.virtual_stages, schedule=par.pipeline_schedule,
                       sequence_parallel=par.sequence_parallel, context_algorithm=par.context_algorithm,
-                      zero_stage=config.zero_optimization.stage, ep=par.expert,
+                      ep=par.expert,
                       moe=bool(getattr(getattr(model, "config", None), "moe_experts", 0)),
                       tensor_dropout=par.tensor_dropout, autotp=tuple((autotp or {}).items()),
                       context_sharding=par.context_sharding,

@@ -54,7 +54,7 @@ import functools
 
 from torch import nn
 
-from tinyscale.config import ConfigError, EngineConfig
+from tinyscale.config import ConfigError, EngineConfig, ZeroConfig
 from tinyscale.dist.mesh import MeshLayout
 from tinyscale.engine import expert
 from tinyscale.engine.layout_memory import _partition, rank_model_state_bytes, rank_tensors
@@ -100,7 +100,7 @@ class Layout:
     def plan(self) -> LayoutPlan:
         return LayoutPlan(world_size=self.world, dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp,
                           virtual_stages=self.virtual_stages, schedule=self.schedule,
-                          sequence_parallel=self.sp, zero_stage=self.zero_stage, ep=self.ep)
+                          sequence_parallel=self.sp, zero=ZeroConfig(stage=self.zero_stage), ep=self.ep)
 
     def num_microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)

@@ -66,6 +66,11 @@ class Bucket:
         return self.views[i]
 
 
+# torch DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): the engine's ZeRO 0
+# caps its first bucket so (when it overlaps), the rest in buckets of reduce_bucket_size.
+TORCH_FIRST_BUCKET_MB = 1.0
+
+
 # --8<-- [start:assign]
 def assign_buckets(params: list[torch.Tensor], cap_bytes: int,
                    first_cap_bytes: int | None = None) -> list[list[torch.Tensor]]:

@@ -110,7 +110,7 @@ def main() -> None:
     add_json_argument(parser)
     args = parser.parse_args()
     console = Console()
-    ratios, intervals = {}, {}
+    ratios, intervals, raw = {}, {}, {}
     for world in args.world_sizes:
         with console.status(f"{world} ranks..."):
             per_rank = ts.dist.launch(_bench_rank, world, args.model, args.steps, args.micro, args.bucket_mb,
@@ -123,6 +123,7 @@ def main() -> None:
         key = f"ddp_bucketed_vs_torch_{world}"
         ratios[key] = r["BucketedDDP"]["s"].median / torch_s
         intervals[key] = ratio_interval(r["BucketedDDP"]["steps"], r["torch DDP"]["steps"])
+        raw[world] = {name: [round(t * 1e3, 3) for t in v["steps"]] for name, v in r.items()}
         table = Table(title=f"{world} ranks ({ts.dist.resolve_backend('auto', world)}): {args.model} GPT, "
                             f"{args.micro} rows/rank, median of {args.steps} steps")
         for col in ("variant", "ms/step (min .. max)", "vs torch DDP", "all-reduce calls/step", "all-reduce bytes/step"):
@@ -151,7 +152,8 @@ def main() -> None:
                   "CPU ranks share the same cores for compute and for gloo's communication, so "
                   "overlap can only hide what the cores are not already busy with.")
     write_json(args.json, ratios, model=args.model, steps=args.steps,
-               intervals={k: [round(v, 4) for v in iv] for k, iv in intervals.items()})
+               intervals={k: [round(v, 4) for v in iv] for k, iv in intervals.items()},
+               step_ms=raw)  # each variant's steps (the slowest rank's), round by round, per world size
 
 
 if __name__ == "__main__":

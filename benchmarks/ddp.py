@@ -27,14 +27,17 @@ How sure is a ratio? The steps' spread (min .. max) on 2 shared cores is often w
 difference measured, so each ratio comes with a bootstrap interval: the rounds resampled with
 replacement (each round's pair of steps kept together, as the round-robin timed them side by
 side), the ratio of medians recomputed each time, its 2.5th and 97.5th percentiles. An interval
-that holds 1.0 says this run cannot tell BucketedDDP from torch DDP; the default 30 steps keep
-one run under about a minute on 2 idle cores.
+that holds 1.0 says this run cannot tell BucketedDDP from torch DDP. Beside it, the median of
+each round's ratio and its interval (`_per_round` in --json: figure, low, high): a burst of
+load that slows a whole round divides out of it, so it is often the narrower. The default 30
+steps keep one run around a minute on 2 quiet cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -122,7 +125,10 @@ def main() -> None:
         torch_s = r["torch DDP"]["s"].median
         key = f"ddp_bucketed_vs_torch_{world}"
         ratios[key] = r["BucketedDDP"]["s"].median / torch_s
-        intervals[key] = ratio_interval(r["BucketedDDP"]["steps"], r["torch DDP"]["steps"])
+        ours, base = r["BucketedDDP"]["steps"], r["torch DDP"]["steps"]
+        intervals[key] = ratio_interval(ours, base)
+        each = statistics.median([a / b for a, b in zip(ours, base)])
+        intervals[key + "_per_round"] = (each, *ratio_interval(ours, base, per_round=True))
         raw[world] = {name: [round(t * 1e3, 3) for t in v["steps"]] for name, v in r.items()}
         table = Table(title=f"{world} ranks ({ts.dist.resolve_backend('auto', world)}): {args.model} GPT, "
                             f"{args.micro} rows/rank, median of {args.steps} steps")
@@ -137,8 +143,10 @@ def main() -> None:
         low, high = intervals[key]
         verdict = ("this run cannot tell them apart" if low <= 1 <= high else
                    "BucketedDDP faster" if high < 1 else "BucketedDDP slower")
+        each, each_low, each_high = intervals[key + "_per_round"]
         console.print(f"BucketedDDP / torch DDP: {ratios[key]:.3f}x, 95% interval {low:.3f} .. {high:.3f} "
-                      f"(bootstrap over {args.steps} paired rounds): {verdict}")
+                      f"(bootstrap over {args.steps} paired rounds): {verdict}; the median of each round's "
+                      f"ratio {each:.3f}x ({each_low:.3f} .. {each_high:.3f})")
         exposed = r["Bucketed, no overlap"]["s"].median - r["no sync (compute only)"]["s"].median
         saved = r["Bucketed, no overlap"]["s"].median - r["BucketedDDP"]["s"].median
         if exposed > 0 and 0 <= saved <= exposed:

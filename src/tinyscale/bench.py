@@ -76,18 +76,22 @@ def summary(times: Sequence[float]) -> Summary:
 
 
 def ratio_interval(ours: Sequence[float], base: Sequence[float], level: float = 0.95, resamples: int = 2000,
-                   seed: int = 0) -> tuple[float, float]:
+                   seed: int = 0, per_round: bool = False) -> tuple[float, float]:
     """A bootstrap interval for median(ours) / median(base), two variants timed in the same
     rounds (`round_robin`): the rounds resampled with replacement, each round's pair kept
     together; the (1 - level) / 2 and (1 + level) / 2 quantiles of the resampled ratios. An
-    interval holding 1.0: the run cannot tell the two apart."""
+    interval holding 1.0: the run cannot tell the two apart. `per_round`: the interval of the
+    median of each round's ratio ours[i] / base[i] instead (a burst of load that slows a whole
+    round divides out; `statistics.median` of those ratios is its figure)."""
     import random
 
     rng, n = random.Random(seed), len(ours)
+    each = [a / b for a, b in zip(ours, base)]
     ratios = []
     for _ in range(resamples):
         rounds = [rng.randrange(n) for _ in range(n)]
-        ratios.append(statistics.median([ours[i] for i in rounds]) / statistics.median([base[i] for i in rounds]))
+        ratios.append(statistics.median([each[i] for i in rounds]) if per_round else
+                      statistics.median([ours[i] for i in rounds]) / statistics.median([base[i] for i in rounds]))
     ratios.sort()
     return ratios[int((1 - level) / 2 * resamples)], ratios[min(resamples - 1, int((1 + level) / 2 * resamples))]
 

@@ -33,6 +33,15 @@ def test_bench_harness_ratio_interval_says_when_a_run_cannot_tell_two_variants_a
     low, high = ratio_interval([1.1 * b * j for b, j in zip(base, jitter)], base)
     assert 1 < low < 1.1 < high  # 10% slower: the interval holds 1.1 and leaves 1.0 out
     assert ratio_interval(base, base) == (1.0, 1.0)
+    # bursts of load as this machine has them (steps of 65 or 90 ms, about half the rounds each):
+    # per round, the load divides out and the interval is as narrow as the jitter; the ratio of
+    # medians, resampled, can take its two medians from different modes: at least twice as wide
+    burst = [0.065 if (7 * i) % 30 < 15 else 0.09 for i in range(30)]
+    ours = [1.05 * b * j for b, j in zip(burst, jitter)]
+    low, high = ratio_interval(ours, burst, per_round=True)
+    assert 1.05 * 0.96 <= low < 1.05 < high <= 1.05 * 1.04
+    wide_low, wide_high = ratio_interval(ours, burst)
+    assert wide_high - wide_low > 2 * (high - low)
 
 
 def test_bench_harness_json_files_merge_into_one(tmp_path):

@@ -22,7 +22,8 @@ What it changes from `naive.py`:
 Each gradient is divided by the world size *before* the all-reduce (as torch's DDP does: in
 fp16 a sum of N gradients can overflow where their mean would not; `pytest -k
 overflow_safe_reduce`), on its way into the bucket: the hook's copy writes the quotient
-(torch's reducer fuses it the same way), so no second pass over the bucket. When backward ends, the wrapper waits for every bucket, and each
+(torch's reducer fuses it the same way), so no second pass over the bucket. When backward
+ends, the wrapper waits for every bucket, and each
 ``.grad`` becomes a view of its slot in the bucket (``gradient_as_bucket_view``, default on,
 as torch's DDP offers): no copy out, no second copy of the gradients in memory, and while
 ``.grad`` stays that view (``zero_grad(set_to_none=False)``, or accumulation) autograd

@@ -1,6 +1,6 @@
 """NaiveDDP and BucketedDDP against torch's DistributedDataParallel: same model, same run.
 
-    python benchmarks/ddp.py [--world-sizes 2 4] [--steps 10] [--model small] [--bucket-mb 25]
+    python benchmarks/ddp.py [--world-sizes 2 4] [--steps 30] [--model small] [--bucket-mb 25]
                              [--first-bucket-mb 1] [--small-bucket-mb 0.5] [--json PATH]
 
 For each world size, on the same rank processes and the same batches, it times one
@@ -20,13 +20,24 @@ the comm ledger), and the fraction of communication time that overlap hides:
     hidden = (no-overlap step - overlapped step) / (no-overlap step - compute-only step)
 
 Timing: tinyscale.bench (round-robin steps, 2 warm-up rounds dropped, the slowest
-rank's step, median and spread). `--json PATH` writes ddp_bucketed_vs_torch_N per world size N.
+rank's step, median and spread). `--json PATH` writes ddp_bucketed_vs_torch_N per world size N
+(the ratio of the medians) and, under "intervals", its 95% confidence interval.
+
+How sure is a ratio? The steps' spread (min .. max) on 2 shared cores is often wider than the
+difference measured, so each ratio comes with a bootstrap interval: the rounds resampled with
+replacement (each round's pair of steps kept together, as the round-robin timed them side by
+side), the ratio of medians recomputed each time, its 2.5th and 97.5th percentiles. An interval
+that holds 1.0 says this run cannot tell BucketedDDP from torch DDP. Beside it, the median of
+each round's ratio and its interval (`_per_round` in --json: figure, low, high): a burst of
+load that slows a whole round divides out of it, so it is often the narrower. The default 30
+steps keep one run around a minute on 2 quiet cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -34,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from tinyscale.bench import add_json_argument, round_robin, slowest, summary, write_json
+from tinyscale.bench import add_json_argument, ratio_interval, round_robin, slowest, summary, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.data_parallel import BucketedDDP, NaiveDDP
 from tinyscale.dist import comm
@@ -92,7 +103,7 @@ def _bench_rank(model_name: str, steps: int, micro: int, bucket_mb: float, first
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30, help="timed rounds (each variant one step a round)")
     parser.add_argument("--model", default="small", choices=["tiny", "small"])
     parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP bucket size (torch's default)")
@@ -102,16 +113,23 @@ def main() -> None:
     add_json_argument(parser)
     args = parser.parse_args()
     console = Console()
-    ratios = {}
+    ratios, intervals, raw = {}, {}, {}
     for world in args.world_sizes:
         with console.status(f"{world} ranks..."):
             per_rank = ts.dist.launch(_bench_rank, world, args.model, args.steps, args.micro, args.bucket_mb,
                                       args.first_bucket_mb, args.small_bucket_mb, timeout_s=3600)
         r = per_rank[0]
         for name, v in r.items():
-            v["s"] = summary(slowest([rank_result[name]["times"] for rank_result in per_rank]))
+            v["steps"] = slowest([rank_result[name]["times"] for rank_result in per_rank])
+            v["s"] = summary(v["steps"])
         torch_s = r["torch DDP"]["s"].median
-        ratios[f"ddp_bucketed_vs_torch_{world}"] = r["BucketedDDP"]["s"].median / torch_s
+        key = f"ddp_bucketed_vs_torch_{world}"
+        ratios[key] = r["BucketedDDP"]["s"].median / torch_s
+        ours, base = r["BucketedDDP"]["steps"], r["torch DDP"]["steps"]
+        intervals[key] = ratio_interval(ours, base)
+        each = statistics.median([a / b for a, b in zip(ours, base)])
+        intervals[key + "_per_round"] = (each, *ratio_interval(ours, base, per_round=True))
+        raw[world] = {name: [round(t * 1e3, 3) for t in v["steps"]] for name, v in r.items()}
         table = Table(title=f"{world} ranks ({ts.dist.resolve_backend('auto', world)}): {args.model} GPT, "
                             f"{args.micro} rows/rank, median of {args.steps} steps")
         for col in ("variant", "ms/step (min .. max)", "vs torch DDP", "all-reduce calls/step", "all-reduce bytes/step"):
@@ -122,6 +140,13 @@ def main() -> None:
                 calls += " (its log)"
             table.add_row(name, v["s"].ms(), f"{v['s'].median / torch_s:.2f}x", calls, f"{v['bytes']:,}")
         console.print(table)
+        low, high = intervals[key]
+        verdict = ("this run cannot tell them apart" if low <= 1 <= high else
+                   "BucketedDDP faster" if high < 1 else "BucketedDDP slower")
+        each, each_low, each_high = intervals[key + "_per_round"]
+        console.print(f"BucketedDDP / torch DDP: {ratios[key]:.3f}x, 95% interval {low:.3f} .. {high:.3f} "
+                      f"(bootstrap over {args.steps} paired rounds): {verdict}; the median of each round's "
+                      f"ratio {each:.3f}x ({each_low:.3f} .. {each_high:.3f})")
         exposed = r["Bucketed, no overlap"]["s"].median - r["no sync (compute only)"]["s"].median
         saved = r["Bucketed, no overlap"]["s"].median - r["BucketedDDP"]["s"].median
         if exposed > 0 and 0 <= saved <= exposed:
@@ -134,7 +159,9 @@ def main() -> None:
                   f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}; "
                   "CPU ranks share the same cores for compute and for gloo's communication, so "
                   "overlap can only hide what the cores are not already busy with.")
-    write_json(args.json, ratios, model=args.model, steps=args.steps)
+    write_json(args.json, ratios, model=args.model, steps=args.steps,
+               intervals={k: [round(v, 4) for v in iv] for k, iv in intervals.items()},
+               step_ms=raw)  # each variant's steps (the slowest rank's), round by round, per world size
 
 
 if __name__ == "__main__":

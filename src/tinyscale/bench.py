@@ -9,6 +9,8 @@
 - `slowest(per_rank)`: step by step, the slowest rank's time (a step ends when all do).
 - `summary(times)`: median, fastest and slowest step: the median is the figure, min .. max
   its spread.
+- `ratio_interval(ours, base)`: a 95% bootstrap interval for the ratio of two variants'
+  medians, over the rounds both were timed in.
 - `write_json(path, ratios)`: the benchmark's ratios under the keys `make bench` merges into
   runs/bench.json, with the machine and its load when measured (`uptime`'s load averages:
   timings on a shared machine mean little without it).
@@ -71,6 +73,27 @@ class Summary:
 
 def summary(times: Sequence[float]) -> Summary:
     return Summary(statistics.median(times), min(times), max(times), len(times))
+
+
+def ratio_interval(ours: Sequence[float], base: Sequence[float], level: float = 0.95, resamples: int = 2000,
+                   seed: int = 0, per_round: bool = False) -> tuple[float, float]:
+    """A bootstrap interval for median(ours) / median(base), two variants timed in the same
+    rounds (`round_robin`): the rounds resampled with replacement, each round's pair kept
+    together; the (1 - level) / 2 and (1 + level) / 2 quantiles of the resampled ratios. An
+    interval holding 1.0: the run cannot tell the two apart. `per_round`: the interval of the
+    median of each round's ratio ours[i] / base[i] instead (a burst of load that slows a whole
+    round divides out; `statistics.median` of those ratios is its figure)."""
+    import random
+
+    rng, n = random.Random(seed), len(ours)
+    each = [a / b for a, b in zip(ours, base)]
+    ratios = []
+    for _ in range(resamples):
+        rounds = [rng.randrange(n) for _ in range(n)]
+        ratios.append(statistics.median([each[i] for i in rounds]) if per_round else
+                      statistics.median([ours[i] for i in rounds]) / statistics.median([base[i] for i in rounds]))
+    ratios.sort()
+    return ratios[int((1 - level) / 2 * resamples)], ratios[min(resamples - 1, int((1 + level) / 2 * resamples))]
 
 
 def machine() -> dict:

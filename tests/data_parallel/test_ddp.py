@@ -62,11 +62,14 @@ def _model_and_batches(kind, seed, rows, steps, uses=None):
 
 
 def train_data_parallel(impl, kind, seed, micro, accum, steps, bucket_cap_mb, sync_last=True, optimizer="sgd",
-                        uses=None, ddp_kwargs=None):
-    """Run on every rank: the plain training loop a DDP user writes."""
+                        uses=None, ddp_kwargs=None, set_to_none=True, scaling=None):
+    """Run on every rank: the plain training loop a DDP user writes. `scaling`: (prescale_gradients,
+    gradient_predivide_factor) set on ours (DeepSpeed's keys, which the engine sets)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model, batches = _model_and_batches(kind, seed, micro * accum * world, steps, uses)
     ddp = wrap(impl, model, bucket_cap_mb, **(ddp_kwargs or {}))
+    if scaling is not None:
+        ddp.prescale_gradients, ddp.gradient_predivide_factor = scaling
     config = ts.EngineConfig.load({"optimizer": OPTIMIZERS[optimizer], "train_micro_batch_size_per_gpu": micro})
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], config.optimizer)
     losses = []
@@ -83,7 +86,7 @@ def train_data_parallel(impl, kind, seed, micro, accum, steps, bucket_cap_mb, sy
             dist.all_reduce(total)  # only to report the global loss; not part of the DDP under test
             losses.append(total.item() / (len(micros) * world))
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
     return losses, ts.testing.state_dict_cpu(model), ledger.calls("all_reduce"), getattr(ddp, "events", None)
 
 
@@ -326,3 +329,36 @@ def test_ddp_bucketed_gradient_as_bucket_view_trains_like_one_process(as_view, s
         assert_losses_close(losses, ref_losses)
         assert_state_dicts_close(state, model.state_dict())
         assert in_bucket == [as_view] * 3
+
+
+# 3 ranks x 2 micro-batches of 1 row: rank r's micro-batch k is row 2r + k. `extra` is used by
+# rank 0's first micro-batch (step 0: its gradient arrives under no_sync, so the last backward's
+# hook never fires for it and the end of backward puts it in the bucket); again there and by
+# rank 1's last (step 1: zeroed in place, rank 0's .grad is already its bucket slot); then by no
+# row (None everywhere, as in one process) or, when zeroed in place, by rank 2's last (a zeroed
+# .grad is a gradient: one process would step it too); by rank 1's first micro-batch (step 3).
+def _divide_uses(set_to_none):
+    return [{0}, {0, 3}, set() if set_to_none else {5}, {2}]
+
+
+@pytest.mark.parametrize(("set_to_none", "scaling"), [(False, (True, 1.0)), (False, (False, 2.0)),
+                                                        (True, (False, 1.0))])
+def test_ddp_bucketed_divides_each_gradient_once_on_its_way_into_the_bucket(set_to_none, scaling):
+    """The division by N (prescaled), or by the predivide factor and the rest after the sum, is
+    made per gradient as it enters its bucket (copied, or in place where autograd accumulated
+    into the bucket itself), also for gradients filled in at the end of backward (used in an
+    earlier micro-batch only). Float64, 3 ranks (a third is inexact), SGD: one process's steps."""
+    uses = _divide_uses(set_to_none)
+    results = run_on_ranks(train_data_parallel, 3, IMPLEMENTATIONS["bucketed"], "mlp-unused", 3, 1, 2, 4, 2.2e-3,
+                           True, "sgd", uses, None, set_to_none, scaling)
+    ref_losses, ref_state = _reference("mlp-unused", 3, 6, 4, "sgd", uses)
+    for losses, state, calls, _ in results:
+        assert_losses_close(losses, ref_losses)
+        assert_state_dicts_close(state, ref_state, what="parameters after 4 steps")
+        assert calls == 4 * len(_bucket_sizes_of(UnusedMLP(), 2.2e-3))  # one all-reduce per bucket, no more
+
+
+def _bucket_sizes_of(model, cap_mb):
+    from tinyscale.data_parallel import assign_buckets
+
+    return [len(b) for b in assign_buckets([p for p in model.parameters() if p.requires_grad], int(cap_mb * 2**20))]

@@ -16,8 +16,8 @@ from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run
 
 
 def _model_and_batches(kind, seed, rows, steps):
-    if kind == "mlp":
-        model = TinyMLP(dim=8, hidden=16, seed=seed, dtype=torch.float64)
+    if kind in ("mlp", "mlp-wide"):  # wide: 1.2 MB of float64 gradients, past torch's 1 MiB first bucket
+        model = TinyMLP(dim=8, hidden=16 if kind == "mlp" else 384, seed=seed, dtype=torch.float64)
         batches = synthetic_regression_batches(num_batches=steps, batch_size=rows, dim=8, seed=seed)
     else:
         cfg = GPTConfig.preset("tiny")
@@ -66,12 +66,30 @@ def test_ddp_engine_matches_single_process_float64(world_size, seed, micro, accu
 def test_ddp_engine_gpt_matches_single_process_float64(world_size):
     config = _config(micro=1, accum=2, world_size=world_size, clip=1.0, optimizer="adamw")
     results = _check_against_reference("gpt", 7, config, 3, world_size)  # 2 warm-up steps, step 0 at lr 0
-    # One all-reduce per gradient bucket (reduce_bucket_size, default 5e8 elements: one bucket
-    # for this model) plus one for the loss, every step.
+    # One all-reduce per gradient bucket plus one for the loss, every step. The buckets: torch's
+    # layout, a first of at most 1 MiB, the rest of reduce_bucket_size (default 5e8 elements).
+    # This GPT's float64 gradients are 328,960 bytes, under 1 MiB: the first bucket holds them all.
     trainable = [p for p in GPT(GPTConfig.preset("tiny")).parameters() if p.requires_grad]
-    n_buckets = len(assign_buckets(trainable, 500_000_000 * 8))
+    n_buckets = len(assign_buckets(trainable, 500_000_000 * 8, first_cap_bytes=2**20))
     assert n_buckets == 1
     assert results[0][2] == 3 * (n_buckets + 1)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ddp_engine_first_bucket_is_torchs_1_mib_when_it_overlaps(overlap):
+    """ZeRO 0 buckets as torch's DDP: the first to fill (the last layers) of at most 1 MiB, so its
+    all-reduce starts early in backward, the rest of reduce_bucket_size; without overlap_comm
+    every bucket waits for the end of backward anyway, and the first is not split off."""
+    config = {**_config(micro=1, accum=2, world_size=2, clip=0.0, optimizer="sgd"),
+              "zero_optimization": {"stage": 0, "overlap_comm": overlap}}
+    results = _check_against_reference("mlp-wide", 3, config, 2, 2)
+    trainable = [p for p in TinyMLP(hidden=384).parameters() if p.requires_grad]
+    # float64, last registered first: out_bias (8 elements) and shared.bias (384) fit in 1 MiB
+    # (131,072 elements), shared.weight (147,456) does not; it, fc_in.bias and fc_in.weight go in
+    # the second bucket (5e8 elements). So 2 buckets with overlap_comm, 1 without.
+    n_buckets = 2 if overlap else 1
+    assert len(assign_buckets(trainable, 500_000_000 * 8, first_cap_bytes=2**20 if overlap else None)) == n_buckets
+    assert results[0][2] == 2 * (n_buckets + 1)
 
 
 def test_ddp_engine_buckets_follow_reduce_bucket_size():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from tinyscale.bench import merge, round_robin, slowest, summary, write_json
+from tinyscale.bench import merge, ratio_interval, round_robin, slowest, summary, write_json
 
 
 def test_bench_harness_round_robin_interleaves_and_drops_warmup():
@@ -21,6 +21,27 @@ def test_bench_harness_slowest_rank_and_summary():
     assert slowest([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == [3.0, 5.0, 2.5]
     s = summary([3.0, 5.0, 2.5])
     assert (s.median, s.low, s.high, s.n) == (3.0, 2.5, 5.0, 3)
+
+
+def test_bench_harness_ratio_interval_says_when_a_run_cannot_tell_two_variants_apart():
+    # 30 rounds whose load swings from 1x to 3x, hitting both variants of a round alike
+    load = [1 + 2 * ((7 * i) % 30) / 29 for i in range(30)]
+    base = [0.1 * x for x in load]
+    jitter = [1 + 0.04 * ((-1) ** i) * ((i % 5) / 4) for i in range(30)]  # +-4% per step, no bias
+    low, high = ratio_interval([b * j for b, j in zip(base, jitter)], base)
+    assert low < 1 < high and high - low < 0.2  # the same speed: 1.0 inside, and not a vacuous interval
+    low, high = ratio_interval([1.1 * b * j for b, j in zip(base, jitter)], base)
+    assert 1 < low < 1.1 < high  # 10% slower: the interval holds 1.1 and leaves 1.0 out
+    assert ratio_interval(base, base) == (1.0, 1.0)
+    # bursts of load as this machine has them (steps of 65 or 90 ms, about half the rounds each):
+    # per round, the load divides out and the interval is as narrow as the jitter; the ratio of
+    # medians, resampled, can take its two medians from different modes: at least twice as wide
+    burst = [0.065 if (7 * i) % 30 < 15 else 0.09 for i in range(30)]
+    ours = [1.05 * b * j for b, j in zip(burst, jitter)]
+    low, high = ratio_interval(ours, burst, per_round=True)
+    assert 1.05 * 0.96 <= low < 1.05 < high <= 1.05 * 1.04
+    wide_low, wide_high = ratio_interval(ours, burst)
+    assert wide_high - wide_low > 2 * (high - low)
 
 
 def test_bench_harness_json_files_merge_into_one(tmp_path):

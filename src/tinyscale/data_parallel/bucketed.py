@@ -19,9 +19,11 @@ What it changes from `naive.py`:
    ones before it). Every rank must issue the same collectives in the same order, and
    gradient readiness can differ between ranks; a fixed launch order keeps them matched.
 
-Each bucket is divided by the world size *before* its all-reduce (as torch's DDP does: in
+Each gradient is divided by the world size *before* the all-reduce (as torch's DDP does: in
 fp16 a sum of N gradients can overflow where their mean would not; `pytest -k
-overflow_safe_reduce`). When backward ends, the wrapper waits for every bucket, and each
+overflow_safe_reduce`), on its way into the bucket: the hook's copy writes the quotient
+(torch's reducer fuses it the same way), so no second pass over the bucket. When backward
+ends, the wrapper waits for every bucket, and each
 ``.grad`` becomes a view of its slot in the bucket (``gradient_as_bucket_view``, default on,
 as torch's DDP offers): no copy out, no second copy of the gradients in memory, and while
 ``.grad`` stays that view (``zero_grad(set_to_none=False)``, or accumulation) autograd
@@ -52,14 +54,22 @@ class Bucket:
     buffer: torch.Tensor  # (sum of numels,) flat gradients
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient is in
     work: comm.Work | None = None
+    views: list[torch.Tensor] = field(default_factory=list)  # slot i, shaped as param i (made once)
+
+    def __post_init__(self):
+        self.views = [self.buffer[o: o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
     @property
     def full(self) -> bool:
         return len(self.ready) == len(self.params)
 
     def slot(self, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+        return self.views[i]
+
+
+# torch DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES): the engine's ZeRO 0
+# caps its first bucket so (when it overlaps), the rest in buckets of reduce_bucket_size.
+TORCH_FIRST_BUCKET_MB = 1.0
 
 
 # --8<-- [start:assign]
@@ -173,20 +183,35 @@ class BucketedDDP(DataParallelBase):
     def _grad_ready(self, param: torch.Tensor) -> None:
         b, i = self._where[param]
         bucket = self.buckets[b]
-        slot = bucket.slot(i)
-        if param.grad.data_ptr() != slot.data_ptr():  # else autograd accumulated into the bucket itself
-            slot.copy_(param.grad)
+        self._fill(bucket.views[i], param.grad, self._divisor())
         bucket.ready.add(i)
         # Launch every full bucket that is next in line: a fixed order on every rank.
         while self.overlap and self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
             self._launch(self._next_launch)
 
+    def _divisor(self) -> float:
+        """What each gradient is divided by on its way into its bucket: N (prescaled), the predivide
+        factor, or 1 under a comm hook (which gets this rank's gradients as they are)."""
+        return 1.0 if self._comm_hook is not None else self._pre_post(self.world_size)[0]
+
+    @staticmethod
+    def _fill(slot: torch.Tensor, grad: torch.Tensor | None, divisor: float) -> None:
+        """Put grad / divisor in its slot. Divide before summing (torch DDP does): in fp16 the sum
+        of N gradients can overflow where their mean would not. The division rides on the copy
+        into the bucket (one pass over the gradient, as torch's reducer fuses it into its copy),
+        or, where autograd accumulated into the bucket itself, is made in place."""
+        if grad is None:
+            slot.zero_()
+        elif grad.data_ptr() != slot.data_ptr():
+            torch.div(grad, divisor, out=slot) if divisor != 1 else slot.copy_(grad)
+        elif divisor != 1:
+            slot.div_(divisor)
+
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         if b == len(self.buckets) - 1:  # launched last, when this rank's usage is known
+            # (the flags, after the gradients, are not divided: they stay counts)
             self._flags.copy_(torch.tensor([p.grad is not None for p in self.params]))
-        # Divide before summing (torch DDP does): in fp16 the sum of N gradients can overflow
-        # where their mean would not. The flags (after the gradients) stay counts.
         gradients = bucket.offsets[-1] + bucket.params[-1].numel()
         if self._comm_hook is not None:
             flags = None
@@ -194,8 +219,7 @@ class BucketedDDP(DataParallelBase):
                 flags = comm.all_reduce(self._flags, group=self.process_group, async_op=True)
             state, hook = self._comm_hook
             bucket.work = _HookWork(hook(state, _BucketView(self, b, gradients)), bucket.buffer[:gradients], flags)
-        else:
-            bucket.buffer[:gradients].div_(self._pre_post(self.world_size)[0])
+        else:  # every slot already holds its gradient divided (`_fill`)
             bucket.work = all_reduce_in(bucket.buffer, self.comm_dtype, self.process_group)
         self.events.append(("launch", b, time.perf_counter()))
         self._next_launch = b + 1
@@ -209,28 +233,28 @@ class BucketedDDP(DataParallelBase):
             return
         # Buckets still waiting for a gradient that never came (a parameter unused in this
         # backward): fill in what .grad holds (accumulated earlier, or zero) and launch.
+        divisor = self._divisor()
         for b in range(self._next_launch, len(self.buckets)):
             bucket = self.buckets[b]
             for i, p in enumerate(bucket.params):
-                if i in bucket.ready:
-                    continue
-                if p.grad is None:
-                    bucket.slot(i).zero_()
-                elif p.grad.data_ptr() != bucket.slot(i).data_ptr():
-                    bucket.slot(i).copy_(p.grad)
+                if i not in bucket.ready:
+                    self._fill(bucket.views[i], p.grad, divisor)
             self._launch(b)
         self.buckets[-1].work.wait()
         used = (self._flags > 0).tolist()  # got a gradient on some rank (the flags' sum counts them)
+        post = self._pre_post(self.world_size)[1]
         for bucket in self.buckets:
             bucket.work.wait()  # the average: each rank sent its gradients divided by N (prescaled)
-            post, gradients = self._pre_post(self.world_size)[1], bucket.offsets[-1] + bucket.params[-1].numel()
+            gradients = bucket.offsets[-1] + bucket.params[-1].numel()
             if post != 1 and self._comm_hook is None:  # prescale_gradients false: divide the sum now
                 bucket.buffer[:gradients].div_(post)
-            for i, p in enumerate(bucket.params):
-                if used[self._index[p]]:
-                    p.grad = bucket.slot(i) if self.gradient_as_bucket_view else bucket.slot(i).clone()
-                else:
+            for p, view in zip(bucket.params, bucket.views):
+                if not used[self._index[p]]:
                     p.grad = None  # unused on every rank: no gradient, as in one process
+                elif not self.gradient_as_bucket_view:
+                    p.grad = view.clone()
+                elif p.grad is not view:  # (already the view: a later backward accumulated into it)
+                    p.grad = view
             bucket.ready.clear()
             bucket.work = None
         self._next_launch = 0

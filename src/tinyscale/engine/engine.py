@@ -19,7 +19,8 @@ What a step does over `dp` data-parallel ranks:
    for each micro-batch, so the local gradient is that of the mean over this rank's rows;
 3. average the gradients over the dp ranks, by ``zero_optimization.stage``:
    0: `tinyscale.data_parallel.BucketedDDP` all-reduces buckets of
-   ``reduce_bucket_size`` elements during the last micro-batch's backward (the others run
+   ``reduce_bucket_size`` elements, the first of at most 1 MiB (torch DDP's layout; not
+   without ``overlap_comm``), during the last micro-batch's backward (the others run
    under `no_sync()`); 1: `tinyscale.zero.ZeroStage1` reduce-scatters each rank's shard
    after backward; 2: `tinyscale.zero.ZeroStage2` reduce-scatters buckets during every
    backward; 3: `tinyscale.zero.ZeroStage3` holds only parameter shards, its hooks on the
@@ -85,6 +86,7 @@ from tinyscale.data import local_micro_batches
 from tinyscale.dist import ParallelMesh, comm, device
 from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
+from tinyscale.data_parallel.bucketed import TORCH_FIRST_BUCKET_MB
 from tinyscale.engine import checkpoint, checkpoint_io, compression, context, dcp_checkpoint, parallelize, step_failure
 from tinyscale.engine import expert  # ep: the groups the failure watch adds
 from tinyscale.engine.checkpoint import CheckpointError
@@ -198,8 +200,11 @@ class Engine:
                     self.optimizer = make(groups)
                 # Data parallelism: full replicas, gradients averaged by the wrapper.
                 if self.reduce_size > 1 and not compression.owns_communication(config):
+                    # torch DDP's layout: a 1 MiB first bucket goes early, the rest in buckets of
+                    # reduce_bucket_size (without overlap_comm all go after backward: no first bucket)
                     self.ddp = BucketedDDP(self.model, process_group=self.reduce_group,
-                                           bucket_cap_mb=bucket_bytes / 2**20, overlap=zero.overlap_comm)
+                                           bucket_cap_mb=bucket_bytes / 2**20, overlap=zero.overlap_comm,
+                                           first_bucket_cap_mb=TORCH_FIRST_BUCKET_MB if zero.overlap_comm else None)
                     self.ddp.comm_dtype = COMM_DTYPES[config.communication_data_type]  # buckets sent in it
                     self.ddp.prescale_gradients, self.ddp.gradient_predivide_factor = gradient_scaling(config)
                     compression.attach(self.ddp, config, self.reduce_group)  # a hook, if configured

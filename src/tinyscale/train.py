@@ -40,8 +40,9 @@ _COMMON = {
 # process, and in float64 "exactly" is visible (differences ~1e-13, not ~1e-4).
 PRESETS: dict[str, dict] = {
     "single": {"model": "small", "world_size": 1, "dtype": "float64", "config": _COMMON},
-    # Buckets of 131,072 elements (1 MiB in float64): the small GPT's gradients go in ~7
-    # all-reduces that overlap backward. DeepSpeed's default (5e8) would make one.
+    # Buckets of at most 131,072 elements (1 MiB in float64), closed at parameter boundaries: the
+    # small GPT's gradients go in 9 all-reduces that overlap backward (lesson 0 counts them;
+    # tests/docs/test_docs_figures.py). DeepSpeed's default (5e8) would make one.
     "ddp": {"model": "small", "world_size": 4, "dtype": "float64",
             "config": {**_COMMON, "zero_optimization": {"stage": 0, "reduce_bucket_size": 131_072}}},
     "zero1": {"model": "small", "world_size": 4, "dtype": "float64",

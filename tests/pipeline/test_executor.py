@@ -203,3 +203,38 @@ def test_pp_executor_a_failed_stage_tells_its_peer_whether_shapes_are_new_or_kno
             assert first[run] == ("StageFailed", 1) and second[run] == "MemoryError"
         else:
             assert first[run] is None and isinstance(second[run], float)
+
+
+def _receive_windows(name, v):
+    """Two steps of `name` on 2 ranks (m = 4): each irecv's (post, wait done) times, and the
+    start of every compute action, on this rank."""
+    import time
+
+    from tinyscale.dist import comm
+
+    rank, m = dist.get_rank(), 4
+    model, batches = _setup(4, False, 2 * m, 2)
+    stages = {spec.stage: GPTStage(model, spec)
+              for spec in stages_on_rank(partition_gpt(model.config, 2, virtual_stages=v), rank)}
+    executor = PipelineExecutor(add_communication(SCHEDULES[name](2, m, v)), rank, stages, loss_fn=gpt_loss)
+    starts = []
+    for method in ("_forward", "_backward"):
+        def timed(a, run=getattr(executor, method)):
+            starts.append(time.perf_counter())
+            run(a)
+        setattr(executor, method, timed)
+    with comm.record() as ledger:
+        for inputs, targets in batches:
+            executor.run(inputs.chunk(m), targets.chunk(m))
+    return [(r.start, r.end) for r in ledger.rows if r.op == "irecv"], starts
+
+
+@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_pp_executor_posts_each_receive_where_the_schedule_takes_it(name, v):
+    """No compute action starts between a receive's post and the end of its wait: receives are
+    posted where the schedule takes them, as torch's pipelining does (posting the next one
+    early, to land during compute, was measured slower on gloo: lessons/08, issue 30)."""
+    for rank, (windows, starts) in enumerate(run_on_ranks(_receive_windows, 2, name, v)):
+        assert len(windows) >= 2 * 4 and len(starts) == 2 * 2 * 4 * v  # two steps, m = 4, F and B
+        early = [(s, e) for s, e in windows if any(s < t < e for t in starts)]
+        assert not early, f"rank {rank}: {len(early)} of {len(windows)} receives were in flight during compute"

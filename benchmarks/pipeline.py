@@ -1,6 +1,6 @@
 """Our pipeline executor's schedules against PyTorch's torch.distributed.pipelining, same run.
 
-    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 60] [--json PATH]
+    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 80] [--json PATH]
 
 Two CPU ranks (gloo), one GPT (float32) cut into the same stages by
 `tinyscale.pipeline.partition_gpt`, the same batch of m micro-batches, timed six ways:
@@ -23,8 +23,9 @@ messages). Each send and receive is charged the mean of what it held its rank fo
 kind): a send its share of the time until its run of messages reaches a receive, a receive
 its time less its wait for the data. Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
 pp_afab_vs_torch (the median paired ratios; their quartiles and interval under `ratio_stats`)
-and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points). 60 rounds take
-about 40 s on 2 idle cores.
+and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points). Each of ours runs
+beside the torch schedule it is compared with in a round; 80 rounds take about 45 s on 2
+nearly idle cores.
 Lesson: lessons/08-pipeline-parallel.md.
 """
 
@@ -134,7 +135,9 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
             comm.Work.wait = wait
             actions.setdefault(name, []).append([(str(a), s, e) for a, s, e in logs[name]])
 
-    times = round_robin({name: lambda i, name=name: step(name, i) for name in runs}, steps, warmup=1,
+    # each of ours beside the torch schedule it is compared with, so a pair's two steps see the same load
+    order = ["afab", "torch GPipe", "1f1b", "torch 1F1B", "zb_h1", "interleaved_1f1b"]
+    times = round_robin({name: lambda i, name=name: step(name, i) for name in order}, steps, warmup=1,
                         before=dist.barrier)
     return {"times": times, "actions": actions, "latency": _latency(2 * cfg.max_seq_len * cfg.d_model + 1),
             "holds": {name: {key: statistics.mean(d) for key, d in h.items()} for name, h in holds.items()},
@@ -216,7 +219,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=60,
+    parser.add_argument("--steps", type=int, default=80,
                         help=f"timed rounds after one warm-up (every {INSTRUMENT}th times our actions for the bubble)")
     add_json_argument(parser)
     args = parser.parse_args()

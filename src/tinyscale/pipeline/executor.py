@@ -24,7 +24,7 @@ only knows what each action means:
   this one (AFAB's runs of forwards and of backwards): then it is posted as soon as that
   previous one has arrived, so the bytes land while the rank computes. Measured both ways on
   gloo (lessons/08): a receive posted early while the rank then sends to the same peer (1F1B)
-  made each rank's gloo thread spend 4 to 6 ms more CPU per step (m = 8), taken from the
+  made each rank's gloo thread spend 4.5 to 7 ms more CPU per step (m = 8), taken from the
   compute on shared cores; with no send in between (AFAB) posting early took CPU off that
   thread and the step. (NCCL would serialise a posted receive ahead of the sends on the same
   pair, so there every receive is posted where the schedule takes it.)

@@ -1,6 +1,6 @@
 """Our pipeline executor's schedules against PyTorch's torch.distributed.pipelining, same run.
 
-    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 4] [--json PATH]
+    python benchmarks/pipeline.py [--microbatches 8] [--layers 4] [--steps 80] [--json PATH]
 
 Two CPU ranks (gloo), one GPT (float32) cut into the same stages by
 `tinyscale.pipeline.partition_gpt`, the same batch of m micro-batches, timed six ways:
@@ -10,15 +10,22 @@ Two CPU ranks (gloo), one GPT (float32) cut into the same stages by
     torch GPipe / torch 1F1B      ScheduleGPipe / Schedule1F1B on PipelineStage(GPTStage)
 
 Steps run round-robin (so load changes hit all variants alike), the first one of each dropped as
-warm-up; the table shows the median step time, ours / torch measured in this run, and for our
-schedules the bubble measured from each compute action's start and end (a clock the ranks
-share) beside the simulator's, run on the median measured cost of each (stage, kind) and the
+warm-up. Ours / torch is the median over rounds of the round's own ratio (our step over torch's
+in the same round: a load change between rounds cancels), with its quartiles and a 95 %
+confidence interval of that median (order statistics, no assumption on the distribution), on
+the rounds where our executor runs as users run it; every `INSTRUMENT`-th round it runs with
+each action timed instead (a few microseconds per action), and only those rounds give the
+bubble: measured from each compute action's start and end (a clock the ranks share) beside the
+simulator's, run on the median measured cost of each (stage, kind) and the
 per-message latency measured in the same processes (a ping-pong of one activation-sized
 message, half the median round trip), and the closed form (which assumes equal stages and free
 messages). Each send and receive is charged the mean of what it held its rank for, per (stage,
 kind): a send its share of the time until its run of messages reaches a receive, a receive
 its time less its wait for the data. Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
-pp_afab_vs_torch and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points).
+pp_afab_vs_torch (the median paired ratios; their quartiles and interval under `ratio_stats`)
+and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points). Each of ours runs
+beside the torch schedule it is compared with in a round; 80 rounds take about 45 s on 2
+nearly idle cores.
 Lesson: lessons/08-pipeline-parallel.md.
 """
 
@@ -47,6 +54,7 @@ from tinyscale.pipeline import (
 OURS = {"afab": (lambda p, m: afab(p, m), 1), "1f1b": (lambda p, m: one_f_one_b(p, m), 1),
         "zb_h1": (lambda p, m: zb_h1(p, m), 1), "interleaved_1f1b": (lambda p, m: interleaved_1f1b(p, m, 2), 2)}
 TORCH = {"torch GPipe": ("ScheduleGPipe", "afab"), "torch 1F1B": ("Schedule1F1B", "1f1b")}
+INSTRUMENT = 4  # every 4th round times our executor's actions (for the bubble), the others not (for the ratio)
 CLOSED = {"afab": lambda p, m: (p - 1) / (m + p - 1), "1f1b": lambda p, m: (p - 1) / (m + p - 1),
           "zb_h1": lambda p, m: (p - 1) / (3 * m + p - 1), "interleaved_1f1b": lambda p, m: (p - 1) / (2 * m + p - 1)}
 
@@ -58,19 +66,20 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
     p, rank = dist.get_world_size(), dist.get_rank()
     cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=n_layer, n_head=4, d_model=128, ffn_hidden=384)
     (inputs, targets), = synthetic_token_batches(num_batches=1, batch_size=2 * m, seq_len=32, vocab_size=128, seed=1)
-    runs, logs = {}, {name: [] for name in OURS}
+    runs, logs, executors, instrumented = {}, {name: [] for name in OURS}, {}, {}
     holds = {name: {} for name in OURS}  # (stage, kind) of a send / receive -> seconds it held its rank
     waited: list[float] = []  # seconds inside comm.Work.wait during the current receive
     for name, (make, v) in OURS.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
         stages = {s.stage: GPTStage(model, s) for s in stages_on_rank(partition_gpt(cfg, p, virtual_stages=v), rank)}
         executor = PipelineExecutor(add_communication(make(p, m)), rank, stages, loss_fn=gpt_loss)
+        wrappers = instrumented[name] = {}  # method name -> its timed stand-in, set on instrumented rounds only
         for method in ("_forward", "_backward", "_weight_grad"):  # time each compute action
             def timed(a, run=getattr(executor, method), log=logs[name]):
                 start = time.perf_counter()
                 run(a)
                 log.append((a, start, time.perf_counter()))
-            setattr(executor, method, timed)
+            wrappers[method] = timed
 
         # What each message holds its rank for. A send: its share of the time from the start of
         # its run of messages to the run's first receive (frames built, isends issued), in every
@@ -92,8 +101,9 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
             waited.clear()
             run(a)
             log.setdefault((a.stage, a.kind), []).append(time.perf_counter() - start - sum(waited))
-        executor._communicate, executor._receive = communicate, receive
+        wrappers["_communicate"], wrappers["_receive"] = communicate, receive
         runs[name] = (model, lambda ex=executor: ex.run(inputs.chunk(m), targets.chunk(m)))
+        executors[name] = executor
     for name, (cls, _) in TORCH.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
         spec, = stages_on_rank(partition_gpt(cfg, p), rank)
@@ -102,32 +112,53 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         kwargs = {"target": targets, "losses": []} if rank == p - 1 else {}
         runs[name] = (model, lambda s=schedule, kw=kwargs: s.step(inputs, **kw) if rank == 0 else s.step(**kw))
     actions = {}
-    wait = comm.Work.wait
+    wait = comm.Work.wait  # replaced by timed_wait (this rank process only) on instrumented rounds
 
     def timed_wait(work):
         start = time.perf_counter()
         wait(work)
         waited.append(time.perf_counter() - start)
-    comm.Work.wait = timed_wait  # this rank process only: what a receive spends waiting
 
     def step(name, i):
         model, run = runs[name]
         model.zero_grad()
-        if name in logs:
+        timing = name in logs and is_instrumented(i)
+        if timing:  # this round times each action (instance attributes shadow the methods)
             logs[name].clear()
-            if i == 1:  # the warm-up round's messages (headers, first frames) are not counted
-                holds[name].clear()
+            vars(executors[name]).update(instrumented[name])
+            comm.Work.wait = timed_wait
         run()
         dist.barrier()  # the step ends when both ranks are done
-        if name in logs and i:  # round 0 is warm-up
+        if timing:
+            for method in instrumented[name]:
+                del vars(executors[name])[method]
+            comm.Work.wait = wait
             actions.setdefault(name, []).append([(str(a), s, e) for a, s, e in logs[name]])
 
-    times = round_robin({name: lambda i, name=name: step(name, i) for name in runs}, steps, warmup=1,
+    # each of ours beside the torch schedule it is compared with, so a pair's two steps see the same load
+    order = ["afab", "torch GPipe", "1f1b", "torch 1F1B", "zb_h1", "interleaved_1f1b"]
+    times = round_robin({name: lambda i, name=name: step(name, i) for name in order}, steps, warmup=1,
                         before=dist.barrier)
-    comm.Work.wait = wait
     return {"times": times, "actions": actions, "latency": _latency(2 * cfg.max_seq_len * cfg.d_model + 1),
             "holds": {name: {key: statistics.mean(d) for key, d in h.items()} for name, h in holds.items()},
             "median_holds": {name: {key: statistics.median(d) for key, d in h.items()} for name, h in holds.items()}}
+
+
+def is_instrumented(i: int) -> bool:
+    """Round i (0: warm-up, never) times our executor's actions."""
+    return i > 0 and i % INSTRUMENT == 0
+
+
+def paired_ratio(ours: list[float], theirs: list[float], rounds: list[int]) -> dict:
+    """ours[i] / theirs[i] over `rounds`: the median, its quartiles, and the 95 % confidence
+    interval of the median from order statistics (the ranks n/2 -+ 1.96 sqrt(n)/2 of the sorted
+    ratios: the binomial interval, true whatever the ratios' distribution)."""
+    r = sorted(ours[i] / theirs[i] for i in rounds)
+    n = len(r)
+    q1, _, q3 = statistics.quantiles(r, n=4) if n > 1 else (r[0], r[0], r[0])
+    half = 1.96 * n ** 0.5 / 2
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
+    return {"median": statistics.median(r), "q1": q1, "q3": q3, "ci95": [r[lo], r[hi]], "n": n}
 
 
 def _latency(numel: int, trips: int = 30) -> float:
@@ -188,20 +219,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=80,
+                        help=f"timed rounds after one warm-up (every {INSTRUMENT}th times our actions for the bubble)")
     add_json_argument(parser)
     args = parser.parse_args()
+    if args.steps < 2 * INSTRUMENT:
+        parser.error(f"--steps must be at least {2 * INSTRUMENT}: every {INSTRUMENT}th round times the actions")
     m, p = args.microbatches, 2
     start = time.perf_counter()
     per_rank = ts.dist.launch(_bench_rank, p, m, args.layers, args.steps, timeout_s=300)
-    times = {name: statistics.median(slowest([r["times"][name] for r in per_rank])) for name in per_rank[0]["times"]}
+    per_round = {name: slowest([r["times"][name] for r in per_rank]) for name in per_rank[0]["times"]}
+    plain = [i for i in range(args.steps) if not is_instrumented(i + 1)]  # times[i] is round i + 1
+    times = {name: statistics.median(per_round[name][i] for i in plain) for name in per_round}
+    stats = {ours: paired_ratio(per_round[ours], per_round[theirs], plain) for theirs, (_, ours) in TORCH.items()}
     latency = statistics.median(r["latency"] for r in per_rank)
     held = {name: message_holds(per_rank, name) for name in OURS}
     sends = [t for (_, kind), t in held["1f1b"].items() if kind in (SEND_F, SEND_B)]
     recvs = [t for (_, kind), t in held["1f1b"].items() if kind in (RECV_F, RECV_B)]
     table = Table(title=f"pipeline step on {p} CPU ranks, m = {m}, {args.layers} layers, float32 "
-                        f"(median of {args.steps} steps)")
-    for col in ("variant", "step ms", "ours / torch", "bubble measured", "simulated (measured costs)",
+                        f"(median of {len(plain)} rounds; bubbles from {args.steps - len(plain)} more)")
+    for col in ("variant", "step ms", "ours / torch (quartiles)", "bubble measured", "simulated (measured costs)",
                 f"simulated (+ messages: {latency * 1e6:.0f} us latency, each send and receive's mean measured "
                 f"hold; 1F1B: {' '.join(f'{t * 1e6:.0f}' for t in sends)} us per send, "
                 f"{' '.join(f'{t * 1e6:.0f}' for t in recvs)} us per receive)", "closed form"):
@@ -213,16 +250,20 @@ def main() -> None:
         measured, simulated = bubbles(per_rank, name, m)
         _, with_latency = bubbles(per_rank, name, m, latency, held[name])
         gaps[name] = 100 * (measured - with_latency)
-        ratio = f"{times[name] / times[torch_of[name]]:.2f}" if name in torch_of else ""
+        ratio = f"{stats[name]['median']:.3f} ({stats[name]['q1']:.2f}-{stats[name]['q3']:.2f})" if name in stats else ""
         table.add_row(f"ours {name}", f"{times[name] * 1e3:.1f}", ratio, f"{measured:.1%}", f"{simulated:.1%}",
                       f"{with_latency:.1%}", f"{CLOSED[name](p, m):.1%}")
     for name in TORCH:
         table.add_row(name, f"{times[name] * 1e3:.1f}", "", "", "", "", "")
     Console(width=130).print(table)
+    for name, st in stats.items():
+        print(f"ours {name} / {torch_of[name]}: median of {st['n']} paired rounds {st['median']:.3f}, "
+              f"quartiles {st['q1']:.3f} .. {st['q3']:.3f}, 95 % CI of the median {st['ci95'][0]:.3f} .. {st['ci95'][1]:.3f}")
     print(f"wall time {time.perf_counter() - start:.0f} s")
-    write_json(args.json, {"pp_1f1b_vs_torch": times["1f1b"] / times["torch 1F1B"],
-                           "pp_afab_vs_torch": times["afab"] / times["torch GPipe"],
+    write_json(args.json, {"pp_1f1b_vs_torch": stats["1f1b"]["median"],
+                           "pp_afab_vs_torch": stats["afab"]["median"],
                            "pp_1f1b_bubble_gap_points": gaps["1f1b"]},
+               ratio_stats={f"pp_{name}_vs_torch": st for name, st in stats.items()},
                latency_s=latency, send_s=statistics.median(sends), recv_s=statistics.median(recvs),
                gap_points_median_holds=100 * (measured_1f1b - with_median_holds),
                holds_1f1b_us={f"{s}{kind}": round(t * 1e6) for (s, kind), t in held["1f1b"].items()}, microbatches=m, steps=args.steps)

@@ -18,10 +18,16 @@ only knows what each action means:
   and both ends remember the shape; afterwards the frame alone goes, sized from memory, as
   torch's pipelining sends tensors of shapes fixed in advance. A tensor whose shape changed
   (another sequence length next step) goes as a frame of the remembered size with status 1,
-  then the header and the new frame. Receives wait in schedule order; on gloo each rank posts
-  the next receive from a peer as soon as the previous one from it has arrived, so the bytes
-  move while the rank computes (NCCL would serialise a posted receive ahead of the sends on
-  the same pair, so there the receive is posted where the schedule takes it).
+  then the header and the new frame. Receives wait in schedule order. A receive is posted
+  where the schedule takes it, after its run's sends, as torch's pipelining does, except on
+  gloo when the rank sends its peer nothing between the previous receive from that peer and
+  this one (AFAB's runs of forwards and of backwards): then it is posted as soon as that
+  previous one has arrived, so the bytes land while the rank computes. Measured both ways on
+  gloo (lessons/08): a receive posted early while the rank then sends to the same peer (1F1B)
+  made each rank's gloo thread spend 4.5 to 7 ms more CPU per step (m = 8), taken from the
+  compute on shared cores; with no send in between (AFAB) posting early took CPU off that
+  thread and the step. (NCCL would serialise a posted receive ahead of the sends on the same
+  pair, so there every receive is posted where the schedule takes it.)
 - a compute action that raises: the rank runs the rest of its schedule's messages, each
   saying which rank failed (no data: a frame of the remembered size with status 2 and a
   header naming the rank, or that header alone), and so does every rank that receives one;
@@ -135,11 +141,18 @@ class PipelineExecutor:
         # (direction, receiving stage, micro-batch) -> (shape, dtype) last sent / received there
         self.sent_shapes: dict[tuple, tuple] = {}
         self.recv_shapes: dict[tuple, tuple] = {}
-        self.recvs_from: dict[int, list[Action]] = {}  # global peer -> its receives, in schedule order
-        for a in self.actions:
-            if a.kind in (RECV_F, RECV_B):
-                self.recvs_from.setdefault(self._peer(a), []).append(a)
-        self.prefetch = group_backend(group) == "gloo"  # post the next receive early (see the docstring)
+        # On gloo: a receive -> the next receive from the same peer, posted as soon as the first
+        # has arrived, where the rank sends that peer nothing in between (see the docstring).
+        self.early: dict[Action, Action] = {}
+        if group_backend(group) == "gloo":
+            last: dict[int, Action | None] = {}  # peer -> its latest receive, None after a send to it
+            for a in self.actions:
+                if a.kind in (SEND_F, SEND_B):
+                    last[self._peer(a)] = None
+                elif a.kind in (RECV_F, RECV_B):
+                    if last.get(self._peer(a)) is not None:
+                        self.early[last[self._peer(a)]] = a
+                    last[self._peer(a)] = a
         self.loss_scale = 1.0  # fp16's loss scale S, set by the caller before each run
         # (before, after): called with every compute action, also on a rank whose compute raised
         # (a caller's collectives, e.g. ZeRO 3's all-gathers over dp, stay matched across ranks)
@@ -165,10 +178,7 @@ class PipelineExecutor:
         # messages only, each a header saying so (no data), so no peer waits for it; a peer that
         # receives one does the same. `failed`: (global rank that raised first here, its error).
         self.failed: tuple[int, BaseException | None] | None = None
-        self.next_recv = dict.fromkeys(self.recvs_from, 0)  # peer -> index of its next receive
-        self.posted: dict[int, tuple[Action, torch.Tensor, comm.Work]] = {}  # peer -> receive posted early
-        for peer in self.recvs_from:
-            self._prefetch(peer)
+        self.posted: dict[Action, tuple[torch.Tensor, comm.Work]] = {}  # receives posted early
         pending: list[Action] = []
         for a in self.actions:
             if a.kind in COMM_KINDS:
@@ -292,20 +302,16 @@ class PipelineExecutor:
         frame = _frame(None, known, _OK, self._device)
         return frame, comm.irecv(frame, self._peer(a), self.group)
 
-    def _prefetch(self, peer: int) -> None:
-        """On gloo: post the next receive from `peer` now, so it arrives while this rank computes."""
-        queue, i = self.recvs_from[peer], self.next_recv[peer]
-        if self.prefetch and peer not in self.posted and i < len(queue):
-            posted = self._post(queue[i])
-            if posted is not None:
-                self.posted[peer] = (queue[i], *posted)
+    def _post_early(self, a: Action) -> None:
+        """`a` has arrived: post the next receive from its peer now if `early` says so."""
+        after = self.early.get(a)
+        posted = self._post(after) if after is not None else None
+        if posted is not None:
+            self.posted[after] = posted
 
     def _receive(self, a: Action) -> None:
         peer, key = self._peer(a), _key(a)
-        assert self.recvs_from[peer][self.next_recv[peer]] == a, "receives are taken in schedule order"
-        self.next_recv[peer] += 1
-        early = self.posted.pop(peer, None)
-        posted = early[1:] if early is not None else self._post(a)
+        posted = self.posted.pop(a, None) or self._post(a)
         status = None
         if posted is not None:
             frame, work = posted
@@ -318,13 +324,13 @@ class PipelineExecutor:
                 if self.failed is None and self.on_failure is not None:
                     self.on_failure()
                 self.failed = self.failed or (int(header[1].item()), None)
-                self._prefetch(peer)
+                self._post_early(a)
                 return
             shape = _shape_from_header(header)
             frame = _frame(None, shape, _OK, self._device)
             comm.irecv(frame, peer, self.group).wait()
             self.recv_shapes[key] = shape
-        self._prefetch(peer)
+        self._post_early(a)
         self.inbox[(F if a.kind == RECV_F else B, a.stage, a.microbatch)] = frame[:-1].view(self.recv_shapes[key][0])
 
     def _peer(self, a: Action) -> int:

@@ -42,13 +42,17 @@ class ZeroStage2:
                  bucket_bytes: int = 500_000_000, overlap: bool = True,
                  offload_optimizer: str = "none", nvme_path: str | None = None,
                  param_dtype: torch.dtype | None = None, loss_scaler=None, sub_group_size: int | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, first_bucket_bytes: int | None = None):
+        """`first_bucket_bytes`: the first bucket's cap, if smaller than `bucket_bytes`: torch
+        DDP's layout (1 MiB, then 25 MiB), so that one reduce-scatter starts early in backward
+        even when the rest of the model fits one bucket. None: every bucket `bucket_bytes`."""
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
-                                        unit_bytes=bucket_bytes, reverse_units=True,
+                                        unit_bytes=bucket_bytes, reverse_units=True, first_unit_bytes=first_bucket_bytes,
                                         offload=offload_optimizer, nvme_path=nvme_path,
                                         param_dtype=param_dtype, loss_scaler=loss_scaler, sub_group_size=sub_group_size,
                                         pin_memory=pin_memory)
         self.overlap = overlap
+        self.sharded.flat_params = True  # the step's all-gather writes into the parameters (params_flat)
         self._where = {p: (u, i) for u, unit in enumerate(self.sharded.units) for i, p in enumerate(unit.params)}
         self._ready: list[set[int]] = [set() for _ in self.sharded.units]
         self._pending: list = []

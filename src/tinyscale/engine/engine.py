@@ -237,6 +237,7 @@ class Engine:
                 if self.plan.zero_stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
                     self.zero.sharded.reduce_scatter = zero.reduce_scatter
                     self.zero.sharded.allgather_bucket_size = zero.allgather_bucket_size
+                    self.zero.agree_usage_early = False  # the flags ride on the loss all-reduce
                 else:  # stage 3's prefetch bounds, in elements (DeepSpeed's; zero/stage3_prefetch.py)
                     self.zero.prefetch_bucket_size = zero.stage3_prefetch_bucket_size
                     self.zero.max_live_parameters = zero.stage3_max_live_parameters

@@ -177,6 +177,11 @@ class ShardedOptimizer:
             comm.all_reduce(flags, group=self.process_group)
         return flags.cpu() > 0
 
+    def agree_used_async(self) -> tuple[torch.Tensor, object]:
+        """`agree_used`, launched: (counts, handle); after handle.wait(), ``counts.cpu() > 0``."""
+        flags = self._used_here.to(self.units[0].device, torch.int32, copy=True)
+        return flags, comm.all_reduce(flags, group=self.process_group, async_op=True) if self.distributed else None
+
     def forget_usage(self) -> None:
         self._used_here.zero_()
     # --8<-- [end:usage]

@@ -63,6 +63,7 @@ class ZeroStage1(ZeroStage2):
                             param_dtype=param_dtype, loss_scaler=loss_scaler, sub_group_size=sub_group_size,
                             pin_memory=pin_memory, first_bucket_bytes=first_bucket_bytes)
         self._held = False  # gradients accumulated under no_sync and not reduced yet
+        self.agree_usage_early = True  # (ZeroStage2.agree_usage_early)
 
     @property
     def grad_flat(self) -> list[torch.Tensor | None]:
@@ -122,6 +123,7 @@ class ZeroStage1(ZeroStage2):
         """Backwards inside only accumulate (in the flat buffers); the next backward outside, or
         else `step()`, reduce-scatters the sum once."""
         self._held = True  # set by the caller's code, the same on every rank: step() agrees on it
+        self._usage_agreed()  # flags agreed before this backward are stale: step() agrees anew
         with ZeroStage2.no_sync(self):
             yield
 
@@ -133,7 +135,8 @@ class ZeroStage1(ZeroStage2):
         (`ShardedOptimizer.full_step`); those that got none are not stepped."""
         if self._held:
             self.reduce_gradients()
-        return self.sharded.full_step(max_norm, used=used)
+        early = self._usage_agreed()
+        return self.sharded.full_step(max_norm, used=early if used is None else used)
 
     def abandon_backward(self) -> None:
         """Forget the gradients of a step that raised, full and sharded."""

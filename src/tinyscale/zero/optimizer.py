@@ -63,7 +63,8 @@ class ShardedOptimizer:
                  param_dtype: torch.dtype | None = None, loss_scaler=None, sub_group_size: int | None = None,
                  pin_memory: bool = False, first_unit_bytes: int | None = None):
         """`first_unit_bytes`: the first unit's cap if smaller than `unit_bytes` (stages 1 and 2: a
-        small first bucket, torch DDP's layout). `unit_key(p)` (stage 3) cuts each group by module instead of by size: parameters
+        small first bucket, torch DDP's layout).
+        `unit_key(p)` (stage 3) cuts each group by module instead of by size: parameters
         with the same key share a unit, units ordered by key. `offload` ("none", "cpu",
         "nvme"; `offload.py`): where master shards and optimizer states live and the step runs.
         `param_dtype` (mixed precision: fp16/bf16): the masters keep the parameters' current

@@ -47,7 +47,8 @@ class ZeroStage2:
         DDP's layout (1 MiB, then 25 MiB), so that one reduce-scatter starts early in backward
         even when the rest of the model fits one bucket. None: every bucket `bucket_bytes`."""
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
-                                        unit_bytes=bucket_bytes, reverse_units=True, first_unit_bytes=first_bucket_bytes,
+                                        unit_bytes=bucket_bytes, reverse_units=True,
+                                        first_unit_bytes=first_bucket_bytes,
                                         offload=offload_optimizer, nvme_path=nvme_path,
                                         param_dtype=param_dtype, loss_scaler=loss_scaler, sub_group_size=sub_group_size,
                                         pin_memory=pin_memory)

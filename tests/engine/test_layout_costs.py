@@ -110,7 +110,8 @@ def padded(units: list[list[int]], n: int) -> int:
 
 
 BLOCK_SIZES = [C, C * C, KV * HD * C, KV * HD * C, C * C, C, F * C, F * C, C * F]  # in the model's order
-ALL_IN_ONE = [[V * C] + BLOCK_SIZES * L + [C]]  # ZeRO 1: one unit (reduce_bucket_size is 5e8 elements)
+# ZeRO 1: one unit (reduce_bucket_size is 5e8 elements), its tensors in backward's order (last first)
+ALL_IN_ONE = [([V * C] + BLOCK_SIZES * L + [C])[::-1]]
 BY_MODULE = [[V * C, C]] + [BLOCK_SIZES] * L  # ZeRO 3: the root (embedding, final norm), then one per block
 
 
@@ -125,7 +126,8 @@ def expected(name: str, rank: int) -> tuple[dict, dict]:
         return memory, {"dp": {"all_reduce": (2, (PSI + P) * E + loss(n))}}
     if name == "dp2-zero1":  # gradients reduce-scattered, parameters all-gathered: each once, padded
         n, (elements, pieces) = 2, shard_pieces(ALL_IN_ONE, 2, rank)
-        memory = {"parameters": E * PSI, "gradients": E * PSI, "master_weights": E * padded(ALL_IN_ONE, n) // n,
+        shard = E * padded(ALL_IN_ONE, n) // n  # the last backward reduce-scattered the gradients: shards
+        memory = {"parameters": E * PSI, "gradients": shard, "master_weights": shard,
                   "optimizer_states": adam(elements, pieces)}
         return memory, {"dp": {"reduce_scatter": (1, E * padded(ALL_IN_ONE, n)),
                                "all_gather": (1, E * padded(ALL_IN_ONE, n)), "all_reduce": (1, loss(n, P))}}

@@ -158,19 +158,20 @@ def test_layout_memory_per_rank_equals_formula(job, request):
 def test_layout_memory_reduces_to_model_state_bytes():
     """tp = pp = 1: the paper's per-device model states (2 + 2 + 12 bytes, mixed-precision Adam)
     with Psi padded as the engine pads it, each unit to a multiple of N (stages 1-2: one unit,
-    stage 2's in reverse; stage 3: one per block, then the root), plus Adam's 4-byte step counter
+    in reverse; stage 3: one per block, then the root), plus Adam's 4-byte step counter
     per tensor piece in the shard, minus the state padding does not have. N = 3 divides nothing here."""
     cfg = GPTConfig(vocab_size=61, max_seq_len=8, n_layer=3, n_head=4, n_kv_head=2, d_model=8, ffn_hidden=12,
                     tie_embeddings=True)
     sizes = [x.numel for x in rank_tensors(cfg, LayoutPlan(1, 1, 1, 1, 1), 0)]  # embed, 3 x 9 block tensors, norm
     psi = sum(sizes)
     assert psi == cfg.num_params() and len(sizes) == 29
-    units = {1: [sizes], 2: [sizes[::-1]], 3: [sizes[1 + 9 * i:10 + 9 * i] for i in range(3)] + [[sizes[0], sizes[-1]]]}
+    units = {1: [sizes[::-1]], 2: [sizes[::-1]], 3: [sizes[1 + 9 * i:10 + 9 * i] for i in range(3)] + [[sizes[0], sizes[-1]]]}
     for n in (1, 2, 3):
         for stage in (0, 1, 2, 3):
             padded = sum(n * math.ceil(sum(u) / n) for u in units.get(stage, [sizes]))
             paper = model_state_bytes(padded if stage else psi, n, stage)  # the sharded parts, padded
             whole = model_state_bytes(psi, 1, 0)  # what the stage leaves whole is unpadded
+            shards = model_state_bytes(padded, n, 2)
             got = rank_model_state_bytes(cfg, LayoutPlan(n, n, 1, 1, 1, zero=ZeroConfig(stage=stage)), dtype_bytes=4,
                                          compute_bytes=2)
             for rank, states in got.items():
@@ -184,7 +185,8 @@ def test_layout_memory_reduces_to_model_state_bytes():
                             real, pieces, start = real + inside, pieces + (inside > 0), start + size
                 assert states == {
                     "parameters": (paper if stage == 3 else whole).device.parameters,
-                    "gradients": (paper if stage >= 2 else whole).device.gradients,
+                    # stage 1: shards after its last backward (stage 2's), whole only between micro-batches
+                    "gradients": (paper if stage >= 2 else shards if stage == 1 else whole).device.gradients,
                     "master_weights": paper.device.master_weights,
                     "optimizer_states": 8 * real + 4 * pieces}, (n, stage, rank)
                 if rank < n - 1 or padded == psi:  # no padding on this rank: the paper's number exactly

@@ -37,9 +37,7 @@ def _reduce(kind):
         wrapped(x).backward()
         return model.w.grad.clone()
     zero = ZeroStage1(model.parameters(), make) if kind == "zero1" else ZeroStage2(model.parameters(), make)
-    model(x).backward()
-    if kind == "zero1":
-        zero.reduce_gradients()
+    model(x).backward()  # both stages reduce-scatter in the (last) backward
     shard = zero.sharded.grad[0].clone()  # this rank's 6/4 -> 2 elements
     zero.step()
     return shard

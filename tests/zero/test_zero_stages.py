@@ -3,6 +3,8 @@ memory the formulas say, and the bytes of DDP."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -155,14 +157,14 @@ def _expected_memory(stage, world, bucket, rank):
     """The per-rank model-state bytes of our implementation, from the formulas (float64 = 8 B)."""
     model = TinyMLP()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    units = split_into_units(trainable, 8 * bucket, world, 0, reverse=stage == 2)  # reduce_bucket_size, in elements
+    units = split_into_units(trainable, 8 * bucket, world, 0, reverse=True)  # reduce_bucket_size, in elements
     shard = sum(u.shard_numel for u in units)  # sum over units of ceil(numel / N): padding included
     psi = sum(p.numel() for p in model.parameters())  # frozen ones are parameters too
-    trainable_psi = sum(p.numel() for p in trainable)
     elements, pieces = fragments(units, rank)
     return {
         "parameters": 8 * psi,
-        "gradients": 8 * trainable_psi if stage == 1 else 8 * shard,  # full local vs shard only
+        # shards only: stage 1's last backward reduced its full gradients (held between micro-batches)
+        "gradients": 8 * shard,
         "master_weights": 8 * shard,
         # exp_avg + exp_avg_sq, and Adam's float32 `step` per stepped tensor
         "optimizer_states": 2 * 8 * elements + pieces * torch.tensor(0.0).element_size(),
@@ -197,7 +199,7 @@ def _bus_bytes_per_step(stage, world):
 def test_zero_move_the_same_bytes_as_ddp(world):
     psi_bytes = 8 * sum(p.numel() for p in TinyMLP().parameters() if p.requires_grad)
     padded = {s: 8 * sum(u.padded_numel for u in split_into_units(
-        [p for p in TinyMLP().parameters() if p.requires_grad], 8 * 250, world, 0, reverse=s == 2))
+        [p for p in TinyMLP().parameters() if p.requires_grad], 8 * 250, world, 0, reverse=True))
         for s in (1, 2)}
     ring = 2 * (world - 1) / world
     flags = 8 * len([p for p in TinyMLP().parameters() if p.requires_grad])  # DDP's usage flags, one per parameter
@@ -280,7 +282,8 @@ def _train_two_steps(stage, model, batches, zero, rank):
     for x, y in batches:
         for micro in range(2):
             rows = slice(4 * rank + 2 * micro, 4 * rank + 2 * micro + 2)
-            (model(x[rows], y[rows]) / 2).backward()
+            with zero.no_sync() if stage == 1 and micro == 0 else contextlib.nullcontext():
+                (model(x[rows], y[rows]) / 2).backward()
             flat = zero.grad_flat if stage == 1 else []
             views.append([any(p.grad is not None and p.grad.data_ptr() == b.data_ptr() + 8 * u.offsets[i]
                               for b, u in zip(flat, zero.sharded.units) for i, q in enumerate(u.params) if q is p)
@@ -292,8 +295,8 @@ def _train_two_steps(stage, model, batches, zero, rank):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_gradients_live_in_the_flat_buffer_no_flattening_copy(stage):
     """Stages 1 and 2 send each unit's gradients from the flat buffer they were put in when
-    backward produced them (stage 1: .grad is a view of its slot, later micro-batches add into
-    it; stage 2: .grad is freed into the bucket): nothing is flattened before a reduce-scatter,
+    backward produced them (stage 1: .grad is a view of its slot, the next micro-batch (under
+    no_sync) adds into it, the last backward sends the buffer; stage 2: .grad is freed into the bucket): nothing is flattened before a reduce-scatter,
     and the float64 result is one process's."""
     (ours, views, grads), *_ = run_on_ranks(_flat_buffer_run, 2, stage)
     model, batches = _setup("gpt", 0, 8, 2)  # one process: the same 8 rows a step, the same sums
@@ -307,7 +310,7 @@ def test_zero_gradients_live_in_the_flat_buffer_no_flattening_copy(stage):
         opt.zero_grad()
     assert_state_dicts_close(ours, ts.testing.state_dict_cpu(model))  # float64 default tolerance
     assert all(g is None for g in grads)  # after the step: no full gradient held by .grad
-    if stage == 1:
-        assert all(all(v) for v in views)  # every .grad a view of its slot after each backward
+    if stage == 1:  # every .grad a view of its slot after a no_sync backward; the last one sent them all
+        assert all(all(v) for v in views[0::2]) and not any(any(v) for v in views[1::2])
     else:
         assert not any(any(v) for v in views)  # stage 2: no .grad kept after backward

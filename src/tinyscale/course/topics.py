@@ -38,7 +38,7 @@ TOPICS = {t.name: t for t in (
           ("tests/data_parallel/test_ddp.py::test_ddp_bucketed_issues_one_allreduce_per_bucket[25.0-1]",),
           "lessons/02-data-parallel.md", True),
     Topic("zero1", "tinyscale.zero.stage1",
-          ("ZeroStage1.reduce_gradients", "ZeroStage1.step"),
+          ("ZeroStage1._launch", "ZeroStage1.step"),
           ("tests/zero/test_zero_stages.py",),
           ("tests/zero/test_zero_stages.py::test_zero1_agrees_with_torch_zero_redundancy_optimizer[2]",),
           "lessons/03-zero.md", True),

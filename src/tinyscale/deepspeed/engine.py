@@ -6,7 +6,7 @@
 
 One optimizer step is `gradient_accumulation_steps` forward/backward/step calls. The first
 forward of a step opens it (the random state a dropped step restores, the dropout clock, the
-profiler's step); every backward but the boundary's runs under DDP's ``no_sync`` (stage 0),
+profiler's step); every backward but the boundary's runs under ``no_sync`` (stages 0 and 1),
 so gradients are averaged once; the boundary's ``step()`` finishes it with the engine's own
 code (`Engine._agree_step`, `_finish_step`: the loss, failure and used-parameter agreement, fp16's overflow
 check, clipping, the schedule's lr, the optimizer step). Fed the micro-batches
@@ -182,8 +182,8 @@ class DeepSpeedEngine:
     # --8<-- [start:loop]
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of loss / gradient_accumulation_steps (times the loss scale under fp16); the
-        gradients are averaged over the data-parallel ranks by the boundary's backward (stage 0)
-        or step (ZeRO). Returns the scaled loss, as DeepSpeed does."""
+        gradients are averaged over the data-parallel ranks by the boundary's backward (stages 0
+        and 1; stage 2: every backward, stage 3: its hooks). Returns the scaled loss, as DeepSpeed does."""
         if not scale_wrt_gas:
             raise ValueError("backward(scale_wrt_gas=False) is refused: the engine's step averages micro-batch "
                              "gradients (loss / gradient_accumulation_steps), as train_batch does")
@@ -192,7 +192,7 @@ class DeepSpeedEngine:
         engine = self.engine
         gas = self.gradient_accumulation_steps()
         last = self.is_gradient_accumulation_boundary()
-        sync = contextlib.nullcontext() if last or engine.ddp is None else engine.ddp.no_sync()
+        sync = contextlib.nullcontext() if last else engine.accumulate_only()
         with comm.record(engine.comm_ledger), sync, engine.profiler.phase("backward"):
             # the expression of train_batch's loop, so float64 results match it bit for bit
             engine._scaled(loss * engine.cp_size / gas).backward(retain_graph=retain_graph)

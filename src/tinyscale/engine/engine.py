@@ -21,8 +21,8 @@ What a step does over `dp` data-parallel ranks:
    0: `tinyscale.data_parallel.BucketedDDP` all-reduces buckets of
    ``reduce_bucket_size`` elements, the first of at most 1 MiB (torch DDP's layout; not
    without ``overlap_comm``), during the last micro-batch's backward (the others run
-   under `no_sync()`); 1: `tinyscale.zero.ZeroStage1` reduce-scatters each rank's shard
-   after backward; 2: `tinyscale.zero.ZeroStage2` reduce-scatters buckets during every
+   under `no_sync()`); 1: `tinyscale.zero.ZeroStage1` reduce-scatters buckets the same way,
+   during the last backward only (as DeepSpeed's stage 1); 2: `tinyscale.zero.ZeroStage2` reduce-scatters buckets during every
    backward; 3: `tinyscale.zero.ZeroStage3` holds only parameter shards, its hooks on the
    model all-gather each unit (a block) for its forward and again for its backward, and
    reduce-scatter the unit's gradients as soon as backward is done with it. The mean over
@@ -216,9 +216,10 @@ class Engine:
                 off = {"offload_optimizer": zero.offload_optimizer.device, "param_dtype": self.compute_dtype,
                        "loss_scaler": self.loss_scaler, "sub_group_size": zero.sub_group_size,
                        "pin_memory": zero.offload_optimizer.pin_memory}
-                if self.plan.zero_stage == 1:  # reduce-scatters in units of at most reduce_bucket_size
-                    self.zero = ZeroStage1(groups, make, self.reduce_group, **off, bucket_bytes=bucket_bytes,
-                                           nvme_path=zero.offload_optimizer.nvme_path)
+                if self.plan.zero_stage == 1:  # reduce-scatters in units of at most reduce_bucket_size, in
+                    self.zero = ZeroStage1(groups, make, self.reduce_group, **off, bucket_bytes=bucket_bytes,  # the
+                                           nvme_path=zero.offload_optimizer.nvme_path,  # last backward (the others
+                                           overlap=zero.overlap_comm)  # under no_sync), as DeepSpeed's stage 1
                 elif self.plan.zero_stage == 2:
                     self.zero = ZeroStage2(groups, make, self.reduce_group, bucket_bytes=bucket_bytes,
                                            overlap=zero.overlap_comm, **off, nvme_path=zero.offload_optimizer.nvme_path)
@@ -241,6 +242,7 @@ class Engine:
                 if self.plan.zero_stage in (1, 2):  # reduce_scatter false: all-reduce, keep the slice (DeepSpeed's)
                     self.zero.sharded.reduce_scatter = zero.reduce_scatter
                     self.zero.sharded.allgather_bucket_size = zero.allgather_bucket_size
+                    self.zero.agree_usage_early = False  # the flags ride on the loss all-reduce
                 else:  # stage 3's prefetch bounds, in elements (DeepSpeed's; zero/stage3_prefetch.py)
                     self.zero.prefetch_bucket_size = zero.stage3_prefetch_bucket_size
                     self.zero.max_live_parameters = zero.stage3_max_live_parameters
@@ -351,7 +353,7 @@ class Engine:
                     # counter dropout: this step and the micro-batch's first row in the global batch
                     set_dropout_clock(self.model, step=self.step, row0=(self.dp_rank * len(micro) + i) * len(chunk[0]))
                     # Gradients are averaged once per step: by the last micro-batch's backward.
-                    with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
+                    with contextlib.nullcontext() if last else self.accumulate_only():
                         with phase("forward"):
                             # context parallel: this rank's sequence shard (else the chunk itself)
                             shard = context.shard_micro_batch(chunk, self.model)
@@ -371,6 +373,13 @@ class Engine:
                     self._complete_abandoned(len(micro) - i)
             total, failed, used, error = self._agree_step(total, error, skip_reduce)
         return self._finish_step(total, failed, used, len(micro), error, rng, hooked)
+
+    def accumulate_only(self):
+        """The context of a micro-batch's backward that is not the step's last: DDP's and ZeRO 1's
+        `no_sync` (the last backward reduces the sum once); stage 2 reduces every micro-batch."""
+        if self.ddp is not None:
+            return self.ddp.no_sync()
+        return self.zero.no_sync() if isinstance(self.zero, ZeroStage1) else contextlib.nullcontext()
 
     def _agree_step(self, total: torch.Tensor, error: Exception | None, skip_reduce: bool = False) -> tuple:
         """(summed loss, failed flags, used flags, error) over the reduce group, in one all-reduce.
@@ -706,7 +715,8 @@ class Engine:
 
         ``when="now"``: right now (between steps: no gradients). ``when="before_step"``: as
         they were in the last step after backward, before the optimizer step, the moment
-        model states peak (full gradients for stage 0 and 1, gradient shards for stages 2 and 3).
+        model states peak (full gradients for stage 0, gradient shards for stages 1 to 3: stage 1
+        holds full ones between micro-batches, until its last backward reduces them).
         """
         if when == "before_step":
             if self._before_step_report is None:

@@ -41,11 +41,11 @@ dp_rank // ep.
 
 ZeRO over N = dp x cp (`zero.flat`, `zero.optimizer`, `stage1`-`stage3`, `stage3_manual`).
 Units (one `FlatUnit` each; the engine passes one parameter group):
-    stage 1     `split_into_units` of the rank's tensors in order: a new unit when the next
-                tensor's bytes would pass reduce_bucket_size x (2 under fp16/bf16, else the
-                model's element size); bytes counted at the model's dtype (units are cut before
-                the parameters are rounded). At the default 5e8 elements: one unit.
-    stage 2     the same over the tensors in reverse order (buckets in backward's order).
+    stages 1-2  `split_into_units` of the rank's tensors in reverse order (buckets in backward's
+                order): a new unit when the next tensor's bytes would pass reduce_bucket_size x
+                (2 under fp16/bf16, else the model's element size); bytes counted at the model's
+                dtype (units are cut before the parameters are rounded). At the default 5e8
+                elements: one unit.
     stage 3     no pipeline: one unit per block (each element of the GPT's ModuleList), in
                 block order, then the root unit (embedding, final norm, head); tensors of fewer
                 than stage3_param_persistence_threshold elements go to one last unit and stay
@@ -63,11 +63,11 @@ its fragments (no padding), f its fragments, T its tensors, k states per element
 and c the optimizer's step counter bytes per tensor it steps (torch Adam: one float32, 4):
     stage   parameters        gradients     master_weights          optimizer_states
     0       B n               B n           M n under fp16/bf16     k M n + c T
-    1       B n               B n           M S                     k M R + c f
-    2       B n               B S           M S                     k M R + c f
+    1, 2    B n               B S           M S                     k M R + c f
     3       B S'  + B n_pers  B S           M S                     k M R + c f
 S' leaves out the persistent unit's shard, whose n_pers elements stay whole instead. At stage 1
-the report is taken before the step, which reduce-scatters: gradients are whole. Categories are
+the report is taken after the last backward, which reduce-scattered them: gradient shards (stage
+1 holds whole ones, B n, between the micro-batches of an accumulation, not counted here). Categories are
 summed over device, host and disk: offload moves bytes, it does not change them (not checked here).
 At tp = pp = 1 with one unit this is `model_state_bytes(Psi, N, stage)` with Psi padded to a
 multiple of N and the counters added (`pytest -k layout_memory_reduces`).
@@ -194,7 +194,7 @@ def zero_units(tensors: list[LocalTensor], stage: int, *, bucket_bytes: float, e
         return [keyed[k] for k in sorted(keyed)], int(math.inf in keyed)
     units: list[list[int]] = []
     size = 0
-    for x in reversed(tensors) if stage == 2 else tensors:
+    for x in reversed(tensors) if stage in (1, 2) else tensors:
         nbytes = x.numel * element_bytes
         if not units or size + nbytes > bucket_bytes:
             units.append([])
@@ -292,6 +292,6 @@ def rank_model_state_bytes(cfg: GPTConfig, plan, *, dtype_bytes: int = 4, comput
         whole = sum(sum(units[k]) for k in last)
         params = B * (S - sum(-(-sum(units[k]) // unit_groups[k][0]) for k in last) + whole) \
             if stage == 3 else B * n
-        out[rank] = {"parameters": params, "gradients": B * S if stage >= 2 else B * n,
+        out[rank] = {"parameters": params, "gradients": B * S,
                      "master_weights": M * S, "optimizer_states": states_per_element * M * R + step_bytes * f}
     return out

@@ -95,11 +95,12 @@ class FlatUnit:
 
 
 def split_into_units(params: Sequence[torch.Tensor], cap_bytes: int | None, world_size: int, rank: int,
-                     *, reverse: bool = False) -> list[FlatUnit]:
+                     *, reverse: bool = False, first_cap_bytes: int | None = None) -> list[FlatUnit]:
     """Cut `params` into FlatUnits of at most `cap_bytes` (None: one unit per dtype/device run).
 
     `reverse=True` packs the last registered parameters first (the order backward produces
-    their gradients), as a gradient bucket should.
+    their gradients), as a gradient bucket should. `first_cap_bytes`: the first unit's cap, if
+    smaller (torch DDP's layout: a small first bucket, whose reduction starts early in backward).
     """
     order = list(reversed(params)) if reverse else list(params)
     groups: list[list[torch.Tensor]] = []
@@ -107,7 +108,8 @@ def split_into_units(params: Sequence[torch.Tensor], cap_bytes: int | None, worl
     for p in order:
         nbytes = p.numel() * p.element_size()
         current = groups[-1] if groups else None
-        if (current is None or (cap_bytes is not None and size + nbytes > cap_bytes)
+        cap = first_cap_bytes if len(groups) == 1 and first_cap_bytes is not None else cap_bytes
+        if (current is None or (cap is not None and size + nbytes > cap)
                 or p.dtype != current[0].dtype or p.device != current[0].device):
             groups.append([])
             size = 0

@@ -61,8 +61,10 @@ class ShardedOptimizer:
                  unit_key: Callable[[torch.Tensor], int] | None = None,
                  offload: str = "none", nvme_path: str | None = None,
                  param_dtype: torch.dtype | None = None, loss_scaler=None, sub_group_size: int | None = None,
-                 pin_memory: bool = False):
-        """`unit_key(p)` (stage 3) cuts each group by module instead of by size: parameters
+                 pin_memory: bool = False, first_unit_bytes: int | None = None):
+        """`first_unit_bytes`: the first unit's cap if smaller than `unit_bytes` (stages 1 and 2: a
+        small first bucket, torch DDP's layout).
+        `unit_key(p)` (stage 3) cuts each group by module instead of by size: parameters
         with the same key share a unit, units ordered by key. `offload` ("none", "cpu",
         "nvme"; `offload.py`): where master shards and optimizer states live and the step runs.
         `param_dtype` (mixed precision: fp16/bf16): the masters keep the parameters' current
@@ -81,6 +83,7 @@ class ShardedOptimizer:
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.param_groups = normalize_param_groups(params_or_groups)
+        self.first_unit_bytes = first_unit_bytes
         self.units: list[FlatUnit] = []
         unit_group: list[int] = []
         for g, group in enumerate(self.param_groups):
@@ -118,6 +121,7 @@ class ShardedOptimizer:
         self.swap = DiskSwapper(nvme_path) if offload == "nvme" else None
         for i, m in enumerate(self.master) if self.swap else ():
             self.swap.add(f"{i}/master", m)
+        self._params_flat: list[torch.Tensor | None] = [None] * len(self.units)  # see params_flat
         # Gradient shards exist only between the first reduce-scatter of a step and its end.
         self.grad: list[torch.Tensor | None] = [None] * len(self.master)
         # The torch optimizer steps one tensor per parameter *fragment*: each parameter's
@@ -139,7 +143,9 @@ class ShardedOptimizer:
         their expert-data-parallel group. Each unit says the group it is reduced, sharded and
         gathered over (`process_group`) and how many ranks its gradient is averaged over (`mean_over`)."""
         dense = [p for p in params if getattr(p, "expert_shard", None) is None]
-        units = split_into_units(dense, cap, self.world_size, self.rank, reverse=reverse) if dense else []
+        first = self.first_unit_bytes
+        units = split_into_units(dense, cap, self.world_size, self.rank, reverse=reverse,
+                                 first_cap_bytes=first) if dense else []
         for u in units:
             u.process_group, u.mean_over = self.process_group, self.world_size
         by_group: dict[int, list[torch.Tensor]] = {}
@@ -171,6 +177,11 @@ class ShardedOptimizer:
         if self.distributed:
             comm.all_reduce(flags, group=self.process_group)
         return flags.cpu() > 0
+
+    def agree_used_async(self) -> tuple[torch.Tensor, object]:
+        """`agree_used`, launched: (counts, handle); after handle.wait(), ``counts.cpu() > 0``."""
+        flags = self._used_here.to(self.units[0].device, torch.int32, copy=True)
+        return flags, comm.all_reduce(flags, group=self.process_group, async_op=True) if self.distributed else None
 
     def forget_usage(self) -> None:
         self._used_here.zero_()
@@ -308,16 +319,43 @@ class ShardedOptimizer:
         else:
             self.publish_gathered(i)
 
+    # True (stages 1-2 set it): the parameters live in one flat buffer per unit, the all-gather's
+    # output (`params_flat`); False: a fresh flat buffer per gather, copied into the parameters.
+    flat_params: bool = False
+
     # DeepSpeed's zero_optimization.allgather_bucket_size (elements; stages 1-2, the engine
     # sets it): no all-gather of updated parameters moves more. Each rank's shard is cut into
     # pieces of max(1, size // N) elements, one all-gather per piece: ceil(shard_numel / piece)
     # calls per unit. None: one all-gather per unit.
     allgather_bucket_size: int | None = None
 
+    # --8<-- [start:param-flat]
+    def params_flat(self, i: int) -> torch.Tensor | None:
+        """Unit i's parameters as views of one padded flat buffer (made at the first call), so
+        that the all-gather writes the updated parameters in place: no flat copy to fill and
+        copy out of. None (the copy path) if a parameter cannot live there (another dtype or
+        device, not strided). A parameter whose storage was replaced since (``p.data = ...``) is
+        taken back into the buffer with its current value."""
+        unit, flat = self.units[i], self._params_flat[i]
+        if flat is not None and all(p.data_ptr() == v.data_ptr() for p, v in zip(unit.params, unit.views(flat))):
+            return flat
+        if any(p.dtype != unit.dtype or p.device != unit.device or p.layout != torch.strided or p.shape != shape
+               for p, shape in zip(unit.params, unit.shapes)):
+            return None
+        flat = unit.empty_flat()
+        for p, view in zip(unit.params, unit.views(flat)):
+            view.copy_(p.detach())  # (the gather that follows overwrites it: a parameter is never garbage)
+            p.data = view
+        self._params_flat[i] = flat
+        return flat
+    # --8<-- [end:param-flat]
+
     def publish_gathered(self, i: int) -> None:
-        """All-gather unit i's updated master shards into its full parameters."""
+        """All-gather unit i's updated master shards into its full parameters (in place, if
+        they are views of the unit's flat buffer: `params_flat`)."""
         unit, m = self.units[i], self.master[i]
-        full = unit.empty_flat()
+        own = self.params_flat(i) if self.flat_params else None
+        full = unit.empty_flat() if own is None else own
         if self.distributed:
             shard, n, size = m.to(unit.device, unit.dtype), unit.shard_numel, unit.world_size
             bucket = self.allgather_bucket_size
@@ -332,7 +370,8 @@ class ShardedOptimizer:
                 by_rank[:, lo:hi].copy_(out.view(size, hi - lo))  # (N, hi - lo)
         else:
             full.copy_(m)
-        unit.copy_into_params(full)
+        if own is None:
+            unit.copy_into_params(full)
 
     # DeepSpeed's zero_optimization.reduce_scatter. False: every unit's gradients are all-reduced
     # whole and each rank keeps its slice: the same sums, twice the bytes on the wire (a ring

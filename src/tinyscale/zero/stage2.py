@@ -42,13 +42,18 @@ class ZeroStage2:
                  bucket_bytes: int = 500_000_000, overlap: bool = True,
                  offload_optimizer: str = "none", nvme_path: str | None = None,
                  param_dtype: torch.dtype | None = None, loss_scaler=None, sub_group_size: int | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, first_bucket_bytes: int | None = None):
+        """`first_bucket_bytes`: the first bucket's cap, if smaller than `bucket_bytes`: torch
+        DDP's layout (1 MiB, then 25 MiB), so that one reduce-scatter starts early in backward
+        even when the rest of the model fits one bucket. None: every bucket `bucket_bytes`."""
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         unit_bytes=bucket_bytes, reverse_units=True,
+                                        first_unit_bytes=first_bucket_bytes,
                                         offload=offload_optimizer, nvme_path=nvme_path,
                                         param_dtype=param_dtype, loss_scaler=loss_scaler, sub_group_size=sub_group_size,
                                         pin_memory=pin_memory)
         self.overlap = overlap
+        self.sharded.flat_params = True  # the step's all-gather writes into the parameters (params_flat)
         self._where = {p: (u, i) for u, unit in enumerate(self.sharded.units) for i, p in enumerate(unit.params)}
         self._ready: list[set[int]] = [set() for _ in self.sharded.units]
         self._pending: list = []
@@ -57,6 +62,7 @@ class ZeroStage2:
         self._flat: list[torch.Tensor | None] = [None] * len(self.sharded.units)  # buckets being filled
         self._deferred = False  # inside no_sync(): gradients accumulate, nothing is sent
         self.events: list[tuple[str, int | None, float]] = []
+        self._usage: tuple | None = None  # (counts, handle): see agree_usage_early
         for p in self._where:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -110,6 +116,12 @@ class ZeroStage2:
         self._next = u + 1
     # --8<-- [end:hook]
 
+    # Stage 1 (whose reducing backward is the step's last): which parameters got a gradient
+    # anywhere is agreed by an all-reduce launched when that backward ends, behind the last
+    # bucket, and waited for in `step`, instead of a blocking one there. The engine turns it
+    # off: its loss all-reduce carries the flags.
+    agree_usage_early: bool = False
+
     @torch.no_grad()
     def _on_backward_end(self) -> None:
         self.events.append(("backward_end", None, time.perf_counter()))
@@ -117,7 +129,19 @@ class ZeroStage2:
         # (overlap=False) go now, in order; a missing gradient counts as zero.
         for u in range(self._next, len(self.sharded.units)):
             self._launch(u)
+        if self.agree_usage_early:
+            self._usage_agreed()  # an earlier backward's, superseded
+            self._usage = self.sharded.agree_used_async()
         self._settle()
+
+    def _usage_agreed(self) -> torch.Tensor | None:
+        """The flags launched by `_on_backward_end` (bool per parameter), or None."""
+        if self._usage is None:
+            return None
+        (counts, work), self._usage = self._usage, None
+        if work is not None:
+            work.wait()
+        return counts.cpu() > 0
 
     def _settle(self) -> None:
         """Wait for every launched reduce-scatter and make ready for the next backward."""
@@ -156,6 +180,7 @@ class ZeroStage2:
         let what was launched land, then drop every gradient of the step, full and sharded."""
         if self._queued:
             self._settle()
+        self._usage_agreed()  # (in flight: let it land)
         for unit in self.sharded.units:
             for p in unit.params:
                 p.grad = None
@@ -179,7 +204,8 @@ class ZeroStage2:
     def step(self, max_norm: float = 0.0, used: torch.Tensor | None = None) -> bool:
         """Clip and step; returns True if fp16 overflow skipped it (on every rank). `used`:
         see `ZeroStage1.step`."""
-        return self.sharded.full_step(max_norm, used=used)
+        early = self._usage_agreed()
+        return self.sharded.full_step(max_norm, used=early if used is None else used)
 
     def set_lr(self, lr: float) -> None:
         self.sharded.set_lr(lr)

@@ -25,6 +25,13 @@ CELL_TIMEOUT_S = 600  # a cell that trains on ranks may take minutes on 2 cores
 
 def main(paths: list[str]) -> int:
     console, write = Console(), "--write" in paths
+    if {"-h", "--help"} & set(paths):
+        print(__doc__)
+        return 0
+    unknown = [p for p in paths if p.startswith("-") and p != "--write"]
+    if unknown:
+        console.print(f"[red]unknown option {unknown[0]!r}[/red]: the options are --write and --help")
+        return 2
     paths = [p for p in paths if p != "--write"]
     notebooks = [Path(p).resolve() for p in paths] or sorted((ROOT / "notebooks").glob("*.ipynb"))
     if not notebooks:

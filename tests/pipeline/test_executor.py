@@ -14,7 +14,7 @@ from tinyscale.models import GPT, GPTConfig
 from tinyscale.pipeline.executor import GPTStage, PipelineExecutor, exchange_tied_grads, gpt_loss
 from tinyscale.pipeline.partition import partition_gpt, stages_on_rank
 from tinyscale.pipeline.schedules import (
-    RECV_F, Action, add_communication, afab, interleaved_1f1b, one_f_one_b, zb_h1,
+    F, RECV_B, RECV_F, SEND_B, SEND_F, Action, add_communication, afab, interleaved_1f1b, one_f_one_b, zb_h1,
 )
 from tinyscale.pipeline.simulator import ScheduleError
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
@@ -247,3 +247,23 @@ def test_pp_executor_posts_a_receive_early_only_when_no_send_to_its_peer_comes_f
         crossed = [(s, e) for s, e in in_flight if any(s < t < e for t in sends)]
         assert not crossed, f"rank {rank}: {len(crossed)} receives were in flight while this rank sent to their peer"
         assert fewest <= len(in_flight) <= most, f"rank {rank}: {len(in_flight)} receives in flight during compute"
+
+
+def test_pp_executor_waits_sends_after_a_run_s_receives_only_where_that_cannot_deadlock():
+    """On gloo a run of messages that receives then waits for the rank's sends, as torch's
+    Schedule1F1B waits each fused send and receive (lessons/08, issue 30), but only where no
+    rank can block so: a send completes once its peer has posted the receive. Interleaved 1F1B
+    with m = 2p has two ranks each waiting for a send the other receives only later."""
+    from tinyscale.pipeline.executor import _can_wait_sends
+    for p, m in [(2, 8), (4, 8), (3, 5)]:
+        assert _can_wait_sends(add_communication(afab(p, m)))
+        assert _can_wait_sends(add_communication(one_f_one_b(p, m)))
+        assert _can_wait_sends(add_communication(zb_h1(p, m)))
+    assert not _can_wait_sends(add_communication(interleaved_1f1b(2, 8, 2)))
+    # rank 0 waits for F0's send, which rank 1 receives only after F1, sent after that wait;
+    # without the waits the same runs complete (each receive's send is posted)
+    f0, f1 = Action(0, F, 0), Action(1, F, 0)
+    rank0 = [Action(0, SEND_F, 0), Action(0, RECV_B, 0), f0, Action(0, SEND_F, 1)]
+    rank1 = [Action(1, SEND_B, 0), Action(1, RECV_F, 1), f1, Action(1, RECV_F, 0)]
+    assert not _can_wait_sends([rank0, rank1])
+    assert _can_wait_sends([rank0, [Action(1, SEND_B, 0), Action(1, RECV_F, 0), f1, Action(1, RECV_F, 1)]])

@@ -11,7 +11,7 @@ only knows what each action means:
   (`torch.autograd.grad`), the same math, not the same time: production code splits each
   matmul's backward (ZB paper, sec. 2) so W costs only the weight-gradient matmuls.
 - SEND/RECV: a run of consecutive sends goes out as one batched isend
-  (`tinyscale.dist.comm`, so the ledger counts it), never waited for before the run ends.
+  (`tinyscale.dist.comm`, so the ledger counts it).
   Each message is a *frame*: the tensor's elements and one status element after them (0 ok,
   1 reshaped, 2 failed). Shapes travel only when they are new: the first time a (direction,
   stage, micro-batch) is sent, a header (dtype, number of dims, shape; 8 int64) goes first
@@ -27,7 +27,10 @@ only knows what each action means:
   made each rank's gloo thread spend 4.5 to 7 ms more CPU per step (m = 8), taken from the
   compute on shared cores; with no send in between (AFAB) posting early took CPU off that
   thread and the step. (NCCL would serialise a posted receive ahead of the sends on the same
-  pair, so there every receive is posted where the schedule takes it.)
+  pair, so there every receive is posted where the schedule takes it.) Also on gloo, a run
+  that receives then waits for the rank's sends posted so far, as torch's Schedule1F1B waits
+  each fused send and receive, where `_can_wait_sends` finds that no rank can block so (not
+  interleaved 1F1B); elsewhere sends are waited for at the end of the pass.
 - a compute action that raises: the rank runs the rest of its schedule's messages, each
   saying which rank failed (no data: a frame of the remembered size with status 2 and a
   header naming the rank, or that header alone), and so does every rank that receives one;
@@ -153,6 +156,9 @@ class PipelineExecutor:
                     if last.get(self._peer(a)) is not None:
                         self.early[last[self._peer(a)]] = a
                     last[self._peer(a)] = a
+        # On gloo, as torch's Schedule1F1B: a run that receives waits, after its receives, for
+        # the sends posted so far, when the schedule cannot deadlock so (`_can_wait_sends`).
+        self.wait_sends = group_backend(group) == "gloo" and _can_wait_sends(schedule)
         self.loss_scale = 1.0  # fp16's loss scale S, set by the caller before each run
         # (before, after): called with every compute action, also on a rank whose compute raised
         # (a caller's collectives, e.g. ZeRO 3's all-gathers over dp, stay matched across ranks)
@@ -262,15 +268,21 @@ class PipelineExecutor:
 
     # --8<-- [start:communicate]
     def _communicate(self, actions: list[Action]) -> None:
-        """Post a run's sends together, then take its receives in order. Sends never wait, as
-        the simulator assumes, so a schedule it accepts cannot deadlock here."""
+        """Post a run's sends together, then take its receives in order, then (`wait_sends`)
+        wait for the sends. The simulator assumes sends never wait, so waiting only where
+        `_can_wait_sends` allows keeps every schedule it accepts free of deadlock here."""
         ops = []
         for a in (a for a in actions if a.kind in (SEND_F, SEND_B)):
             ops += self._send_ops(a)
         self.sends += comm.batch_isend_irecv(ops)
         self.sent_tensors += [op.tensor for op in ops]  # alive until the sends complete
-        for a in (a for a in actions if a.kind in (RECV_F, RECV_B)):
+        receives = [a for a in actions if a.kind in (RECV_F, RECV_B)]
+        for a in receives:
             self._receive(a)
+        if receives and self.wait_sends:
+            for work in self.sends:
+                work.wait()
+            self.sends = []
 
     def _send_ops(self, a: Action) -> list[comm.P2POp]:
         """A frame (after a header when the shape is new), or the failure messages."""
@@ -342,6 +354,46 @@ class PipelineExecutor:
     @property
     def _device(self) -> torch.device:
         return next(p for m in self.stages.values() for p in m.parameters()).device
+
+
+def _can_wait_sends(schedule: Schedule) -> bool:
+    """Whether every rank can wait, after each run's receives, for all its sends posted so far
+    without deadlock: a send completes once its receive is posted (gloo's rendezvous), a
+    receive once its send is posted. Stepped to a fixed point over the ranks' runs."""
+    programs = []
+    for actions in schedule:
+        steps, run, outstanding = [], [], []
+        for a in [*actions, None]:
+            if a is not None and a.kind in COMM_KINDS:
+                run.append(a)
+                continue
+            sends = [b for b in run if b.kind in (SEND_F, SEND_B)]
+            receives = [b for b in run if b.kind in (RECV_F, RECV_B)]
+            outstanding += sends
+            steps += [("send", b) for b in sends] + [("receive", b) for b in receives]
+            if receives and outstanding:
+                steps.append(("wait", tuple(outstanding)))
+                outstanding = []
+            run = []
+        programs.append(steps)
+    sent, reached, at = set(), set(), [0] * len(programs)
+    moved = True
+    while moved:
+        moved = False
+        for r, steps in enumerate(programs):
+            while at[r] < len(steps):
+                what, x = steps[at[r]]
+                if what == "send":
+                    sent.add(_key(x))
+                elif what == "receive":
+                    reached.add(_key(x))
+                    if _key(x) not in sent:
+                        break
+                elif not all(_key(b) in reached for b in x):
+                    break
+                at[r] += 1
+                moved = True
+    return all(i == len(steps) for i, steps in zip(at, programs))
 
 
 def _header(t: torch.Tensor, device) -> torch.Tensor:

@@ -264,7 +264,9 @@ def test_planner_llama2_70b_on_1024_a100s_pins_its_choice_next_to_nemo_s_layout(
     # 4 significant digits: the model is deterministic; any change to its costs moves them
     assert best["time_s"]["total"] == pytest.approx(8.795, abs=5e-4) and best["mfu"] == pytest.approx(0.6635, abs=5e-4)
     assert best["memory_bytes"]["total"] / 1e9 == pytest.approx(54.45, abs=5e-3)
-    assert (out["considered"], out["fitting"]) == (6732, 2926)
+    # 2931 fit: since ZeRO 1 reduces in its last backward, its layouts with one micro-batch hold
+    # gradient shards (stage 2's bytes); with more it holds whole gradients between them (2926 before)
+    assert (out["considered"], out["fitting"]) == (6732, 2931)
     kw = dict(global_batch=1024, seq_len=4096)
     cfg = resolve_model("llama2-70b")
     nemo_layout = Layout(dp=64, tp=4, pp=4, virtual_stages=20, schedule="interleaved_1f1b", zero_stage=1)

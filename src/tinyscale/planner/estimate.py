@@ -9,7 +9,8 @@ Memory per GPU (the largest over the pipeline ranks, both ends of the tp and ZeR
 - model states: `engine.layout_memory.rank_model_state_bytes` of the layout's `LayoutPlan`, the
   function that equals `engine.memory_report` byte for byte (bf16 parameters and gradients, fp32
   masters and Adam states unless `dtype_bytes` says otherwise); offload moves masters and Adam
-  states to the host.
+  states to the host. ZeRO 1 with more than one micro-batch holds whole gradients between them
+  (the paper's 4 Psi + 12 Psi / N), not the shards `memory_report` sees after the last backward.
 - activations: `layer_activation_bytes` (`checkpointing.formula.block_saved_bytes` split into the
   tensors tp shards and those it replicates unless SP shards them; cp divides the tokens) x the
   layers of the rank's fullest model stage x the rank's peak in-flight (micro-batch, stage)
@@ -349,6 +350,8 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
     # model states do not depend on the schedule: 1F1B and ZB-H1 share one cache entry
     plan = dataclasses.replace(lay, schedule="1f1b" if lay.virtual_stages == 1 else lay.schedule).plan()
     params, grads, masters, states, worst = _states(cfg, plan, dtype_bytes, compute_bytes)
+    if lay.zero_stage == 1 and m > 1:  # stage 1 accumulates whole gradients between micro-batches
+        grads = params  # B n (its parameters are whole too); memory_report's snapshot after backward has shards
     host = 0
     if lay.offload != "none":
         host, masters, states = masters + states, 0, 0

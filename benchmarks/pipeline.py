@@ -12,7 +12,7 @@ Two CPU ranks (gloo), one GPT (float32) cut into the same stages by
 Steps run round-robin (so load changes hit all variants alike), the first one of each dropped as
 warm-up. Ours / torch is the median over rounds of the round's own ratio (our step over torch's
 in the same round: a load change between rounds cancels), with its quartiles and a 95 %
-confidence interval of that median (order statistics, no assumption on the distribution), on
+bootstrap interval of that median (`tinyscale.bench.ratio_interval(per_round=True)`), on
 the rounds where our executor runs as users run it; every `INSTRUMENT`-th round it runs with
 each action timed instead (a few microseconds per action), and only those rounds give the
 bubble: measured from each compute action's start and end (a clock the ranks share) beside the
@@ -43,7 +43,7 @@ from rich.table import Table
 import tinyscale as ts
 from tinyscale.dist import comm
 from tinyscale.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F
-from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
+from tinyscale.bench import add_json_argument, ratio_interval, round_robin, slowest, write_json
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.pipeline import (
@@ -150,15 +150,13 @@ def is_instrumented(i: int) -> bool:
 
 
 def paired_ratio(ours: list[float], theirs: list[float], rounds: list[int]) -> dict:
-    """ours[i] / theirs[i] over `rounds`: the median, its quartiles, and the 95 % confidence
-    interval of the median from order statistics (the ranks n/2 -+ 1.96 sqrt(n)/2 of the sorted
-    ratios: the binomial interval, true whatever the ratios' distribution)."""
-    r = sorted(ours[i] / theirs[i] for i in rounds)
-    n = len(r)
-    q1, _, q3 = statistics.quantiles(r, n=4) if n > 1 else (r[0], r[0], r[0])
-    half = 1.96 * n ** 0.5 / 2
-    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
-    return {"median": statistics.median(r), "q1": q1, "q3": q3, "ci95": [r[lo], r[hi]], "n": n}
+    """ours[i] / theirs[i] over `rounds`: the median, its quartiles, and the 95 % interval of the
+    median (`ratio_interval(per_round=True)`: the rounds resampled, as ddp.py's)."""
+    a, b = [ours[i] for i in rounds], [theirs[i] for i in rounds]
+    r = sorted(x / y for x, y in zip(a, b))
+    q1, _, q3 = statistics.quantiles(r, n=4) if len(r) > 1 else (r[0], r[0], r[0])
+    return {"median": statistics.median(r), "q1": q1, "q3": q3, "ci95": list(ratio_interval(a, b, per_round=True)),
+            "n": len(r)}
 
 
 def _latency(numel: int, trips: int = 30) -> float:

@@ -8,14 +8,16 @@
 # Every step is time-boxed against one overall deadline (BUDGET_S, default 360 s) and tees its
 # output into $OUT, so a step that hangs or a run that is cut short still leaves what it printed.
 #   0. the device, versions, and the backend `launch` picks for 1 and 2 ranks
+#   3. python scripts/gpu_engine.py               (1-rank NCCL engine vs reference at ZeRO 0-3 and compiled
+#                                                  with checkpointing; MFU), unless SKIP_ENGINE=1
+#   4. pytest tests/engine -k "zero3 and not slow" -x, if at least 60 s are left
 #   1. pytest tests/kernels/test_kernels_gpu.py   (compiled kernels, fp32/bf16/fp16, vs float64)
 #   5. python scripts/gpu_perf.py cp              (context parallel's block kernel on the GPU)
-#   2. python benchmarks/kernels.py               (timings vs eager / SDPA)
 #   6. python benchmarks/mfu.py --dtype bfloat16  (one process, bf16 autocast)
-#   3. python scripts/gpu_engine.py               (1-rank NCCL engine vs reference; MFU), unless SKIP_ENGINE=1
-#   4. pytest tests/engine -k "zero3 and not slow" -x, if at least 60 s are left
+#   2. python benchmarks/kernels.py               (timings vs eager / SDPA)
 #   7. python scripts/gpu_perf.py tiles           (flash-attention tile sweep) with what is left
-# (numbered as first written; run in the order above, the most wanted first)
+# (numbered as first written; run in the order above, the most wanted first: the engine changed most
+# since the last GPU run, the kernels least)
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -47,26 +49,9 @@ print('nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
 print('launch backend auto: 1 rank', r('auto', 1), '| 2 ranks', r('auto', 2))"
 } 2>&1 | tee "$OUT/0_env.log"
 
-echo "== 1. compiled kernels (budget left $(left) s)"
-timeout -k 5 "$(box 100)" python3 -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider \
-  --durations=5 2>&1 | tee "$OUT/1_kernels_gpu.log"
-echo "step 1 exit ${PIPESTATUS[0]}" | tee -a "$OUT/1_kernels_gpu.log"
-
-echo "== 5. context-parallel blocks on the GPU (budget left $(left) s)"
-timeout -k 5 "$(box 60)" python3 scripts/gpu_perf.py cp 2>&1 | tee "$OUT/5_cp.log"
-echo "step 5 exit ${PIPESTATUS[0]}" | tee -a "$OUT/5_cp.log"
-
-echo "== 2. benchmark (budget left $(left) s)"
-timeout -k 5 "$(box 80)" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/2_bench.log"
-echo "step 2 exit ${PIPESTATUS[0]}" | tee -a "$OUT/2_bench.log"
-
-echo "== 6. MFU, bf16 (budget left $(left) s)"
-timeout -k 5 "$(box 60)" python3 benchmarks/mfu.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/6_mfu.log"
-echo "step 6 exit ${PIPESTATUS[0]}" | tee -a "$OUT/6_mfu.log"
-
 if [ -z "${SKIP_ENGINE:-}" ]; then
   echo "== 3. engine on NCCL, 1 rank (budget left $(left) s)"
-  timeout -k 5 "$(box 110)" python3 scripts/gpu_engine.py all 2>&1 | tee "$OUT/3_engine.log"
+  timeout -k 5 "$(box 200)" python3 scripts/gpu_engine.py all 2>&1 | tee "$OUT/3_engine.log"
   echo "step 3 exit ${PIPESTATUS[0]}" | tee -a "$OUT/3_engine.log"
 fi
 
@@ -78,6 +63,23 @@ if [ "$(left)" -ge 60 ]; then
 else
   echo "== 4. skipped: $(left) s left" | tee "$OUT/4_zero3.log"
 fi
+echo "== 1. compiled kernels (budget left $(left) s)"
+timeout -k 5 "$(box 100)" python3 -m pytest tests/kernels/test_kernels_gpu.py -q -p no:cacheprovider \
+  --durations=5 2>&1 | tee "$OUT/1_kernels_gpu.log"
+echo "step 1 exit ${PIPESTATUS[0]}" | tee -a "$OUT/1_kernels_gpu.log"
+
+echo "== 5. context-parallel blocks on the GPU (budget left $(left) s)"
+timeout -k 5 "$(box 60)" python3 scripts/gpu_perf.py cp 2>&1 | tee "$OUT/5_cp.log"
+echo "step 5 exit ${PIPESTATUS[0]}" | tee -a "$OUT/5_cp.log"
+
+echo "== 6. MFU, bf16 (budget left $(left) s)"
+timeout -k 5 "$(box 60)" python3 benchmarks/mfu.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/6_mfu.log"
+echo "step 6 exit ${PIPESTATUS[0]}" | tee -a "$OUT/6_mfu.log"
+
+echo "== 2. benchmark (budget left $(left) s)"
+timeout -k 5 "$(box 80)" python3 benchmarks/kernels.py 2>&1 | tee "$OUT/2_bench.log"
+echo "step 2 exit ${PIPESTATUS[0]}" | tee -a "$OUT/2_bench.log"
+
 echo "== 7. flash-attention tiles (budget left $(left) s)"
 if [ "$(left)" -ge 30 ]; then
   timeout -k 5 "$(box 300)" python3 scripts/gpu_perf.py tiles "$(( $(left) - 15 ))" 2>&1 | tee "$OUT/7_tiles.log"

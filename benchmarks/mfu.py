@@ -91,7 +91,7 @@ def main() -> None:
     console.print(table(prof.records, skip=args.warmup, title=f"{args.model} GPT, {args.rows} x {T} tokens, "
                                                               f"{args.dtype}, recompute={args.recompute}"))
     console.print(f"tokens/s {s['tokens_per_s']:,.0f} | model FLOPs/token {flops:,.0f} | "
-                  f"MFU {100 * tracker.mfu:.1f}% | HFU {100 * tracker.hfu:.1f}%")
+                  f"MFU {100 * tracker.mfu:.2g}% | HFU {100 * tracker.hfu:.2g}%")  # 2 digits: a GPU's small-model MFU is 0.03%
     write_json(args.json, {}, device=name, dtype=args.dtype, model=args.model, tokens_per_s=s["tokens_per_s"],
                mfu=tracker.mfu, hfu=tracker.hfu)
 

@@ -1,6 +1,7 @@
 """Sweep the fused dropout + residual + LayerNorm kernel's warps on a GPU (lesson 11, DS-32).
 
     python scripts/gpu_fused_norm.py        # bf16, (8, 1024, 4096): ms forward and forward + backward per setting
+    python scripts/gpu_fused_norm.py bwd    # the backward alone per (programs per SM, backward warps), checked
 
 One process, CUDA only; eager `LayerNorm(residual + F.dropout(x))` timed in the same run as the baseline.
 """
@@ -41,5 +42,33 @@ def main() -> None:
         print(f"{name:>10} {do_bench(fused):8.3f} {do_bench(lambda: both(fused)):11.3f}")
 
 
+def backward_sweep() -> None:
+    """The backward kernel alone (forward outside the timing) per programs-per-SM x warps, each
+    checked against eager's gradients on the same inputs (largest error over max |eager grad|)."""
+    torch.manual_seed(0)
+    B, T, C, dtype = 8, 1024, 4096, torch.bfloat16
+    x, r = (torch.randn(B, T, C, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(C, device="cuda", dtype=dtype)).requires_grad_()
+    b = (0.1 * torch.randn(C, device="cuda", dtype=dtype)).requires_grad_()
+    g1, g2 = (torch.randn(B, T, C, device="cuda", dtype=dtype) for _ in range(2))
+    y0, h0 = F.layer_norm(r + F.dropout(x, 0.0), (C,), w, b), r + x  # p = 0 so eager's gradients are the truth
+    ref = torch.autograd.grad((y0, h0), (x, r, w, b), (g1, g2))
+    y_e, h_e = (lambda h: (F.layer_norm(h, (C,), w, b), h))(r + F.dropout(x, 0.1))
+    eager_ms = do_bench(lambda: torch.autograd.grad((y_e, h_e), (x, r, w, b), (g1, g2), retain_graph=True))
+    print(f"eager backward {eager_ms:.3f} ms")
+    print(f"{'per SM':>6} {'warps':>5} {'bwd ms':>7} {'max rel err':>11}")
+    for per_sm in (1, 2, 4, 8, 16):
+        for warps in (4, 8, 16):
+            fused_norm.PROGRAMS_PER_SM, fused_norm.BWD_WARPS = per_sm, warps
+            y, h = fused_norm.fused_dropout_residual_layer_norm(x, r, w, b, p=0.0, key=1)
+            got = torch.autograd.grad((y, h), (x, r, w, b), (g1, g2), retain_graph=True)
+            err = max(((a.float() - e.float()).abs().max() / e.float().abs().max()).item() for a, e in zip(got, ref))
+            ms = do_bench(lambda: torch.autograd.grad((y, h), (x, r, w, b), (g1, g2), retain_graph=True))
+            print(f"{per_sm:>6} {warps:>5} {ms:7.3f} {err:11.2e}")
+    fused_norm.PROGRAMS_PER_SM, fused_norm.BWD_WARPS = 4, None
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    backward_sweep() if sys.argv[1:] == ["bwd"] else main()

@@ -156,10 +156,12 @@ def backward_programs(rows: int, device: torch.device) -> int:
     """Backward programs: a few per SM on a GPU (each sums its rows' dW in registers), a handful interpreted."""
     if device.type != "cuda":
         return min(rows, 4)
-    return min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(rows, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 WARPS: int | None = None  # warps per row's program; None: `_warps`'s rule (scripts/gpu_fused_norm.py sweeps it)
+BWD_WARPS: int | None = None  # the backward's warps; None: as the forward's (scripts/gpu_fused_norm.py sweeps it)
+PROGRAMS_PER_SM = 4  # backward programs per SM (scripts/gpu_fused_norm.py sweeps it)
 
 
 def _warps(block: int) -> int:
@@ -202,7 +204,7 @@ class _FusedNorm(torch.autograd.Function):
         dy2 = dy.reshape(B * T, C).contiguous()
         _bwd[(programs,)](h, weight.contiguous(), dy2, dh.reshape(B * T, C).contiguous(), mean, rstd, rows, positions,
                           dres, dx, dw_part, db_part, key_, threshold, scale, B * T, T, C, DROPOUT=p > 0,
-                          BLOCK=triton.next_power_of_2(C), num_warps=_warps(triton.next_power_of_2(C)))
+                          BLOCK=triton.next_power_of_2(C), num_warps=BWD_WARPS or _warps(triton.next_power_of_2(C)))
         dw, db = dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(ln_bias_dtype)
         dbias = None if bias_dtype is None else dx.sum(0, dtype=torch.float32).to(bias_dtype)
         return dx.view(B, T, C), dres.view(B, T, C), dw, db, dbias, None, None, None, None, None

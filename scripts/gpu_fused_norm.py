@@ -56,16 +56,22 @@ def backward_sweep() -> None:
     y_e, h_e = (lambda h: (F.layer_norm(h, (C,), w, b), h))(r + F.dropout(x, 0.1))
     eager_ms = do_bench(lambda: torch.autograd.grad((y_e, h_e), (x, r, w, b), (g1, g2), retain_graph=True))
     print(f"eager backward {eager_ms:.3f} ms")
-    print(f"{'per SM':>6} {'warps':>5} {'bwd ms':>7} {'max rel err':>11}")
-    for per_sm in (1, 2, 4, 8, 16):
-        for warps in (4, 8, 16):
-            fused_norm.PROGRAMS_PER_SM, fused_norm.BWD_WARPS = per_sm, warps
-            y, h = fused_norm.fused_dropout_residual_layer_norm(x, r, w, b, p=0.0, key=1)
-            got = torch.autograd.grad((y, h), (x, r, w, b), (g1, g2), retain_graph=True)
-            err = max(((a.float() - e.float()).abs().max() / e.float().abs().max()).item() for a, e in zip(got, ref))
-            ms = do_bench(lambda: torch.autograd.grad((y, h), (x, r, w, b), (g1, g2), retain_graph=True))
-            print(f"{per_sm:>6} {warps:>5} {ms:7.3f} {err:11.2e}")
-    fused_norm.PROGRAMS_PER_SM, fused_norm.BWD_WARPS = 4, None
+    print(f"{'backward':>9} {'setting':>22} {'warps':>5} {'bwd ms':>7} {'max rel err':>11}")
+    settings = [("rows", f"{per_sm} per SM", warps, (per_sm, fused_norm.DW_TILE)) for per_sm in (2, 4)
+                for warps in (4, 8)]
+    settings += [("two_pass", f"BM,BN,ROWS {tile}", warps, (4, tile)) for tile in ((32, 64, 256), (16, 128, 512),
+                                                                                  (64, 32, 256), (32, 64, 1024))
+                 for warps in (None, 4, 16)]
+    default = (fused_norm.BACKWARD, fused_norm.PROGRAMS_PER_SM, fused_norm.DW_TILE, fused_norm.BWD_WARPS)
+    for kind, name, warps, (per_sm, tile) in settings:
+        fused_norm.BACKWARD, fused_norm.PROGRAMS_PER_SM, fused_norm.DW_TILE, fused_norm.BWD_WARPS = kind, per_sm, \
+            tile, warps
+        y, h = fused_norm.fused_dropout_residual_layer_norm(x, r, w, b, p=0.0, key=1)
+        got = torch.autograd.grad((y, h), (x, r, w, b), (g1, g2), retain_graph=True)
+        err = max(((a.float() - e.float()).abs().max() / e.float().abs().max()).item() for a, e in zip(got, ref))
+        ms = do_bench(lambda: torch.autograd.grad((y, h), (x, r, w, b), (g1, g2), retain_graph=True))
+        print(f"{kind:>9} {name:>22} {warps or 'rule':>5} {ms:7.3f} {err:11.2e}")
+    fused_norm.BACKWARD, fused_norm.PROGRAMS_PER_SM, fused_norm.DW_TILE, fused_norm.BWD_WARPS = default
 
 
 if __name__ == "__main__":

@@ -157,7 +157,11 @@ def test_kernels_fused_norm_draws_each_element_of_a_row_independently():
     check_row_independence(fused_dropout_residual_layer_norm)
 
 
-def test_kernels_fused_norm_widths_not_powers_of_two_forward_and_backward_equal_float64():
+@pytest.mark.parametrize("backward", ["rows", "two_pass"])
+def test_kernels_fused_norm_widths_not_powers_of_two_forward_and_backward_equal_float64(backward, monkeypatch):
+    from tinyscale.kernels import fused_norm
+
+    monkeypatch.setattr(fused_norm, "BACKWARD", backward)  # both backward kernels (lesson 11, on an H200)
     check_widths(fused_dropout_residual_layer_norm)
 
 

@@ -24,7 +24,9 @@ three 64-bit multiply-xorshift rounds per element, again. The backward saves h (
 stream, kept alive by the next layer anyway) and mean, rstd per row. Sums over rows (the
 LayerNorm weight's and bias's gradients) are float32 partials, one per backward program: P
 programs (`backward_programs`, 4 per SM) each walk rows pid, pid + P, ... and sum their dW and
-db in registers, then torch sums the (P, C) partials. No atomics, deterministic; the first
+db in registers, then torch sums the (P, C) partials (`BACKWARD = "two_pass"` instead runs one
+program per row for dx and dres, then column tiles that sum dW and db over row segments, reading
+h and dy twice). No atomics, deterministic; the first
 version wrote one partial per row, an (R, C) float32 copy that made the backward slower than
 eager on an H100 (lesson 11, DS-32).
 
@@ -152,6 +154,60 @@ def _bwd(h_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dr
     tl.store(db_part_ptr + pid.to(tl.int64) * N + cols, db, mask=mask)
 
 
+@jit
+def _bwd_row(h_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dres_ptr, dx_ptr,
+             key, threshold, scale, T, N, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
+    """Two-pass backward, pass 1: one program per row (as the forward) for dres and dx only."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    offs = row.to(tl.int64) * N + cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    x_hat = tl.where(mask, (h - tl.load(mean_ptr + row)) * rstd, 0.0)
+    g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32) * w
+    dh = rstd * (g - tl.sum(g, axis=0) / N - x_hat * (tl.sum(g * x_hat, axis=0) / N))
+    dh += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dres_ptr + offs, dh.to(dres_ptr.dtype.element_ty), mask=mask)
+    if DROPOUT:
+        dh = tl.where(_keep(key, threshold, rows_ptr, pos_ptr, row, T, cols), dh * scale, 0.0)
+    tl.store(dx_ptr + offs, dh.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _bwd_dw(h_ptr, dy_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr, R, N,
+            ROWS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Two-pass backward, pass 2: program (column tile, row segment) sums dy x_hat and dy over its
+    ROWS rows, BM at a time, into one float32 partial per segment."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BN + tl.arange(0, BN)
+    cmask = cols < N
+    dw = tl.zeros((BN,), dtype=tl.float32)
+    db = tl.zeros((BN,), dtype=tl.float32)
+    for r0 in range(pid_s * ROWS, pid_s * ROWS + ROWS, BM):
+        rows = r0 + tl.arange(0, BM)
+        rmask = rows < R
+        offs = tl.cast(rows, tl.int64)[:, None] * N + cols[None, :]
+        m2 = rmask[:, None] & cmask[None, :]
+        h = tl.load(h_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        x_hat = tl.where(m2, (h - mean[:, None]) * rstd[:, None], 0.0)
+        dw += tl.sum(dy * x_hat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(dw_part_ptr + pid_s.to(tl.int64) * N + cols, dw, mask=cmask)
+    tl.store(db_part_ptr + pid_s.to(tl.int64) * N + cols, db, mask=cmask)
+
+
+# "rows": `_bwd`, P programs walking rows (beat eager on an H100); "two_pass": `_bwd_row` then `_bwd_dw`
+# (faster than "rows" in an H200 sweep, both slower than eager there: lesson 11). bwd of
+# scripts/gpu_fused_norm.py times both; the tests run both.
+BACKWARD = "rows"
+DW_TILE = (32, 64, 256)  # pass 2's (BM rows, BN columns, ROWS per segment); ROWS a multiple of BM
+
+
 def backward_programs(rows: int, device: torch.device) -> int:
     """Backward programs: a few per SM on a GPU (each sums its rows' dW in registers), a handful interpreted."""
     if device.type != "cuda":
@@ -197,12 +253,24 @@ class _FusedNorm(torch.autograd.Function):
         h, weight, mean, rstd, rows, positions = ctx.saved_tensors
         p, key, bias_dtype, ln_bias_dtype, B, T, C = ctx.args
         dres, dx = torch.empty_like(h), torch.empty_like(h)
+        key_, threshold, scale = _dropout_args(p, key)
+        dy2, dh2, block = dy.reshape(B * T, C).contiguous(), dh.reshape(B * T, C).contiguous(), triton.next_power_of_2(C)
+        if BACKWARD == "two_pass":
+            _bwd_row[(B * T,)](h, weight.contiguous(), dy2, dh2, mean, rstd, rows, positions, dres, dx, key_,
+                               threshold, scale, T, C, DROPOUT=p > 0, BLOCK=block, num_warps=BWD_WARPS or _warps(block))
+            BM, BN, ROWS = DW_TILE if h.is_cuda else (4, 16, 8)  # the interpreter: small tiles
+            segments = triton.cdiv(B * T, ROWS)
+            dw_part = torch.empty(segments, C, dtype=torch.float32, device=h.device)
+            db_part = torch.empty_like(dw_part)
+            _bwd_dw[(triton.cdiv(C, BN), segments)](h, dy2, mean, rstd, dw_part, db_part, B * T, C, ROWS=ROWS, BM=BM,
+                                                    BN=BN)
+            dw, db = dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(ln_bias_dtype)
+            dbias = None if bias_dtype is None else dx.sum(0, dtype=torch.float32).to(bias_dtype)
+            return dx.view(B, T, C), dres.view(B, T, C), dw, db, dbias, None, None, None, None, None
         programs = backward_programs(B * T, h.device)
         dw_part = torch.empty(programs, C, dtype=torch.float32, device=h.device)  # (P, C): one row per program
         db_part = torch.empty_like(dw_part)
-        key_, threshold, scale = _dropout_args(p, key)
-        dy2 = dy.reshape(B * T, C).contiguous()
-        _bwd[(programs,)](h, weight.contiguous(), dy2, dh.reshape(B * T, C).contiguous(), mean, rstd, rows, positions,
+        _bwd[(programs,)](h, weight.contiguous(), dy2, dh2, mean, rstd, rows, positions,
                           dres, dx, dw_part, db_part, key_, threshold, scale, B * T, T, C, DROPOUT=p > 0,
                           BLOCK=triton.next_power_of_2(C), num_warps=BWD_WARPS or _warps(triton.next_power_of_2(C)))
         dw, db = dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(ln_bias_dtype)

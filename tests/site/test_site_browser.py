@@ -4,7 +4,8 @@ Opened from disk (file://), as a reader without a server opens it: every page lo
 without a SEVERE console message, math is typeset by KaTeX and Mermaid draws every diagram
 (no raw `$$`, `\\(` or ```mermaid left), every image loads, no snippet marker
 `--8<--` is left unexpanded, every link to an anchor of the site finds its target, no page is
-wider than the window and no inline code makes a table wider than half the text column,
+wider than the window, no table is wider than the text column (none scrolls sideways at the
+window's 1280 px), no inline code in a table is wider than half the text column,
 search finds a lesson for "zero", and the memory
 calculator's page shows, for a grid of inputs, the bytes `tinyscale.calculator.estimate`
 computes. Run: `pytest -k site_browser` (the calculator's check also has `calculator`).
@@ -121,6 +122,13 @@ return {
   // whole table scroll sideways; docs/hooks.py lets the long ones wrap.
   wide_table_code: [...document.querySelectorAll("article td code")].filter((c) =>
       c.getBoundingClientRect().width > c.closest("article").clientWidth / 2).length,
+  // Any table, code or not: material puts each in a box that scrolls sideways when the table
+  // is wider than the text column; a reader should never have to (docs/stylesheets/extra.css).
+  wide_table: [...document.querySelectorAll("article table")].map((t) => {
+    const box = t.closest(".md-typeset__scrollwrap") || t.parentElement;
+    const head = [...t.rows[0].cells].map((c) => c.textContent.trim()).join(" | ").slice(0, 80);
+    return box.scrollWidth > box.clientWidth ? `${box.scrollWidth} px in ${box.clientWidth}: ${head}` : "";
+  }).filter((s) => s),
 };
 """
 # Links into the site with a fragment, as the browser resolves them.
@@ -143,7 +151,8 @@ def test_site_browser_every_page_loads_and_renders_math_and_mermaid(browser, sit
         name = str(page.relative_to(site_dir))
         if name in SHOWS_SNIPPET_SYNTAX:
             found.pop("raw_snippet")
-        problems += [f"{name}: {what} x{n}" for what, n in found.items() if n]
+        problems += [f"{name}: {what} x{n}" if isinstance(n, int) else f"{name}: {what} x{len(n)}: {'; '.join(n)}"
+                     for what, n in found.items() if n]
         problems += [f"{name}: console: {message[:300]}" for message in severe]
         links[name] = browser.execute_script(_LINKS)
         ids[page.as_uri()] = set(re.findall(r'\bid="([^"]+)"', page.read_text()))  # the page's anchors

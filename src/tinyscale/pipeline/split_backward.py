@@ -19,8 +19,16 @@ same on every rank: a collective on a parameter's side, ZeRO 3 style, stays matc
 intermediates lie on one path (a weight used at the stage's top and its bottom) walks that path
 again in W, each intermediate fed its recorded gradient (a pre-hook replaces what arrives), so the
 result is exact; only such a stage pays. Frozen parameters are not passed; an unused one gets no
-gradient (as `allow_unused`). Once B returns, `out` and the nodes above the intermediates can go:
-`Kept` holds the intermediates only, so what only the input gradient needed is freed before W.
+gradient (as `allow_unused`).
+
+Memory between B and W: `Kept` holds the intermediates, and through their next_functions the
+graph below the topmost of them, with its saved tensors (what only B needed among them too: the
+attention's, as when W walked from `out`; only the nodes above every intermediate, the head's
+loss on the last stage, are freed when B returns), plus the gradients B saw arrive at each
+intermediate, (N, out) for a linear layer, where the full walk kept one output gradient.
+Measured on a middle stage of 3 blocks (C 16, N 16, float64): 32,000 B saved either way, and
+18,432 B of arriving gradients instead of 2,048 B of output gradient (`-k split_backward_keeps`).
+Zero-bubble's W needs those gradients (ZB paper, sec. 2); the saved tensors only B needed could go.
 
 Test: `pytest tests/pipeline -k split_backward` (float64 against a plain backward; FLOPs of B, W).
 """

@@ -92,7 +92,7 @@ def peak_saved_bytes(name: str, m: int, v: int = 1, n_layer: int = 4) -> int:
             live[0] += storage.nbytes()
             peak[0] = max(peak[0], live[0])
             weakref.finalize(storage, freed, key, storage.nbytes())
-        return t
+        return t.detach()  # not t: a saved output would hold its own node (tests/planner/activations.py)
 
     dist.barrier()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

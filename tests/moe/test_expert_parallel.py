@@ -93,6 +93,45 @@ def test_expert_parallel_all_to_all_bytes_equal_the_routing_counts():
         assert o["bytes"] == sum(want.values())
 
 
+def _kept_bytes(layer: MoE, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for one forward of `layer`: each saved tensor's storage once, the input's
+    and the parameters' left out (the caller holds those anyway)."""
+    seen = {t.untyped_storage().data_ptr(): 0 for t in (x, *layer.parameters())}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return sum(seen.values())
+
+
+def _kept_body(E: int, k: int, cf):
+    layer = _layer(E, k, cf)
+    x = _tokens(dist.get_rank()).requires_grad_(True)
+    one = _kept_bytes(layer, x)
+    apply_expert_parallel(layer, dist.group.WORLD)
+    two = _kept_bytes(layer, x)
+    return one, two, layer.stats.kept, layer.experts.local
+
+
+def test_expert_parallel_keeps_what_one_process_keeps_plus_the_sort():
+    """Same tokens, same routing, at ep 1 and ep 2. What differs: the experts compute R received rows
+    instead of the M kept assignments, and each expert row keeps its input (C) and its SwiGLU's
+    insides (4 F_e: the gate's output, its silu, the up projection, their product); the exchange
+    keeps only the sort of the received rows by expert, R int64 (dispatch's gather and combine's
+    scatter share it; the all-to-alls keep nothing). So ep 2 - ep 1 = 8 ((R - M)(C + 4 F_e) + R)
+    bytes in float64, exactly (combine's index_copy, which kept its source too, R C more, fails this)."""
+    out = run_on_ranks(_kept_body, 2, 4, 2, None)
+    C, Fe = TINY.d_model, TINY.expert_dim
+    for one, two, kept, (start, stop) in out:
+        M = int(kept.sum())
+        R = sum(int(other[2][start:stop].sum()) for other in out)  # every rank's rows for my experts
+        assert M != R, "the ranks receive other row counts than they send (uneven tokens and routing)"
+        assert two - one == 8 * ((R - M) * (C + 4 * Fe) + R)
+
+
 def test_expert_parallel_groups_live_inside_dp():
     ep_groups, edp_groups = expert_group_ranks(MeshLayout(dp=4, tp=2), 2)
     assert ep_groups == [[0, 2], [4, 6], [1, 3], [5, 7]]

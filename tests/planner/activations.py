@@ -33,7 +33,11 @@ class SavedPeak:
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._freed, key, storage.nbytes()).atexit = False
-        return t
+        # An alias without autograd history: `t` itself, when it is the output of the node saving
+        # it (tanh, softmax), would make a cycle node -> t -> node that only a backward without
+        # retain_graph breaks; zero-bubble's B keeps the graph and W never runs the nodes above the
+        # weights' ones (pipeline/split_backward.py), so they would stay until the process ends.
+        return t.detach()
 
     def __enter__(self):
         self._hooks = saved_tensors_hooks(self.pack, lambda t: t)

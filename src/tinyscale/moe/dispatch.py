@@ -89,7 +89,9 @@ def combine(expert_out: torch.Tensor, token_index: torch.Tensor, weight: torch.T
     """Expert outputs in dispatch order (R, C) -> each token's weighted sum (N, C); a token whose
     assignments were all dropped gets zeros (the residual carries it)."""
     if plan.order is not None:  # undo the sort, then send every row back to the rank it came from
-        received = torch.empty_like(expert_out).index_copy(0, plan.order, expert_out)  # (R, C) source-major
+        # index_put keeps only the index (dispatch's sort keeps it already); index_copy would keep
+        # expert_out too, (R, C), for nothing: its gradient is the gradient's rows at `order`
+        received = expert_out.new_empty(expert_out.shape).index_put((plan.order,), expert_out)  # (R, C) source-major
         expert_out = AllToAll.apply(received, plan.send_splits, plan.recv_splits, group)  # (M, C)
     out = expert_out.new_zeros(num_tokens, expert_out.shape[-1])  # (N, C)
     return out.index_add(0, token_index, weight[:, None].to(expert_out.dtype) * expert_out)

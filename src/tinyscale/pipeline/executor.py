@@ -6,10 +6,11 @@ only knows what each action means:
 - F: run the stage on its input (micro-batch ids on stage 0, a received activation
   elsewhere); the last stage applies `loss_fn` and keeps loss / m for its backward.
 - BW: backward of the stage's output (or scaled loss) into its input and its parameters.
-- B and W (zero-bubble's split): B computes only the input gradient (what the previous stage
-  waits for), W the parameter gradients later. Here W walks the kept graph a second time
-  (`torch.autograd.grad`), the same math, not the same time: production code splits each
-  matmul's backward (ZB paper, sec. 2) so W costs only the weight-gradient matmuls.
+- B and W (zero-bubble's split, `split_backward.py`): B computes the input gradient (what the
+  previous stage waits for) and keeps the gradients that reach the nodes holding a parameter's
+  edge; W starts there later and runs only those nodes' weight side (a matmul's weight-gradient
+  matmul), nothing B ran above them: W is the weight matmuls, B the rest (ZB paper, sec. 2).
+  On stage 0, which sends no input gradient, B does nothing and W is the whole backward.
 - SEND/RECV: a run of consecutive sends goes out as one batched isend
   (`tinyscale.dist.comm`, so the ledger counts it).
   Each message is a *frame*: the tensor's elements and one status element after them (0 ok,
@@ -64,6 +65,7 @@ from tinyscale.pipeline.schedules import (
     B, BW, COMM_KINDS, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, stage_ranks,
 )
 from tinyscale.pipeline.simulator import simulate
+from tinyscale.pipeline.split_backward import Kept, accumulate, backward_input, backward_weight
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
 _HEADER = 8  # int64 slots: dtype code, number of dims, up to 6 sizes
@@ -242,21 +244,26 @@ class PipelineExecutor:
             self.saved.pop((s, i))
             torch.autograd.backward(out, grad_out)
             grad_in = x.grad if s > 0 else None
-        else:
-            self.saved[(s, i)] = (x, out, grad_out)  # W needs the graph again
-            grad_in = torch.autograd.grad(out, x, grad_out, retain_graph=True)[0] if s > 0 else None
+        elif s == 0:  # no input gradient: W does the whole backward
+            self.saved[(s, i)] = (out, grad_out)
+            grad_in = None
+        else:  # W starts where B left the gradients at the parameters' nodes
+            grad_in, self.saved[(s, i)] = backward_input(out, grad_out, x, self._trained(s))
         if grad_in is not None and self.where[s - 1] == self.where[s]:
             self.inbox[(B, s - 1, i)] = grad_in
         elif grad_in is not None:
             self.inbox[("out", s, i)] = grad_in  # picked up by SEND_B
 
     def _weight_grad(self, a: Action) -> None:
-        x, out, grad_out = self.saved.pop((a.stage, a.microbatch))
-        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
-        grads = torch.autograd.grad(out, params, grad_out, allow_unused=True)
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        kept = self.saved.pop((a.stage, a.microbatch))
+        if isinstance(kept, Kept):
+            backward_weight(kept)
+        else:  # stage 0: (out, grad_out), B did nothing
+            (out, grad_out), params = kept, self._trained(a.stage)
+            accumulate(params, torch.autograd.grad(out, params, grad_out, allow_unused=True))
+
+    def _trained(self, s: int) -> list[nn.Parameter]:
+        return [p for p in self.stages[s].parameters() if p.requires_grad]
     # --8<-- [end:compute]
 
     def _outgoing(self, a: Action) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""Zero-bubble's split of a stage's backward: B (the input gradient) now, W (the weights') later,
+with no backward node run in both but the ones that hold a parameter's edge.
+
+    grad_x, kept = backward_input(out, grad_out, x, params)   # B: x's gradient; `kept` is what W needs
+    backward_weight(kept)                                      # W: adds each parameter's gradient to .grad
+
+B walks the graph from `out` to `x`. Every node on that walk that also has an edge towards a
+parameter (a matmul's backward with the weight as an input, a norm's scale) is an *intermediate*:
+B records the gradient arriving at it (a pre-hook), and autograd computes there only the input
+side (the engine asks each node for the outputs its walk needs). W starts at those nodes
+(`torch.autograd.grad` from their `GradientEdge`s with the recorded gradients) and walks only
+towards the parameters, so each intermediate computes its weight side only, and nothing between
+`out` and the intermediates (an attention's backward, an MoE layer's all-to-alls) runs again.
+The same cut torch's zero-bubble stage makes (torch/distributed/pipelining/_backward.py).
+
+Parameters are grouped by the intermediates they share (a weight used twice has two; so does a
+weight used by two nodes); W runs one `autograd.grad` per group, groups in parameter order (the
+same on every rank: a collective on a parameter's side, ZeRO 3 style, stays matched). A group whose
+intermediates lie on one path (a weight used at the stage's top and its bottom) walks that path
+again in W, each intermediate fed its recorded gradient (a pre-hook replaces what arrives), so the
+result is exact; only such a stage pays. Frozen parameters are not passed; an unused one gets no
+gradient (as `allow_unused`).
+
+Memory between B and W: `Kept` holds the intermediates, and through their next_functions the
+graph below the topmost of them, with its saved tensors (what only B needed among them too: the
+attention's, as when W walked from `out`; only the nodes above every intermediate, the head's
+loss on the last stage, are freed when B returns), plus the gradients B saw arrive at each
+intermediate, (N, out) for a linear layer, where the full walk kept one output gradient.
+Measured on a middle stage of 3 blocks (C 16, N 16, float64): 32,000 B saved either way, and
+18,432 B of arriving gradients instead of 2,048 B of output gradient (`-k split_backward_keeps`).
+Zero-bubble's W needs those gradients (ZB paper, sec. 2); the saved tensors only B needed could go.
+
+Test: `pytest tests/pipeline -k split_backward` (float64 against a plain backward; FLOPs of B, W).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    """t's grad_fn, or for a leaf its AccumulateGrad node (made through a view if not yet made)."""
+    if t.grad_fn is not None or not t.requires_grad:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+@dataclass
+class _Group:
+    params: list[torch.Tensor]
+    nodes: list[Node]                                   # its intermediates
+    grads: list[tuple | None] = field(default_factory=list)  # what B saw arrive at each
+
+
+@dataclass
+class Kept:
+    """What W needs after B: the parameter groups (their intermediates keep the graph below them)."""
+    groups: list[_Group]
+
+
+def _consumers(root: Node) -> dict[Node, list[Node]]:
+    """Every node reachable from `root` -> the nodes whose next_functions name it (reverse edges)."""
+    users: dict[Node, list[Node]] = defaultdict(list)
+    seen, queue = {root}, deque([root])
+    while queue:
+        node = queue.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                users[nxt].append(node)
+                if nxt not in seen:
+                    seen.add(nxt)
+                    queue.append(nxt)
+    return users
+
+
+def _above(start: Node, users: dict[Node, list[Node]], stop: set[Node] = frozenset()) -> tuple[set, list]:
+    """Walk reverse edges from `start`, not past a node of `stop`: (the nodes walked, the nodes of
+    `stop` met, in the order met)."""
+    seen, queue, met = {start}, deque([start]), []
+    while queue:
+        for user in users.get(queue.popleft(), ()):
+            if user not in seen:
+                seen.add(user)
+                (met if user in stop else queue).append(user)
+    return seen, met
+
+
+# --8<-- [start:split]
+def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Tensor,
+                   params: list[torch.Tensor]) -> tuple[torch.Tensor, Kept]:
+    """B: x's gradient (of `out`, weighted by `grad_out`), and what `backward_weight` needs."""
+    users = _consumers(out.grad_fn)
+    on_input_walk, _ = _above(_node(x), users)  # the nodes B runs: those on a path from out to x
+    groups: list[_Group] = []  # in parameter order; a parameter joins the groups it shares a node with
+    for p in params:
+        acc = _node(p)
+        if acc not in users:
+            continue  # unused on this stage: no gradient
+        met = _above(acc, users, on_input_walk)[1]  # not empty: every path up reaches out, on B's walk
+        shared = [g for g in groups if any(n in g.nodes for n in met)]
+        group = shared[0] if shared else _Group([], [])
+        for other in shared[1:]:
+            group.params += other.params
+            group.nodes += other.nodes
+            groups.remove(other)
+        group.params.append(p)
+        group.nodes += [n for n in met if n not in group.nodes]
+        if not shared:
+            groups.append(group)
+    seen: dict[Node, tuple] = {}
+    hooks = [n.register_prehook(lambda grads, n=n: seen.__setitem__(n, grads)) for g in groups for n in g.nodes]
+    try:
+        (grad_x,) = torch.autograd.grad(out, x, grad_out, retain_graph=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    for g in groups:
+        g.grads = [seen.get(n) for n in g.nodes]
+    return grad_x, Kept(groups)
+
+
+def backward_weight(kept: Kept) -> None:
+    """W: each group's parameter gradients from its intermediates' recorded gradients, into .grad."""
+    for g in kept.groups:
+        fed = [(n, ds) for n, ds in zip(g.nodes, g.grads) if ds is not None]
+        edges = [(GradientEdge(n, k), d) for n, ds in fed for k, d in enumerate(ds) if d is not None]
+        if not edges:
+            continue
+        # a node that another of the group's intermediates feeds in W takes what B saw, not that plus its seed
+        clamp = [n.register_prehook(lambda _, ds=ds: ds) for n, ds in fed] if len(g.nodes) > 1 else []
+        try:
+            grads = torch.autograd.grad([e for e, _ in edges], g.params, [d for _, d in edges],
+                                        retain_graph=True, allow_unused=True)
+        finally:
+            for h in clamp:
+                h.remove()
+        accumulate(g.params, grads)
+# --8<-- [end:split]
+
+
+def accumulate(params, grads) -> None:
+    """p.grad += each gradient (set where None); a None gradient (an unused parameter) leaves p alone."""
+    for p, d in zip(params, grads):
+        if d is not None:
+            p.grad = d if p.grad is None else p.grad + d

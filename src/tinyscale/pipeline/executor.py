@@ -11,13 +11,14 @@ only knows what each action means:
   edge; W starts there later and runs only those nodes' weight side (a matmul's weight-gradient
   matmul), nothing B ran above them: W is the weight matmuls, B the rest (ZB paper, sec. 2).
   On stage 0, which sends no input gradient, B does nothing and W is the whole backward.
-- SEND/RECV: a run of consecutive sends goes out as one batched isend
-  (`tinyscale.dist.comm`, so the ledger counts it).
+- SEND/RECV: a run of consecutive sends goes out as one batched isend, a lone send as an
+  isend, as torch's pipelining does (`tinyscale.dist.comm`, so the ledger counts it).
   Each message is a *frame*: the tensor's elements and one status element after them (0 ok,
-  1 reshaped, 2 failed). Shapes travel only when they are new: the first time a (direction,
-  stage, micro-batch) is sent, a header (dtype, number of dims, shape; 8 int64) goes first
-  and both ends remember the shape; afterwards the frame alone goes, sized from memory, as
-  torch's pipelining sends tensors of shapes fixed in advance. A tensor whose shape changed
+  1 reshaped, 2 failed), built by one `torch.cat`; a receive is a view of its frame. Shapes
+  travel only when they are new: the first time a (direction, stage, micro-batch) is sent,
+  a header (dtype, number of dims, shape; 8 int64) goes first and both ends remember the
+  shape; afterwards the frame alone goes, sized from memory, as torch's pipelining sends
+  tensors of shapes fixed in advance. A tensor whose shape changed
   (another sequence length next step) goes as a frame of the remembered size with status 1,
   then the header and the new frame. Receives wait in schedule order. A receive is posted
   where the schedule takes it, after its run's sends, as torch's pipelining does, except on
@@ -143,6 +144,8 @@ class PipelineExecutor:
         self.num_microbatches = len({a.microbatch for a in self.actions})
         self.ranks = list(ranks) if ranks is not None else list(range(len(schedule)))
         self.me = self.ranks[rank]
+        # each send / receive -> (its peer's global rank, `_key`): looked up, not derived, per message
+        self.route = {a: (self._peer(a), _key(a)) for a in self.actions if a.kind in COMM_KINDS}
         # (direction, receiving stage, micro-batch) -> (shape, dtype) last sent / received there
         self.sent_shapes: dict[tuple, tuple] = {}
         self.recv_shapes: dict[tuple, tuple] = {}
@@ -187,6 +190,7 @@ class PipelineExecutor:
         # receives one does the same. `failed`: (global rank that raised first here, its error).
         self.failed: tuple[int, BaseException | None] | None = None
         self.posted: dict[Action, tuple[torch.Tensor, comm.Work]] = {}  # receives posted early
+        self._run_device: torch.device | None = None  # `_device`, found at its first use in this run
         pending: list[Action] = []
         for a in self.actions:
             if a.kind in COMM_KINDS:
@@ -278,12 +282,17 @@ class PipelineExecutor:
         """Post a run's sends together, then take its receives in order, then (`wait_sends`)
         wait for the sends. The simulator assumes sends never wait, so waiting only where
         `_can_wait_sends` allows keeps every schedule it accepts free of deadlock here."""
-        ops = []
-        for a in (a for a in actions if a.kind in (SEND_F, SEND_B)):
-            ops += self._send_ops(a)
-        self.sends += comm.batch_isend_irecv(ops)
+        ops, receives = [], []
+        for a in actions:
+            if a.kind in (SEND_F, SEND_B):
+                ops += self._send_ops(a)
+            else:
+                receives.append(a)
+        if len(ops) == 1:  # one send: no batch (as torch's pipelining posts a lone send)
+            self.sends.append(comm.isend(ops[0].tensor, ops[0].peer, self.group))
+        elif ops:
+            self.sends += comm.batch_isend_irecv(ops)
         self.sent_tensors += [op.tensor for op in ops]  # alive until the sends complete
-        receives = [a for a in actions if a.kind in (RECV_F, RECV_B)]
         for a in receives:
             self._receive(a)
         if receives and self.wait_sends:
@@ -293,8 +302,7 @@ class PipelineExecutor:
 
     def _send_ops(self, a: Action) -> list[comm.P2POp]:
         """A frame (after a header when the shape is new), or the failure messages."""
-        peer = self._peer(a)
-        key = _key(a)
+        peer, key = self.route[a]
         known = self.sent_shapes.get(key)
         send = lambda t: comm.P2POp("isend", t, peer, self.group)  # noqa: E731
         if self.failed is not None:  # no data: status 2 (if a frame is expected), then who failed
@@ -303,11 +311,11 @@ class PipelineExecutor:
             return [send(failure)] if known is None else [send(_frame(None, known, _FAILED_FRAME, self._device)),
                                                           send(failure)]
         tensor = self._outgoing(a)
-        shape = (tuple(tensor.shape), tensor.dtype)
+        shape = (tensor.shape, tensor.dtype)
         frame = send(_frame(tensor, shape, _OK, self._device))
-        self.sent_shapes[key] = shape
         if known == shape:
             return [frame]
+        self.sent_shapes[key] = shape
         header = send(_header(tensor, self._device))
         if known is None:
             return [header, frame]
@@ -315,11 +323,12 @@ class PipelineExecutor:
 
     def _post(self, a: Action) -> tuple[torch.Tensor, comm.Work] | None:
         """Post the receive of `a`'s frame, if its shape is known (else its header must come first)."""
-        known = self.recv_shapes.get(_key(a))
+        peer, key = self.route[a]
+        known = self.recv_shapes.get(key)
         if known is None:
             return None
-        frame = _frame(None, known, _OK, self._device)
-        return frame, comm.irecv(frame, self._peer(a), self.group)
+        frame = torch.empty(known[0].numel() + 1, dtype=known[1], device=self._device)
+        return frame, comm.irecv(frame, peer, self.group)
 
     def _post_early(self, a: Action) -> None:
         """`a` has arrived: post the next receive from its peer now if `early` says so."""
@@ -329,13 +338,13 @@ class PipelineExecutor:
             self.posted[after] = posted
 
     def _receive(self, a: Action) -> None:
-        peer, key = self._peer(a), _key(a)
-        posted = self.posted.pop(a, None) or self._post(a)
+        peer, key = self.route[a]
+        posted = (self.posted.pop(a, None) if self.posted else None) or self._post(a)
         status = None
         if posted is not None:
             frame, work = posted
             work.wait()
-            status = int(frame[-1].item())
+            status = frame[-1].item()
         if status != _OK:  # a header comes: a new shape, a changed one, or a failure
             header = torch.zeros(_HEADER, dtype=torch.int64, device=self._device)
             comm.irecv(header, peer, self.group).wait()
@@ -343,13 +352,15 @@ class PipelineExecutor:
                 if self.failed is None and self.on_failure is not None:
                     self.on_failure()
                 self.failed = self.failed or (int(header[1].item()), None)
-                self._post_early(a)
+                if self.early:
+                    self._post_early(a)
                 return
             shape = _shape_from_header(header)
-            frame = _frame(None, shape, _OK, self._device)
+            frame = torch.empty(shape[0].numel() + 1, dtype=shape[1], device=self._device)
             comm.irecv(frame, peer, self.group).wait()
             self.recv_shapes[key] = shape
-        self._post_early(a)
+        if self.early:
+            self._post_early(a)
         self.inbox[(F if a.kind == RECV_F else B, a.stage, a.microbatch)] = frame[:-1].view(self.recv_shapes[key][0])
 
     def _peer(self, a: Action) -> int:
@@ -360,7 +371,10 @@ class PipelineExecutor:
 
     @property
     def _device(self) -> torch.device:
-        return next(p for m in self.stages.values() for p in m.parameters()).device
+        """The stages' device, looked up once per `run` (a walk over the modules per message showed)."""
+        if self._run_device is None:
+            self._run_device = next(p for m in self.stages.values() for p in m.parameters()).device
+        return self._run_device
 
 
 def _can_wait_sends(schedule: Schedule) -> bool:
@@ -410,9 +424,9 @@ def _header(t: torch.Tensor, device) -> torch.Tensor:
                         dtype=torch.int64, device=device)
 
 
-def _shape_from_header(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+def _shape_from_header(h: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
     code, ndim, *sizes = h.tolist()
-    return tuple(sizes[:ndim]), _DTYPES[code]
+    return torch.Size(sizes[:ndim]), _DTYPES[code]
 
 
 def _key(a: Action) -> tuple[str, int, int]:
@@ -426,11 +440,22 @@ def _frame(t: torch.Tensor | None, shape: tuple, status: int, device) -> torch.T
     """(numel + 1,): `t`'s elements (uninitialised when t is None) and the status element."""
     size, dtype = shape
     n = torch.Size(size).numel()
+    if t is not None:  # one op: the hot path of every send (measured in lessons/08)
+        return torch.cat((t.reshape(-1), _status_element(status, dtype, device)))
     frame = torch.empty(n + 1, dtype=dtype, device=device)
-    if t is not None:
-        frame[:n].copy_(t.reshape(-1))
     frame[n] = status
     return frame
+
+
+_STATUS: dict[tuple, torch.Tensor] = {}
+
+
+def _status_element(status: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A (1,) tensor holding `status`, made once per (status, dtype, device) and only read."""
+    key = (status, dtype, torch.device(device))
+    if key not in _STATUS:
+        _STATUS[key] = torch.full((1,), status, dtype=dtype, device=device)
+    return _STATUS[key]
 
 
 def group_backend(group) -> str:

@@ -38,8 +38,10 @@ def recompute_of(config: EngineConfig, n_layer: int) -> tuple[str, int | None]:
 def early_stop_of(config: EngineConfig) -> bool:
     """`early_stop` for `tinyscale.mfu.hfu`: ours non-re-entrant stops its rerun early, the
     re-entrant one does not; in a compiled block both are torch's checkpoint, whose backward graph
-    reruns what an early stop reruns with "aot_eager" and "inductor", and the whole region with
-    the "eager" backend (measured: `pytest -k "hfu_matches or torch_compile_checkpointing"`)."""
+    reruns what an early stop reruns with "aot_eager", and the whole region with the "eager"
+    backend (measured: `pytest -k "hfu_matches or torch_compile_checkpointing"`). "inductor"
+    partitions the same tagged graph, so it is counted as "aot_eager" (not measured: its
+    generated kernels run outside the dispatcher, where no FLOP counter sees them)."""
     if config.compile.enabled:
         return config.compile.backend != "eager"
     return not config.activation_checkpointing.use_reentrant

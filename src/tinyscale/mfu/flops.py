@@ -32,8 +32,8 @@ they plug in and whether they count attention; `approximations` computes them si
 
 What recomputation reruns (`ForwardFlops.recomputed`) depends on the checkpoint. Without early
 stop (re-entrant, early_stop=False, Megatron's count) every matmul of each region. With it (the
-non-re-entrant default, ours and torch's; and a checkpoint in a block compiled with "aot_eager"
-or "inductor", whose backward graph reruns the same matmuls) the rerun ends at the region's last
+non-re-entrant default, ours and torch's; and a checkpoint in a block compiled with "aot_eager",
+whose backward graph reruns the same matmuls) the rerun ends at the region's last
 saved tensor, so a last matmul whose output nothing saves is not rerun: the block's MLP down
 projection, unless a residual dropout after it saves a mask drawn from its output; the core's
 P v, unless a fused SDPA kernel saves its own output.

@@ -82,15 +82,17 @@ def _write_outputs(run_dir: Path, spec, result: dict, ref: dict | None, summary:
 def _utilization(spec, tokens_per_s: float, result: dict) -> dict:
     """MFU and HFU of the run's throughput (steps after the first), `tinyscale.mfu`'s formulas."""
     from tinyscale.config import EngineConfig
-    from tinyscale.engine.throughput import recompute_of
+    from tinyscale.engine.throughput import early_stop_of, recompute_of
     from tinyscale.mfu import hfu, mfu
     from tinyscale.models import GPTConfig
 
     cfg, peak, devices = GPTConfig.preset(spec.model), result["peak_flops"], result["num_devices"]
-    recompute, layers = recompute_of(EngineConfig.load(spec.config), cfg.n_layer)
+    engine_config = EngineConfig.load(spec.config)
+    recompute, layers = recompute_of(engine_config, cfg.n_layer)
     source = "vendor table" if result["backend"] == "nccl" else "measured matmul peak of this CPU"
     return {"mfu": mfu(tokens_per_s, cfg, peak, num_devices=devices),
-            "hfu": hfu(tokens_per_s, cfg, peak, num_devices=devices, recompute=recompute, recomputed_layers=layers),
+            "hfu": hfu(tokens_per_s, cfg, peak, num_devices=devices, recompute=recompute, recomputed_layers=layers,
+                       early_stop=early_stop_of(engine_config)),
             "peak_flops": peak, "peak_source": source}
 
 

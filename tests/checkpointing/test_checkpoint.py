@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.flop_counter import FlopCounterMode
 
 from tinyscale.checkpointing import checkpoint, checkpoint_nonreentrant, checkpoint_reentrant, saved_bytes
 from tinyscale.models import GPT, GPTConfig
@@ -23,6 +25,7 @@ from tinyscale.testing import implementations, resolve
 
 CHECKPOINTS = implementations("activation_checkpoint", {
     "nonreentrant": "tinyscale.checkpointing:checkpoint_nonreentrant",
+    "nonreentrant_no_early_stop": "tests.checkpointing.torch_impls:nonreentrant_without_early_stop",
     "reentrant": "tinyscale.checkpointing:checkpoint_reentrant",
     "torch_nonreentrant": "tests.checkpointing.torch_impls:torch_nonreentrant",
     "torch_reentrant": "tests.checkpointing.torch_impls:torch_reentrant",
@@ -230,14 +233,84 @@ def test_activation_checkpoint_saves_only_the_inputs(use_reentrant):
     assert saved_bytes(ckpt, x, cos, sin, exclude_state_of=model_state) == x.numel() * 4
 
 
-def test_activation_checkpoint_nested_regions_grads_bit_identical():
+# ------------------------------------------------------------------------------ early stop
+
+
+def _backward_flops(fn, *args) -> int:
+    """Matmul FLOPs of backward through fn(*args) (a fixed function of its tensor outputs), as
+    FlopCounterMode counts them: the gradients' own, plus whatever a checkpoint reruns."""
+    outs = fn(*args)
+    loss = sum((o * (i + 1)).sum() for i, o in enumerate(o for o in (outs if isinstance(outs, tuple) else (outs,))
+                                                          if torch.is_tensor(o)))
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_activation_checkpoint_nonreentrant_early_stop_skips_the_unsaved_down_projection(dropout):
+    """A block's rerun with early stop runs its forward but the MLP's down projection, whose
+    output nothing saves (autograd saves an op's inputs before running it), as torch's does; with
+    early_stop=False, and with residual dropout (its mask, drawn after w_down, is saved), all of it."""
+    block, cos, sin = gpt_block(torch.float64, 8, dropout=dropout)
+    x = torch.randn(2, 8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    with FlopCounterMode(display=False) as fwd:
+        block(x, cos, sin)
+    plain = _backward_flops(block, x, cos, sin)
+
+    def rerun(impl, **options):
+        torch.manual_seed(0)
+        return _backward_flops(lambda *a: impl(block, *a, **options), x, cos, sin) - plain
+
+    w_down = 2 * 2 * 8 * block.mlp.w_down.in_features * block.mlp.w_down.out_features  # (B T, F) @ (F, C)
+    unsaved = w_down if dropout == 0 else 0
+    assert rerun(checkpoint_nonreentrant, early_stop=False) == fwd.get_total_flops()
+    assert rerun(checkpoint_nonreentrant) == rerun(checkpoint_nonreentrant, early_stop=True) \
+        == fwd.get_total_flops() - unsaved
+    assert rerun(checkpoint, use_reentrant=False) == rerun(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    with set_checkpoint_early_stop(False):
+        assert rerun(torch.utils.checkpoint.checkpoint, use_reentrant=False) == fwd.get_total_flops()
+    assert rerun(checkpoint_reentrant) == fwd.get_total_flops()  # re-entrant: no early stop
+
+
+def tail_after_the_last_save(x, w, v, u, tag: str):
+    """Reads v (an input it does not return); its last op, h @ u, saves h and u before it runs,
+    and nothing saves its output: an early-stopped rerun ends before it. A tuple out."""
+    h = F.dropout(torch.tanh(x @ w) * v, p=0.5, training=True)
+    return h.sin(), tag, h @ u
+
+
+@pytest.mark.parametrize("impl", WITH_KWARGS)
+def test_activation_checkpoint_early_stop_region_reading_a_tensor_it_does_not_return(impl):
+    g = torch.Generator().manual_seed(3)
+    x, w, v, u = (torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)
+                  for s in [(5, 4), (4, 6), (6,), (6, 3)])
+    want = run(tail_after_the_last_save, x, w, v, u, "t", seed=2)
+    assert_identical(run(tail_after_the_last_save, x, w, v, u, "t", seed=2, impl=impl), want)
+
+
+def test_activation_checkpoint_early_stop_rerun_ends_at_the_last_saved_tensor():
+    g = torch.Generator().manual_seed(3)
+    x, w, v, u = (torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)
+                  for s in [(5, 4), (4, 6), (6,), (6, 3)])
+    plain = _backward_flops(tail_after_the_last_save, x, w, v, u, "t")
+    flops = {stop: _backward_flops(lambda *a: checkpoint_nonreentrant(tail_after_the_last_save, *a, early_stop=stop),
+                                   x, w, v, u, "t") - plain for stop in (False, True)}
+    assert flops == {False: 2 * 5 * 4 * 6 + 2 * 5 * 6 * 3, True: 2 * 5 * 4 * 6}  # x @ w and h @ u, or x @ w only
+
+
+@pytest.mark.parametrize("outer_stop, inner_stop", [(True, True), (True, False), (False, True), (False, False)])
+def test_activation_checkpoint_nested_regions_grads_bit_identical(outer_stop, inner_stop):
+    """The inner region is the outer's last op: the outer's rerun stops (early_stop) when the
+    inner checkpoint has saved its inputs, before the inner block runs; the inner region reruns
+    from them. Stream dropout on: every mask comes back."""
     block, cos, sin = gpt_block(torch.float64, 6)
     x = torch.randn(2, 6, 32, dtype=torch.float64, requires_grad=True)
 
     def outer(x):
-        return checkpoint_nonreentrant(block, block(x, cos, sin), cos, sin)
+        return checkpoint_nonreentrant(block, block(x, cos, sin), cos, sin, early_stop=inner_stop)
 
-    assert_identical(run(checkpoint_nonreentrant, outer, x, seed=9),
+    assert_identical(run(lambda x: checkpoint_nonreentrant(outer, x, early_stop=outer_stop), x, seed=9),
                      run(lambda x: block(block(x, cos, sin), cos, sin), x, seed=9))
 
 

@@ -16,9 +16,9 @@ Compiled training equals eager training, and every block reuses one compilation:
 Activation checkpointing inside the compiled blocks (`-k torch_compile_checkpointing`): dp 2 at
 ZeRO 3 with full, and one process with every_k and stream dropout, train equal to eager and one
 process (default); what each policy keeps and reruns is measured eagerly and compiled, on one
-process (default); tp 2 + SP selective, tp 2 selective with exact stream dropout, pp 2 every_k,
-cp 2 selective, selective with counter dropout, and inductor with full and selective under
-`--thorough`, with the measurement behind refusing the saved-tensor-hook options.
+process (default); the whole regions the "eager" backend reruns, tp 2 + SP selective, tp 2
+selective with exact stream dropout, pp 2 every_k, cp 2 selective, selective with counter
+dropout, and inductor with full and selective under `--thorough`, with the measurement behind refusing the saved-tensor-hook options.
 
 The tolerance is the suite's float64 rtol 1e-10 (`tinyscale.testing`), unchanged: inductor fuses
 and reorders float operations (a fused kernel sums a row in another order, keeps an intermediate
@@ -188,33 +188,47 @@ class _BackwardOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
+        self.matmul_flops = 0  # 2mkn per (m, k) @ (k, n), FlopCounterMode's convention (it rejects the rng op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.name() if isinstance(func, torch._ops.HigherOrderOperator) else func.overloadpacket.__name__] += 1
+        name = func.name() if isinstance(func, torch._ops.HigherOrderOperator) else func.overloadpacket.__name__
+        self.counts[name] += 1
+        if name in ("mm", "bmm"):
+            self.matmul_flops += 2 * args[0].shape[:-1].numel() * args[0].shape[-1] * args[1].shape[-1]
         return func(*args, **(kwargs or {}))
 
 
-def _kept_and_redone(policy: str, compiled: bool) -> tuple[list, Counter]:
+def _kept_and_redone(policy: str, compiled: bool, backend: str = "aot_eager") -> tuple[list, _BackwardOps]:
     """A 2-block GPT with `policy` (every_k 2: block 1), eager or compiled (aot_eager): the tensors
-    its forward keeps for backward (parameters left out), and the ops its backward runs."""
+    its forward keeps for backward (parameters left out), and the ops its backward runs (and their
+    matmul FLOPs)."""
     torch._dynamo.reset()
     model = apply_policy(gpt(attn_impl="math"), policy, every_k=2 if policy == "every_k" else None)
-    compile_blocks(model, CompileConfig(enabled=compiled, backend="aot_eager"))
+    compile_blocks(model, CompileConfig(enabled=compiled, backend=backend))
     idx, targets = next(iter(batches()))
     rows = saved_tensors(model, idx, targets)
     loss, mode = model(idx, targets), _BackwardOps()
     with mode:
         loss.backward()
-    return rows, mode.counts
+    return rows, mode
 
 
 def test_torch_compile_checkpointing_keeps_and_recomputes_what_eager_does():
     """Each policy means in a compiled block what it means eagerly: the same tensors kept (bytes),
     the same attention cores (softmaxes) rerun in backward, and the same matmuls rerun but each
     region's last one (the MLP's down projection, the core's P v), whose output no gradient needs:
-    the compiled backward leaves it out (as torch's eager checkpoint stops early; ours reruns it)."""
-    got = {(policy, compiled): _kept_and_redone(policy, compiled)
-           for policy in ("none", "full", "every_k", "selective") for compiled in (False, True)}
+    the compiled backward leaves it out, as our eager checkpoint's early stop does; the rerun matmul
+    FLOPs are the HFU formula's (tinyscale.mfu, early_stop=True) both ways."""
+    from tinyscale.mfu import forward_flops
+
+    modes = {(policy, compiled): _kept_and_redone(policy, compiled)
+             for policy in ("none", "full", "every_k", "selective") for compiled in (False, True)}
+    got = {key: (rows, mode.counts) for key, (rows, mode) in modes.items()}
+    flops = forward_flops(gpt(attn_impl="math").config, SEQ)
+    recompute = {"full": ("full", None), "every_k": ("full", 1), "selective": ("selective", None)}
+    for (policy, compiled), (_, mode) in modes.items():
+        rerun = mode.matmul_flops - modes[("none", compiled)][1].matmul_flops
+        assert rerun == ROWS * flops.recomputed(*recompute.get(policy, ("none", None))), (policy, compiled)
 
     def nbytes(rows):
         return sum({row.storage_key: row.storage_bytes for row in rows}.values())
@@ -234,12 +248,30 @@ def test_torch_compile_checkpointing_keeps_and_recomputes_what_eager_does():
             rows, ops = got[(policy, compiled)]
             assert ops["_softmax"] == n, (policy, compiled, ops)
             redone = matmuls(ops) - matmuls(none_ops)
-            assert redone == n * per_region[policy] - (n if compiled else 0), (policy, compiled, redone)
+            assert redone == n * per_region[policy] - n, (policy, compiled, redone)
             assert not any(row.dtype == torch.uint8 for row in rows)  # no random op: no generator state kept
         assert not probabilities(got[("selective", compiled)][0])
         full, every_k, none = (nbytes(got[(p, compiled)][0]) for p in ("full", "every_k", "none"))
         assert 2 * every_k == full + none  # block 1 keeps what full keeps, block 0 what none keeps
     assert nbytes(got[("full", True)][0]) == nbytes(got[("full", False)][0]) < nbytes(got[("none", True)][0]) / 3
+
+
+@pytest.mark.thorough
+def test_torch_compile_checkpointing_eager_backend_reruns_whole_regions():
+    """Backend "eager" (Dynamo's graph run as it is, no AOTAutograd partitioner): torch's
+    checkpoint reruns every matmul of each region, so the engine's HFU counts it with
+    early_stop=False (engine/throughput.py: early_stop_of)."""
+    from tinyscale.config import EngineConfig
+    from tinyscale.engine.throughput import early_stop_of
+    from tinyscale.mfu import forward_flops
+
+    flops = forward_flops(gpt(attn_impl="math").config, SEQ)
+    none = _kept_and_redone("none", True, "eager")[1].matmul_flops
+    engine_config = EngineConfig.load({"train_batch_size": ROWS, "compile": {"enabled": True, "backend": "eager"}})
+    assert early_stop_of(engine_config) is False
+    for policy in ("full", "selective"):
+        rerun = _kept_and_redone(policy, True, "eager")[1].matmul_flops - none
+        assert rerun == ROWS * flops.recomputed(policy, early_stop=early_stop_of(engine_config)), policy
 
 
 THOROUGH_AOT = ("tp2-sp", "pp2", "cp2", "dp2-counter-dropout", "dp2-offload-checkpointing", "tp2-sp-selective",

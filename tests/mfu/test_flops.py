@@ -91,12 +91,13 @@ def test_mfu_hardware_flops_with_full_recompute_match_flop_counter(cfg, seq_len,
     for i in range(layers):
         model.blocks[i] = _Recomputed(model.blocks[i])
     f = forward_flops(cfg, seq_len)
-    with set_checkpoint_early_stop(False):  # re-run the whole block, as "full" counts
-        assert sum(_counted(model, 1, seq_len)) == f.hardware("full", recomputed_layers=layers)
+    with set_checkpoint_early_stop(False):  # re-run the whole block
+        assert sum(_counted(model, 1, seq_len)) == f.hardware("full", layers, early_stop=False)
     # torch's default stops recomputing once every saved tensor is back: the block's last
     # matmul (w_down: its output is not saved for backward) is not redone.
+    assert sum(_counted(model, 1, seq_len)) == f.hardware("full", layers, early_stop=True)
     w_down = 2 * seq_len * cfg.ffn_dim * cfg.d_model
-    assert sum(_counted(model, 1, seq_len)) == f.hardware("full", recomputed_layers=layers) - layers * w_down
+    assert f.hardware("full", layers, early_stop=False) - f.hardware("full", layers) == layers * w_down
 
 
 def test_mfu_hardware_flops_with_selective_recompute_match_flop_counter(monkeypatch):
@@ -109,10 +110,10 @@ def test_mfu_hardware_flops_with_selective_recompute_match_flop_counter(monkeypa
     monkeypatch.setattr(gpt_module, "causal_attention", recomputed_core)
     f = forward_flops(cfg, 32)
     with set_checkpoint_early_stop(False):
-        assert sum(_counted(GPT(cfg), 2, 32)) == 2 * f.hardware("selective")
-    assert f.hardware("selective") - f.model == f.attention  # Q K^T and P V once more
+        assert sum(_counted(GPT(cfg), 2, 32)) == 2 * f.hardware("selective", early_stop=False)
+    assert f.hardware("selective", early_stop=False) - f.model == f.attention  # Q K^T and P V once more
     # With early stop, P V (whose output backward does not need) is not redone.
-    assert sum(_counted(GPT(cfg), 2, 32)) == 2 * (f.hardware("selective") - f.values)
+    assert sum(_counted(GPT(cfg), 2, 32)) == 2 * f.hardware("selective") == 2 * (f.model + f.scores)
 
 
 @given(cfg=configs(), seq_len=st.integers(1, 4096))
@@ -158,16 +159,43 @@ def test_mfu_bad_inputs_raise_clear_errors():
         forward_flops(cfg, 8).hardware("full", recomputed_layers=cfg.n_layer + 1)
     with pytest.raises(ValueError, match="recompute"):
         hfu(1000.0, cfg, 1e12, recompute="all")
+    with pytest.raises(ValueError, match="early_stop"):
+        forward_flops(cfg, 8).hardware("full", early_stop="yes")
 
 
-@pytest.mark.parametrize("policy, recompute, layers", [("none", "none", None), ("full", "full", None),
-                                                       ("selective", "selective", None), ("every_k", "full", 1)])
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_mfu_hfu_matches_flop_counter_under_the_checkpointing_policies(policy, recompute, layers, reentrant):
-    """The engine's HFU maps a policy to (recompute, layers); tinyscale's own checkpoint
-    re-runs whole regions (no early stop), so the count is the formula's exactly."""
+# Models whose regions end differently: a dense MLP (w_down last, nothing saves its output), residual
+# dropout after it (stream or counter masks: a mask drawn from w_down's output is saved), an MoE block
+# with shared experts (their w_down last) and without (the combine saves the routed experts' outputs).
+_RERUN_MODELS = {
+    "dense": {}, "stream-dropout": {"dropout": 0.1}, "counter-dropout": {"dropout": 0.1, "dropout_masks": "counter"},
+    "moe-shared": {"moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1}, "moe": {"moe_experts": 4, "moe_top_k": 2},
+}
+
+
+@pytest.mark.parametrize("model", _RERUN_MODELS)
+@pytest.mark.parametrize("variant", ["reentrant", "early-stop", "no-early-stop"])
+@pytest.mark.parametrize("policy, every_k", [("none", None), ("full", None), ("selective", None), ("every_k", 2)])
+def test_mfu_hfu_matches_flop_counter_under_the_checkpointing_policies(policy, every_k, variant, model, monkeypatch):
+    """The engine's HFU maps a config to (recompute, layers, early_stop); the FLOPs a real backward
+    runs under tinyscale's checkpoint (counted by FlopCounterMode, the forward's own included)
+    equal the formula exactly: whole regions re-entrantly or with early_stop=False, all but an
+    unsaved last matmul with early stop (the non-re-entrant default)."""
+    import functools
+
+    import tinyscale.checkpointing.policies as policies
     from tinyscale.checkpointing import apply_policy
+    from tinyscale.config import EngineConfig
+    from tinyscale.engine.throughput import early_stop_of, recompute_of
 
-    cfg = GPTConfig.preset("tiny").with_(attn_impl="math")  # 2 layers: every_k=2 recomputes 1
-    model = apply_policy(GPT(cfg), policy, use_reentrant=reentrant, **({"every_k": 2} if policy == "every_k" else {}))
-    assert sum(_counted(model, 2, 32)) == 2 * forward_flops(cfg, 32).hardware(recompute, layers)
+    cfg = GPTConfig.preset("tiny").with_(attn_impl="math", **_RERUN_MODELS[model])  # 2 layers: every_k=2 reruns 1
+    ac = {"policy": policy, "every_k": every_k, "use_reentrant": variant == "reentrant"}
+    config = EngineConfig.load({"train_batch_size": 2, "activation_checkpointing": ac})
+    recompute, layers = recompute_of(config, cfg.n_layer)
+    early_stop = early_stop_of(config)
+    assert early_stop == (variant != "reentrant")
+    if variant == "no-early-stop":  # apply_policy leaves early_stop at checkpoint()'s default: turn it off
+        monkeypatch.setattr(policies, "checkpoint", functools.partial(policies.checkpoint, early_stop=False))
+        early_stop = False
+    # float64: an MoE's experts run as a loop of matmuls FlopCounterMode sees (not a Triton kernel)
+    model = apply_policy(GPT(cfg, dtype=torch.float64), policy, every_k=every_k, use_reentrant=variant == "reentrant")
+    assert sum(_counted(model, 2, 32)) == 2 * forward_flops(cfg, 32).hardware(recompute, layers, early_stop)

@@ -47,9 +47,11 @@ def test_mfu_on_a_synthetic_timing_equals_counted_flops_over_time_and_peak(batch
 def test_mfu_hfu_counts_recomputation_and_mfu_does_not():
     cfg, T, peak = GPTConfig.preset("small"), 128, 1e12
     f = forward_flops(cfg, T)
-    full = hfu(1000.0, cfg, peak, seq_len=T, recompute="full")
+    full = hfu(1000.0, cfg, peak, seq_len=T, recompute="full", early_stop=False)  # re-entrant: whole blocks
     assert full == pytest.approx(1000.0 * (f.model + f.qkvo + f.attention + f.mlp) / T / peak, rel=REL)
-    assert full > mfu(1000.0, cfg, peak, seq_len=T)
+    stopped = hfu(1000.0, cfg, peak, seq_len=T, recompute="full")  # the default: each block's w_down not rerun
+    assert stopped == pytest.approx(1000.0 * (f.model + f.qkvo + f.attention + f.mlp - f.mlp_last) / T / peak, rel=REL)
+    assert full > stopped > mfu(1000.0, cfg, peak, seq_len=T)
     assert mfu(1000.0, cfg, peak) == mfu(1000.0, cfg, peak, seq_len=cfg.max_seq_len)  # the default T
 
 

@@ -17,7 +17,8 @@ from tinyscale.checkpointing.nonreentrant import checkpoint_nonreentrant
 from tinyscale.checkpointing.reentrant import checkpoint_reentrant
 
 
-def checkpoint(fn, *args, use_reentrant: bool, preserve_rng_state: bool = True, generators=(), **kwargs):
+def checkpoint(fn, *args, use_reentrant: bool, preserve_rng_state: bool = True, generators=(), early_stop: bool = True,
+               **kwargs):
     """fn(*args, **kwargs) without keeping fn's internal activations: they are recomputed in
     backward, with the forward's RNG (dropout masks) and autocast state replayed: torch's global
     generators, and `generators`, any torch.Generator of the model's own that fn draws from
@@ -25,13 +26,20 @@ def checkpoint(fn, *args, use_reentrant: bool, preserve_rng_state: bool = True, 
 
     use_reentrant=False (recommended): saved-tensor hooks, one autograd pass, works with
     torch.autograd.grad and with inputs that need no gradient. use_reentrant=True: an
-    autograd Function that reruns fn and backpropagates it inside its own backward."""
+    autograd Function that reruns fn and backpropagates it inside its own backward.
+
+    early_stop (non-re-entrant only, as torch's `set_checkpoint_early_stop`): the rerun ends once
+    it has every tensor backward needs, so fn's ops after its last saved tensor (a block's MLP down
+    projection) are not rerun; False reruns all of fn. The re-entrant variant always reruns all
+    (it backpropagates from fn's outputs); a compiled region reruns what its backward graph needs."""
     if not isinstance(use_reentrant, bool):
         raise ValueError(f"use_reentrant={use_reentrant!r}: pass True or False (False is recommended)")
     if torch.compiler.is_compiling():  # Dynamo is tracing fn's caller (compile: true, engine/compiled.py)
         return compiled_checkpoint(fn, *args, preserve_rng_state=preserve_rng_state, **kwargs)
-    variant = checkpoint_reentrant if use_reentrant else checkpoint_nonreentrant
-    return variant(fn, *args, preserve_rng_state=preserve_rng_state, generators=generators, **kwargs)
+    if use_reentrant:
+        return checkpoint_reentrant(fn, *args, preserve_rng_state=preserve_rng_state, generators=generators, **kwargs)
+    return checkpoint_nonreentrant(fn, *args, preserve_rng_state=preserve_rng_state, generators=generators,
+                                   early_stop=early_stop, **kwargs)
 
 
 # --8<-- [start:compiled-checkpoint]

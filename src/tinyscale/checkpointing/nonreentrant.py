@@ -12,11 +12,16 @@ the unpack hook, the first time backward needs any of them, reruns `fn` on the s
 under a hook that collects what the rerun saves, in the same order. Backward never leaves
 the one autograd pass, so `torch.autograd.grad`, inputs that need no gradient and
 parameters inside `fn` all work, unlike the re-entrant variant (reentrant.py).
+
+Early stop (`early_stop=True`, the default, as torch's `set_checkpoint_early_stop`): the rerun
+ends as soon as it has saved as many tensors as the forward did, so whatever `fn` runs after
+its last save is not run again: a block's MLP down projection (autograd saves an op's inputs
+before running it, and nothing saves its output), an attention core's P v. early_stop=False
+reruns all of `fn`. Either way the tensors handed to backward are the same ones.
 torch.utils.checkpoint(use_reentrant=False) works this way; Chen et al. (2016, arXiv:1604.06174).
 Lesson: lessons/05-activation-checkpointing.md. Tests: `pytest -k activation_checkpoint`.
 
-Not done here (torch's version does them): stopping the recomputation early once the last
-needed tensor exists, and checkpointing inside a double backward (create_graph=True).
+Not done here (torch's version does it): checkpointing inside a double backward (create_graph=True).
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ class _HoldInputs(torch.autograd.Function):
 class _Frame:
     """One checkpointed call: its inputs, its forward state, and the tensors a recompute saved."""
 
-    def __init__(self, fn, args: tuple, kwargs: dict, preserve_rng_state: bool, generators=()) -> None:
+    def __init__(self, fn, args: tuple, kwargs: dict, preserve_rng_state: bool, generators=(),
+                 early_stop: bool = True) -> None:
         self.fn, self.args, self.kwargs = fn, args, kwargs  # tensors are replaced at recompute
+        self.early_stop = early_stop
         tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
         self.state = ForwardState.capture(tensors, preserve_rng_state, generators)
         # The anchor requires grad so the holder gets a grad_fn (which owns the saved inputs).
@@ -78,9 +85,15 @@ class _Frame:
 
         def keep(tensor: torch.Tensor) -> None:
             saved.append(tensor.detach())  # detach: no reference cycle through the rerun's graph
+            if self.early_stop and len(saved) == len(self.shapes):
+                raise _StopRecompute(self)  # all backward needs is back: the rest of fn is not rerun
 
-        with self.state.replay(), torch.enable_grad(), saved_tensors_hooks(keep, _never_unpacked):
-            self.fn(*args, **kwargs)
+        try:
+            with self.state.replay(), torch.enable_grad(), saved_tensors_hooks(keep, _never_unpacked):
+                self.fn(*args, **kwargs)
+        except _StopRecompute as stop:
+            if stop.frame is not self:  # not this rerun's stop: an enclosing frame's
+                raise
         found = [(t.shape, t.dtype) for t in saved]
         if found != self.shapes:
             raise RuntimeError(f"checkpoint: the recomputation saved {len(found)} tensors, the forward "
@@ -89,6 +102,15 @@ class _Frame:
                                "(no data-dependent control flow on global state)")
         self.recomputed = dict(enumerate(saved))
 # --8<-- [end:frame]
+
+
+class _StopRecompute(Exception):
+    """Raised by a rerun's pack hook once it has every saved tensor: unwinds fn (its context
+    managers restore the RNG and autocast state on the way) to the frame's recompute()."""
+
+    def __init__(self, frame: _Frame) -> None:
+        super().__init__("checkpoint: recomputation stopped early")
+        self.frame = frame
 
 
 def _never_unpacked(_):
@@ -103,15 +125,17 @@ def _first_difference(a: list, b: list) -> str:
 
 
 # --8<-- [start:checkpoint]
-def checkpoint_nonreentrant(fn, *args, preserve_rng_state: bool = True, generators=(), **kwargs):
+def checkpoint_nonreentrant(fn, *args, preserve_rng_state: bool = True, generators=(), early_stop: bool = True,
+                            **kwargs):
     """fn(*args, **kwargs) whose saved activations are recomputed in backward, not stored.
 
     Keeps only the tensor arguments (positional or keyword; tensors nested in lists are
     kept by reference, unchecked). Any output structure works: autograd sees fn's own graph.
-    `generators`: torch.Generators fn draws from besides torch's global ones, replayed too."""
+    `generators`: torch.Generators fn draws from besides torch's global ones, replayed too.
+    `early_stop`: end the rerun once it has saved all the forward saved (False: rerun all of fn)."""
     if not torch.is_grad_enabled():  # nothing would be saved anyway
         return fn(*args, **kwargs)
-    frame = _Frame(fn, args, kwargs, preserve_rng_state, generators)
+    frame = _Frame(fn, args, kwargs, preserve_rng_state, generators, early_stop)
     with saved_tensors_hooks(frame.pack, frame.unpack):
         return fn(*args, **kwargs)
 # --8<-- [end:checkpoint]

@@ -8,8 +8,10 @@ tinyscale GPT (`tinyscale.mfu.model_flops_per_token`, from its config and the ba
 sequence length); other models get tokens/s only. Peak: `peak_flops=` if given, else the
 vendor table for a CUDA device (`tinyscale.mfu.peak_flops`), else none (a CPU has no vendor
 peak: the CLI measures one with `measured_peak`). HFU adds what the activation-checkpointing
-policy recomputes. Both are over a window of steps (`WindowedMFU`: tokens and seconds
-summed, not an average of per-step ratios), so they are right whenever they are read.
+policy recomputes, as its checkpoint reruns it (`early_stop_of`: whole regions re-entrantly, all
+but a region's unsaved last matmul with early stop). Both are over a window of steps
+(`WindowedMFU`: tokens and seconds summed, not an average of per-step ratios), so they are right
+whenever they are read.
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ def recompute_of(config: EngineConfig, n_layer: int) -> tuple[str, int | None]:
     if ac.policy == "selective":
         return "selective", None
     return "none", None  # "offload" moves activations, it recomputes nothing
+
+
+def early_stop_of(config: EngineConfig) -> bool:
+    """`early_stop` for `tinyscale.mfu.hfu`: ours non-re-entrant stops its rerun early, the
+    re-entrant one does not; in a compiled block both are torch's checkpoint, whose backward graph
+    reruns what an early stop reruns with "aot_eager", and the whole region with the "eager"
+    backend (measured: `pytest -k "hfu_matches or torch_compile_checkpointing"`). "inductor"
+    partitions the same tagged graph, so it is counted as "aot_eager" (not measured: its
+    generated kernels run outside the dispatcher, where no FLOP counter sees them)."""
+    if config.compile.enabled:
+        return config.compile.backend != "eager"
+    return not config.activation_checkpointing.use_reentrant
 
 
 class Throughput:
@@ -64,7 +78,8 @@ class Throughput:
                 self._seq_len = batch[0].shape[1]
                 recompute, layers = recompute_of(self.config, gpt.n_layer)
                 flops = model_flops_per_token(gpt, self._seq_len)
-                hflops = hardware_flops_per_token(gpt, self._seq_len, recompute=recompute, recomputed_layers=layers)
+                hflops = hardware_flops_per_token(gpt, self._seq_len, recompute=recompute, recomputed_layers=layers,
+                                                  early_stop=early_stop_of(self.config))
             self.tracker = WindowedMFU(flops, self.peak or 1.0, window=self.window, num_devices=self.num_devices,
                                        hardware_flops_per_token=hflops)
         self.tracker.update(tokens=int(tokens), seconds=seconds)

@@ -30,6 +30,14 @@ not), the model FLOPs per token are exactly PaLM's 6 N_matmul + 12 L H Q T (Chow
 "PaLM", 2022, appendix B; Q = D, T the sequence length). The shortcuts go wrong only in which N
 they plug in and whether they count attention; `approximations` computes them side by side.
 
+What recomputation reruns (`ForwardFlops.recomputed`) depends on the checkpoint. Without early
+stop (re-entrant, early_stop=False, Megatron's count) every matmul of each region. With it (the
+non-re-entrant default, ours and torch's; and a checkpoint in a block compiled with "aot_eager",
+whose backward graph reruns the same matmuls) the rerun ends at the region's last
+saved tensor, so a last matmul whose output nothing saves is not rerun: the block's MLP down
+projection, unless a residual dropout after it saves a mask drawn from its output; the core's
+P v, unless a fused SDPA kernel saves its own output.
+
 Lesson: lessons/06-mfu.md. Tests: `pytest tests/mfu -k mfu`.
 """
 
@@ -66,6 +74,11 @@ class ForwardFlops:
     values: int  # P V
     mlp: int  # w_gate, w_up, w_down
     head: int  # LM head
+    # The FFN's last matmul, whose output no saved tensor comes from (w_down; an MoE block's shared
+    # experts' w_down, or 0 without shared experts: the combine saves the routed experts' outputs).
+    mlp_last: int = 0
+    residual_dropout: bool = False  # dropout after w_down saves a mask drawn from its output: a rerun reaches it
+    explicit_core: bool = True  # P v is a matmul of its own (attn_impl "math" or counter masks), not SDPA's
 
     @property
     def attention(self) -> int:
@@ -85,31 +98,41 @@ class ForwardFlops:
         """Model FLOPs of one training step on this sequence: what MFU counts."""
         return self.forward + self.backward
 
-    def recomputed(self, recompute: str = "none", recomputed_layers: int | None = None) -> int:
+    def recomputed(self, recompute: str = "none", recomputed_layers: int | None = None,
+                   early_stop: bool = True) -> int:
         """Forward FLOPs that activation checkpointing runs a second time, during backward.
 
         "full" re-runs whole blocks (all of them, or the first `recomputed_layers`: the count
         is what matters, not which), "selective" only the attention core (Q K^T, softmax, P V;
         Korthikanti et al. 2022, sec. 4). The LM head is never recomputed.
 
-        Counts the whole region, as reentrant checkpointing and Megatron do. torch's
-        non-reentrant checkpoint by default stops recomputing as soon as every tensor backward
-        needs is back, so a region's last matmul, whose output backward does not use, is not
-        redone (w_down for a block, P V for the attention core; tests/mfu/test_flops.py)."""
+        early_stop=True (tinyscale's and torch's non-re-entrant default, and a compiled block's
+        checkpoint): a region's last matmul is left out when nothing saves its output (w_down
+        without residual dropout, P V when it is a matmul of its own). early_stop=False counts
+        every matmul of the region, as re-entrant checkpointing and Megatron do. Both measured
+        with FlopCounterMode per policy (tests/mfu/test_flops.py)."""
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r} is unknown: choose one of {', '.join(RECOMPUTE)}")
+        if not isinstance(early_stop, bool):
+            raise ValueError(f"early_stop={early_stop!r}: pass True (non-re-entrant checkpoint, or compiled) "
+                             "or False (re-entrant, or early_stop=False)")
         layers = self.n_layer if recomputed_layers is None else recomputed_layers
         if not isinstance(layers, int) or isinstance(layers, bool) or not 0 <= layers <= self.n_layer:
             raise ValueError(f"recomputed_layers={recomputed_layers!r} is invalid: it must be an int "
                              f"in 0..n_layer={self.n_layer}, or None for every layer")
         if recompute == "none":
             return 0
-        per_layer = self.attention if recompute == "selective" else self.qkvo + self.attention + self.mlp
+        if recompute == "selective":
+            per_layer = self.attention - (self.values if early_stop and self.explicit_core else 0)
+        else:
+            unsaved = self.mlp_last if early_stop and not self.residual_dropout else 0
+            per_layer = self.qkvo + self.attention + self.mlp - unsaved
         return per_layer // self.n_layer * layers
 
-    def hardware(self, recompute: str = "none", recomputed_layers: int | None = None) -> int:
+    def hardware(self, recompute: str = "none", recomputed_layers: int | None = None,
+                 early_stop: bool = True) -> int:
         """FLOPs the hardware executes in one step: model FLOPs plus recomputation (HFU)."""
-        return self.model + self.recomputed(recompute, recomputed_layers)
+        return self.model + self.recomputed(recompute, recomputed_layers, early_stop)
 
 
 def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False) -> ForwardFlops:
@@ -129,6 +152,10 @@ def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False) -> F
         values=L * 2 * pairs * C,  # per head (T, T) @ (T, D)
         mlp=T * mlp_flops_per_token(config),  # dense: (T, C) @ (C, F) twice, (T, F) @ (F, C) once
         head=2 * T * C * config.vocab_size,  # (T, C) @ (C, V)
+        mlp_last=T * sum(2 * C * (config.moe_shared_experts * config.expert_dim if config.is_moe_layer(i)
+                                  else config.ffn_dim) for i in range(L)),  # (T, F) @ (F, C)
+        residual_dropout=config.dropout > 0,
+        explicit_core=config.attn_impl == "math" or (config.dropout > 0 and config.dropout_masks == "counter"),
     )
 # --8<-- [end:forward-flops]
 
@@ -154,9 +181,11 @@ def model_flops_per_token(config: GPTConfig, seq_len: int, *, causal: bool = Fal
 
 
 def hardware_flops_per_token(config: GPTConfig, seq_len: int, *, recompute: str = "none",
-                             recomputed_layers: int | None = None, causal: bool = False) -> float:
-    """Executed matmul FLOPs per token, recomputation included: the numerator of HFU."""
-    return forward_flops(config, seq_len, causal=causal).hardware(recompute, recomputed_layers) / seq_len
+                             recomputed_layers: int | None = None, causal: bool = False,
+                             early_stop: bool = True) -> float:
+    """Executed matmul FLOPs per token, recomputation included: the numerator of HFU.
+    early_stop: as `ForwardFlops.recomputed` (False for a re-entrant checkpoint)."""
+    return forward_flops(config, seq_len, causal=causal).hardware(recompute, recomputed_layers, early_stop) / seq_len
 
 
 def matmul_params(config: GPTConfig) -> int:

@@ -45,6 +45,26 @@ def wrap(impl: str, model, bucket_cap_mb=None, **kwargs):
     return cls(model, **kwargs)
 
 
+class HeadFirstMLP(torch.nn.Module):
+    """TinyMLP (a tied, a shared and a frozen layer) under a `head` that is registered first and
+    applied last: its gradients arrive first in backward, but buckets go in reverse registration
+    order, so the bucket that fills first is the last one, and the others fill out of order."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 8, dtype=torch.float64)
+        self.body = TinyMLP(seed=seed)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(seed)
+            for p in self.head.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) / 4)
+
+    def forward(self, x, y):
+        b = self.body
+        h = torch.tanh(b.shared(torch.tanh(b.frozen(torch.tanh(b.shared(torch.tanh(b.fc_in(x))))))))
+        return torch.mean((self.head(h @ b.fc_in.weight + b.out_bias) - y) ** 2)
+
+
 def _model_and_batches(kind, seed, rows, steps, uses=None):
     if kind == "mlp-unused":  # a layer no forward uses, and one used by the rows in uses[step]
         batches = []
@@ -54,6 +74,9 @@ def _model_and_batches(kind, seed, rows, steps, uses=None):
             x[[r % rows for r in uses[step]], 0] = 10.0  # these rows use UnusedMLP.extra
             batches.append((x, y))
         return UnusedMLP(seed=seed), batches
+    if kind == "mlp-head-first":
+        return (HeadFirstMLP(seed=seed),
+                synthetic_regression_batches(num_batches=steps, batch_size=rows, dim=8, seed=seed))
     if kind == "mlp":
         return (TinyMLP(seed=seed),
                 synthetic_regression_batches(num_batches=steps, batch_size=rows, dim=8, seed=seed))
@@ -362,3 +385,38 @@ def _bucket_sizes_of(model, cap_mb):
     from tinyscale.data_parallel import assign_buckets
 
     return [len(b) for b in assign_buckets([p for p in model.parameters() if p.requires_grad], int(cap_mb * 2**20))]
+
+
+def test_ddp_bucketed_buckets_that_fill_out_of_order_launch_in_order_during_backward():
+    """A bucket that fills before the one ahead of it waits for it; when that one fills, the hook
+    launches it and every full bucket behind it, in index order, all before backward ends. Float64,
+    3 ranks, one parameter per bucket (7), accumulation over 2 micro-batches: one process's steps."""
+    results = run_on_ranks(train_data_parallel, 3, IMPLEMENTATIONS["bucketed"], "mlp-head-first", 4, 1, 2, 2,
+                           1e-5)
+    ref_losses, ref_state = _reference("mlp-head-first", 4, 6, 2)
+    for losses, state, calls, events in results:
+        assert_losses_close(losses, ref_losses)
+        assert_state_dicts_close(state, ref_state, what="parameters after 2 steps")
+        assert calls == 2 * 7
+        end = next(t for kind, _, t in events if kind == "backward_end")
+        assert [(b, t < end) for kind, b, t in events if kind == "launch"] == [(b, True) for b in range(7)]
+
+
+def _create_graph_grads():
+    """One backward with create_graph=True on this rank's half of the batch: the averaged .grad."""
+    model, ((x, y),) = _model_and_batches("mlp", 2, 4, 1)
+    ddp = BucketedDDP(model, bucket_cap_mb=2.2e-3)
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    ddp(x[rows], y[rows]).backward(create_graph=True)
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_ddp_bucketed_backward_with_create_graph_averages_like_one_process():
+    """backward(create_graph=True) runs the hooks with grad mode on: the copy into the bucket must
+    stay out of the graph (an out= op refuses inputs that require grad). Float64, 2 ranks."""
+    model, ((x, y),) = _model_and_batches("mlp", 2, 4, 1)
+    model(x, y).backward()
+    for grads in run_on_ranks(_create_graph_grads, 2):
+        for name, grad in grads.items():
+            # float64: the same sums in another order (two halves' means, averaged): rtol 1e-10
+            torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=1e-10, atol=0)

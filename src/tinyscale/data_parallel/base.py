@@ -80,8 +80,10 @@ class DataParallelBase(nn.Module):
         self._finish_queued = False
         # Ranks must start identical; torch DDP makes it so the same way.
         broadcast_parameters(module, process_group)
-        for p in self.params + self.expert_params:  # expert shards only start the end-of-backward callback
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)  # (a model may train only its experts)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for p in self.expert_params:  # expert shards only start the end-of-backward callback
+            p.register_post_accumulate_grad_hook(self._on_expert_grad_ready)  # (a model may train only its experts)
     # --8<-- [end:init]
 
     def forward(self, *args, **kwargs):
@@ -121,11 +123,18 @@ class DataParallelBase(nn.Module):
         if not self._sync:
             return
         if not self._finish_queued:
-            self._finish_queued = True
-            self._backward_started()
-            Variable._execution_engine.queue_callback(self._on_backward_end)
-        if not hasattr(param, "expert_shard"):
-            self._grad_ready(param)
+            self._queue_finish()
+        self._grad_ready(param)
+
+    def _on_expert_grad_ready(self, param: torch.Tensor) -> None:
+        if self._sync and not self._finish_queued:
+            self._queue_finish()
+
+    def _queue_finish(self) -> None:
+        """The first gradient of a synchronising backward: finish when the whole backward is done."""
+        self._finish_queued = True
+        self._backward_started()
+        Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
         self._finish_queued = False

@@ -55,6 +55,7 @@ class Bucket:
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient is in
     work: comm.Work | None = None
     views: list[torch.Tensor] = field(default_factory=list)  # slot i, shaped as param i (made once)
+    flag_index: list[int] = field(default_factory=list)  # param i's place in the usage flags
 
     def __post_init__(self):
         self.views = [self.buffer[o: o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
@@ -120,7 +121,9 @@ class BucketedDDP(DataParallelBase):
             raise ValueError(f"BucketedDDP: first_bucket_cap_mb must be positive (or None), got {first_bucket_cap_mb}")
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.buckets = []
-        self._where: dict[torch.Tensor, tuple[int, int]] = {}  # param -> (bucket index, slot)
+        # id(param) -> (its bucket, the bucket's index, its slot): what each hook looks up (an int key:
+        # a tensor key would hash through Tensor.__hash__, a Python call, on every gradient)
+        self._slot_of: dict[int, tuple[Bucket, int, int]] = {}
         first = None if first_bucket_cap_mb is None else int(min(first_bucket_cap_mb, bucket_cap_mb) * 2**20)
         groups = assign_buckets(self.params, self.bucket_cap_bytes, first)
         for b, group in enumerate(groups):
@@ -128,7 +131,6 @@ class BucketedDDP(DataParallelBase):
             for i, p in enumerate(group):
                 offsets.append(total)
                 total += p.numel()
-                self._where[p] = (b, i)
             # The last bucket carries one more element per parameter: 1 if it got a gradient
             # on this rank, so its all-reduce also says which parameters no rank used.
             extra = len(self.params) if b == len(groups) - 1 else 0
@@ -137,7 +139,12 @@ class BucketedDDP(DataParallelBase):
         # (no dense parameter to train, e.g. only an MoE's experts: no buckets, nothing to flag)
         self._flags = self.buckets[-1].buffer[self.buckets[-1].buffer.numel() - len(self.params):] \
             if self.buckets else None
-        self._index = {p: i for i, p in enumerate(self.params)}
+        index = {id(p): k for k, p in enumerate(self.params)}
+        for b, bucket in enumerate(self.buckets):
+            bucket.flag_index = [index[id(p)] for p in bucket.params]
+            for i, p in enumerate(bucket.params):
+                self._slot_of[id(p)] = (bucket, b, i)
+        self._div = 1.0  # what this backward's gradients are divided by (`_divisor`, at its first hook)
         self._next_launch = 0
         self.events: list[tuple[str, int | None, float]] = []  # ("launch", bucket, t) / ("backward_end", None, t)
         self._comm_hook: tuple[object, Callable] | None = None
@@ -155,6 +162,7 @@ class BucketedDDP(DataParallelBase):
 
     def _backward_started(self) -> None:
         self.events = []
+        self._div = self._divisor()
 
     def _abandon_backward(self) -> None:
         for bucket in self.buckets:
@@ -179,15 +187,24 @@ class BucketedDDP(DataParallelBase):
         self._abandon_backward()
 
     # --8<-- [start:grad_ready]
-    @torch.no_grad()
     def _grad_ready(self, param: torch.Tensor) -> None:
-        b, i = self._where[param]
-        bucket = self.buckets[b]
-        self._fill(bucket.views[i], param.grad, self._divisor())
+        # Runs for every parameter every step, in Python where torch's reducer is C++, between
+        # autograd's kernels (cold caches): so no helper calls, no decorator, no tensor-keyed dict
+        # (lesson 02, "What the hooks' Python costs").
+        if torch.is_grad_enabled():  # backward(create_graph=True): keep the copy out of the graph
+            with torch.no_grad():
+                return self._grad_ready(param)
+        bucket, b, i = self._slot_of[id(param)]
+        slot, grad, divisor = bucket.views[i], param.grad, self._div
+        if grad is not slot:  # as `_fill`: the quotient written on the way into the bucket
+            torch.div(grad, divisor, out=slot) if divisor != 1 else slot.copy_(grad)
+        elif divisor != 1:  # .grad is the slot: autograd accumulated into the bucket itself
+            slot.div_(divisor)
         bucket.ready.add(i)
-        # Launch every full bucket that is next in line: a fixed order on every rank.
-        while self.overlap and self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
-            self._launch(self._next_launch)
+        if b == self._next_launch and self.overlap and len(bucket.ready) == len(bucket.params):
+            # Launch every full bucket that is next in line: a fixed order on every rank.
+            while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
+                self._launch(self._next_launch)
 
     def _divisor(self) -> float:
         """What each gradient is divided by on its way into its bucket: N (prescaled), the predivide
@@ -248,8 +265,8 @@ class BucketedDDP(DataParallelBase):
             gradients = bucket.offsets[-1] + bucket.params[-1].numel()
             if post != 1 and self._comm_hook is None:  # prescale_gradients false: divide the sum now
                 bucket.buffer[:gradients].div_(post)
-            for p, view in zip(bucket.params, bucket.views):
-                if not used[self._index[p]]:
+            for p, view, k in zip(bucket.params, bucket.views, bucket.flag_index):
+                if not used[k]:
                     p.grad = None  # unused on every rank: no gradient, as in one process
                 elif not self.gradient_as_bucket_view:
                     p.grad = view.clone()

@@ -11,6 +11,8 @@ all of them alike; the first two steps of each are warm-up and dropped:
     torch DDP + ZeroRedundancyOpt  torch's own stage 1
     ZeroStage1, ZeroStage2         tinyscale.zero, with torch DDP's bucket layout (a 1 MiB first
                                    bucket, then 25 MiB): both reduce-scatter during backward
+    the same, overlap_param_gather Megatron's option: the step's all-gather left in flight, each
+                                   unit waited for by the next forward's first module that reads it
     FSDP2 fully_shard              each transformer block, then the root (the same units as ours)
     FSDP2, async + prefetch        the same, with async all-gathers and explicit forward prefetch
     ZeroStage3                     tinyscale.zero, prefetch on (as the engine runs it)
@@ -23,11 +25,13 @@ the others against torch DDP; the target for stage 3 is at most 1.3x), the sprea
 (fastest .. slowest step), and the bytes our implementations put on the wire per step (the
 comm ledger's bus bytes, against the 2 Psi and 3 Psi of ZeRO's section 7). torch's own
 collectives bypass the ledger. Timing: tinyscale.bench (the slowest rank's step).
-`--json PATH` writes zero1_vs_ddp, zero2_vs_ddp and zero3_vs_fsdp2 (each the ratio of the
-medians) and, under "intervals", each one's 95% bootstrap interval over the paired rounds
+`--json PATH` writes zero1_vs_ddp, zero2_vs_ddp (the stages as built by default: blocking
+all-gather), zero1_overlap_param_gather_vs_ddp, zero2_overlap_param_gather_vs_ddp and
+zero3_vs_fsdp2 (each the ratio of the medians) and, under "intervals", each one's 95%
+bootstrap interval over the paired rounds
 (`tinyscale.bench.ratio_interval`, as benchmarks/ddp.py) and, as KEY_per_round, the median of
 each round's ratio with its interval: an interval that holds 1.0 says the run cannot tell the
-two apart. The default 50 rounds (8 steps a round, about a second on 2 quiet cores) resolve a
+two apart. The default 50 rounds (10 steps a round, about a second on 2 quiet cores) resolve a
 few percent in about a minute; 6 rounds (the earlier default) spread 10 points run to run.
 """
 
@@ -90,9 +94,11 @@ def _build(name: str, cfg: GPTConfig):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return _Plain(torch.nn.parallel.DistributedDataParallel(model),
                       ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR))
-    if name in ("ZeroStage1", "ZeroStage2"):  # torch DDP's default bucket layout
-        stage = ZeroStage1 if name == "ZeroStage1" else ZeroStage2
-        return _Zero(model, stage(params, _adamw, bucket_bytes=25 * 2**20, first_bucket_bytes=2**20))
+    if name.startswith(("ZeroStage1", "ZeroStage2")):  # torch DDP's default bucket layout
+        stage = ZeroStage1 if name.startswith("ZeroStage1") else ZeroStage2
+        overlap = name.endswith("overlap_param_gather")
+        return _Zero(model, stage(params, _adamw, bucket_bytes=25 * 2**20, first_bucket_bytes=2**20,
+                                  overlap_param_gather=overlap, module=model))
     if name.startswith("FSDP2"):
         from torch.distributed.fsdp import fully_shard
         for block in model.blocks:  # the same units as ZeroStage3's default: each block, then the root
@@ -116,6 +122,7 @@ def _build(name: str, cfg: GPTConfig):
 
 
 VARIANTS = ("torch DDP", "torch DDP + ZeroRedundancyOpt", "ZeroStage1", "ZeroStage2",
+            "ZeroStage1, overlap_param_gather", "ZeroStage2, overlap_param_gather",
             "FSDP2 fully_shard", "FSDP2, async + prefetch", "ZeroStage3", "ZeroStage3, no prefetch")
 
 
@@ -193,6 +200,8 @@ def main() -> None:
                   f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}, "
                   f"load average {load}; CPU ranks share the cores for compute and for gloo's communication.")
     pairs = {"zero1_vs_ddp": ("ZeroStage1", "torch DDP"), "zero2_vs_ddp": ("ZeroStage2", "torch DDP"),
+             "zero1_overlap_param_gather_vs_ddp": ("ZeroStage1, overlap_param_gather", "torch DDP"),
+             "zero2_overlap_param_gather_vs_ddp": ("ZeroStage2, overlap_param_gather", "torch DDP"),
              "zero3_vs_fsdp2": ("ZeroStage3", "FSDP2 fully_shard")}
     ratios, intervals = {}, {}
     for key, (ours, base) in pairs.items():

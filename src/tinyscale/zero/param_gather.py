@@ -33,6 +33,7 @@ import torch
 from tinyscale.zero.optimizer import ShardedOptimizer
 
 
+# --8<-- [start:hooks]
 def install_param_gather_hooks(sharded: ShardedOptimizer, module: torch.nn.Module) -> list:
     """Forward and state-dict pre-hooks on each module of `module` that holds parameters of
     `sharded`, waiting for the gathers of those parameters. Returns the hook handles."""
@@ -59,3 +60,4 @@ def install_param_gather_hooks(sharded: ShardedOptimizer, module: torch.nn.Modul
         raise ValueError(f"overlap_param_gather: {len(missing)} parameter(s) are not owned by any module of "
                          "`module`: pass the model that holds every parameter given to the stage")
     return handles
+# --8<-- [end:hooks]

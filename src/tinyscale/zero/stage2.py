@@ -21,6 +21,9 @@ across micro-batches would give back the memory stage 2 exists to save. Under a 
 schedule, whose micro-batches' backwards interleave with other stages' work, the engine runs
 them under `no_sync()` and calls `reduce_gradients()` once at the end, as torchtitan's FSDP
 with a pipeline does: Psi per step on the wire, full gradients held until the schedule ends.
+`overlap_param_gather=True, module=model` (Megatron's; off by default, and not offered by
+the engine) leaves the step's all-gather in flight until the next forward reads each unit
+(`param_gather.py`, which lists who waits for it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ZeRO stage 3 against FSDP2 (`fully_shard`), and stages 1 and 2 against DDP: same model, same run.
 
-    python benchmarks/zero.py [--world-size 2] [--model small] [--steps 10] [--micro 4] [--json PATH]
+    python benchmarks/zero.py [--world-size 2] [--model small] [--steps 50] [--micro 4] [--json PATH]
 
 On the same rank processes and the same batches, it times one training step (forward,
 backward, AdamW step, gradients zeroed) of each of these, every one on its own float32
@@ -11,6 +11,8 @@ all of them alike; the first two steps of each are warm-up and dropped:
     torch DDP + ZeroRedundancyOpt  torch's own stage 1
     ZeroStage1, ZeroStage2         tinyscale.zero, with torch DDP's bucket layout (a 1 MiB first
                                    bucket, then 25 MiB): both reduce-scatter during backward
+    the same, overlap_param_gather Megatron's option: the step's all-gather left in flight, each
+                                   unit waited for by the next forward's first module that reads it
     FSDP2 fully_shard              each transformer block, then the root (the same units as ours)
     FSDP2, async + prefetch        the same, with async all-gathers and explicit forward prefetch
     ZeroStage3                     tinyscale.zero, prefetch on (as the engine runs it)
@@ -23,7 +25,14 @@ the others against torch DDP; the target for stage 3 is at most 1.3x), the sprea
 (fastest .. slowest step), and the bytes our implementations put on the wire per step (the
 comm ledger's bus bytes, against the 2 Psi and 3 Psi of ZeRO's section 7). torch's own
 collectives bypass the ledger. Timing: tinyscale.bench (the slowest rank's step).
-`--json PATH` writes zero1_vs_ddp, zero2_vs_ddp and zero3_vs_fsdp2.
+`--json PATH` writes zero1_vs_ddp, zero2_vs_ddp (the stages as built by default: blocking
+all-gather), zero1_overlap_param_gather_vs_ddp, zero2_overlap_param_gather_vs_ddp and
+zero3_vs_fsdp2 (each the ratio of the medians) and, under "intervals", each one's 95%
+bootstrap interval over the paired rounds
+(`tinyscale.bench.ratio_interval`, as benchmarks/ddp.py) and, as KEY_per_round, the median of
+each round's ratio with its interval: an interval that holds 1.0 says the run cannot tell the
+two apart. The default 50 rounds (10 steps a round, about a second on 2 quiet cores) resolve a
+few percent in about a minute; 6 rounds (the earlier default) spread 10 points run to run.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from tinyscale.bench import add_json_argument, round_robin, slowest, write_json
+from tinyscale.bench import add_json_argument, ratio_interval, round_robin, slowest, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.dist import comm
 from tinyscale.models import GPT, GPTConfig
@@ -85,9 +94,11 @@ def _build(name: str, cfg: GPTConfig):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return _Plain(torch.nn.parallel.DistributedDataParallel(model),
                       ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR))
-    if name in ("ZeroStage1", "ZeroStage2"):  # torch DDP's default bucket layout
-        stage = ZeroStage1 if name == "ZeroStage1" else ZeroStage2
-        return _Zero(model, stage(params, _adamw, bucket_bytes=25 * 2**20, first_bucket_bytes=2**20))
+    if name.startswith(("ZeroStage1", "ZeroStage2")):  # torch DDP's default bucket layout
+        stage = ZeroStage1 if name.startswith("ZeroStage1") else ZeroStage2
+        overlap = name.endswith("overlap_param_gather")
+        return _Zero(model, stage(params, _adamw, bucket_bytes=25 * 2**20, first_bucket_bytes=2**20,
+                                  overlap_param_gather=overlap, module=model))
     if name.startswith("FSDP2"):
         from torch.distributed.fsdp import fully_shard
         for block in model.blocks:  # the same units as ZeroStage3's default: each block, then the root
@@ -111,6 +122,7 @@ def _build(name: str, cfg: GPTConfig):
 
 
 VARIANTS = ("torch DDP", "torch DDP + ZeroRedundancyOpt", "ZeroStage1", "ZeroStage2",
+            "ZeroStage1, overlap_param_gather", "ZeroStage2, overlap_param_gather",
             "FSDP2 fully_shard", "FSDP2, async + prefetch", "ZeroStage3", "ZeroStage3, no prefetch")
 
 
@@ -143,7 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--model", default="small", choices=["tiny", "small"])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (after 2 warm-up)")
+    parser.add_argument("--steps", type=int, default=50, help="timed rounds (each variant one step a round, "
+                                                               "after 2 warm-up rounds)")
     parser.add_argument("--micro", type=int, default=4, help="rows per rank per step")
     add_json_argument(parser)
     args = parser.parse_args()
@@ -186,9 +199,25 @@ def main() -> None:
     console.print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, "
                   f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}, "
                   f"load average {load}; CPU ranks share the cores for compute and for gloo's communication.")
-    write_json(args.json, {"zero1_vs_ddp": median["ZeroStage1"] / median["torch DDP"],
-                           "zero2_vs_ddp": median["ZeroStage2"] / median["torch DDP"],
-                           "zero3_vs_fsdp2": ratio}, model=args.model, world_size=n, steps=args.steps)
+    pairs = {"zero1_vs_ddp": ("ZeroStage1", "torch DDP"), "zero2_vs_ddp": ("ZeroStage2", "torch DDP"),
+             "zero1_overlap_param_gather_vs_ddp": ("ZeroStage1, overlap_param_gather", "torch DDP"),
+             "zero2_overlap_param_gather_vs_ddp": ("ZeroStage2, overlap_param_gather", "torch DDP"),
+             "zero3_vs_fsdp2": ("ZeroStage3", "FSDP2 fully_shard")}
+    ratios, intervals = {}, {}
+    for key, (ours, base) in pairs.items():
+        a, b = r["variants"][ours]["times"], r["variants"][base]["times"]
+        ratios[key] = median[ours] / median[base]
+        low, high = intervals[key] = ratio_interval(a, b)
+        each = statistics.median([x / y for x, y in zip(a, b)])
+        each_low, each_high = ratio_interval(a, b, per_round=True)
+        intervals[key + "_per_round"] = (each, each_low, each_high)
+        verdict = "cannot tell them apart" if low <= 1 <= high else "ours faster" if high < 1 else "ours slower"
+        console.print(f"{key}: {ratios[key]:.3f}x, 95% interval {low:.3f} .. {high:.3f} (bootstrap over "
+                      f"{args.steps} paired rounds): {verdict}; the median of each round's ratio {each:.3f}x "
+                      f"({each_low:.3f} .. {each_high:.3f})")
+    write_json(args.json, ratios, model=args.model, world_size=n, steps=args.steps,
+               intervals={k: [round(v, 4) for v in iv] for k, iv in intervals.items()},
+               step_ms={name: [round(t * 1e3, 3) for t in v["times"]] for name, v in r["variants"].items()})
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def _order(model):
             model.fc_in.bias, model.shared.weight, model.shared.bias, model.out_bias]
 
 
-def _train(stage: int, overlap: bool, fail_micro: int):
+def _train(stage: int, overlap: bool, fail_micro: int, overlap_param_gather: bool = False):
     from tinyscale.zero import ZeroStage1, ZeroStage2
 
     rank = dist.get_rank()
@@ -57,7 +57,11 @@ def _train(stage: int, overlap: bool, fail_micro: int):
     make = lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=DECAY)  # noqa: E731
     kw = {"bucket_bytes": 8 * 150, "first_bucket_bytes": 8 * 40, "overlap": overlap,
           "loss_scaler": DynamicLossScaler(initial_scale_power=4, hysteresis=1)}
+    if overlap_param_gather:
+        kw.update(overlap_param_gather=True, module=model)
     zero = (ZeroStage1 if stage == 1 else ZeroStage2)(_order(model), make, **kw)
+    if overlap_param_gather:  # stage 2 in pieces of 16 elements: several per unit, at parameter boundaries
+        zero.sharded.gather_piece_numel = 16 if stage == 2 else None
     trap = {"on": False}
 
     def raise_in_backward(grad):  # fc_in.weight's gradient comes last: other buckets are out by then
@@ -114,11 +118,15 @@ def _one_process():
 
 
 @pytest.mark.parametrize("fail_micro", [0, ACCUM - 1], ids=["fail_first_micro", "fail_last_backward"])
-@pytest.mark.parametrize(("stage", "overlap"), [(1, True), (1, False), (2, True)],
-                         ids=["zero1_overlap", "zero1_no_overlap", "zero2_overlap"])
-def test_zero1_zero2_overlap_first_bucket_matches_single_process_float64(stage, overlap, fail_micro):
+@pytest.mark.parametrize(("stage", "overlap", "param_gather"),
+                         [(1, True, False), (1, False, False), (2, True, False), (1, True, True), (2, True, True)],
+                         ids=["zero1_overlap", "zero1_no_overlap", "zero2_overlap", "zero1_overlap_param_gather",
+                              "zero2_overlap_param_gather"])
+def test_zero1_zero2_overlap_first_bucket_matches_single_process_float64(stage, overlap, param_gather, fail_micro):
+    """(overlap_param_gather: the step's gathers left in flight, waited for by the next forward's
+    modules; the failed step's abandon and the retried forward wait for them too.)"""
     expected = _one_process()
-    for state, launched, skipped, units in run_on_ranks(_train, WORLD, stage, overlap, fail_micro):
+    for state, launched, skipped, units in run_on_ranks(_train, WORLD, stage, overlap, fail_micro, param_gather):
         assert units > 2
         assert_state_dicts_close(state, expected, what=f"zero{stage} overlap={overlap} vs one process")
         assert skipped == [False, False, True, False]  # the overflow step, on every rank

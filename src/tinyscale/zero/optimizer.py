@@ -241,6 +241,7 @@ class ShardedOptimizer:
         `publish(i, master_shard)`, which writes unit i's updated shard into its sharded
         parameter storage: nothing is gathered, because the next forward gathers each unit
         when it needs it."""
+        self.wait_params()  # (overlap_param_gather) the last step's gathers write the parameters
         if self.swap is None:
             # --8<-- [start:sub-groups]
             for group in self.sub_groups:  # sub_group_size: one sub-group's temporaries at a time
@@ -249,7 +250,8 @@ class ShardedOptimizer:
                 self.optimizer.step()  # torch skips every fragment whose grad is None
                 self._detach_grads(group)
             # --8<-- [end:sub-groups]
-            for i in range(len(self.units)):
+            # overlap_param_gather: the last unit (the first layers, which forward reads first) goes first
+            for i in reversed(range(len(self.units))) if self.overlap_param_gather else range(len(self.units)):
                 self._publish(i, publish)
         else:
             self._step_from_disk(publish, used)
@@ -329,6 +331,64 @@ class ShardedOptimizer:
     # calls per unit. None: one all-gather per unit.
     allgather_bucket_size: int | None = None
 
+    # --8<-- [start:param-gather]
+    # Megatron's overlap_param_gather (stages 1-2 set it): `publish_gathered` launches each unit's
+    # gather and returns; `wait_params` completes them. The stage waits in a forward pre-hook of
+    # each module before it reads its parameters (`param_gather.py`); any other reader of the
+    # parameters before the next forward must call `wait_params()` first. The units go out
+    # last first (units are cut in backward's order: the last one holds the first layers).
+    # `gather_piece_numel` (None: one all-gather per unit) cuts each unit into pieces of at least
+    # that many elements at parameter boundaries, in forward's order, each a contiguous range
+    # of the flat buffer gathered by one all-to-all (every rank sends its part of the range to
+    # all): the first layers then wait for their piece only. On 2 gloo ranks the whole unit was
+    # as fast (more messages, each with its own latency), hence the default.
+    overlap_param_gather: bool = False
+    gather_piece_numel: int | None = None
+    _gathers: dict | None = None  # (unit, piece) -> (work, send buffer) in flight
+
+    def gather_pieces(self, i: int) -> list[tuple[int, int, list[int]]]:
+        """Unit i's pieces in forward's order: (lo, hi, indices of its parameters), flat ranges
+        from the end of the buffer down (the first covers the padding)."""
+        unit, out, hi, members = self.units[i], [], self.units[i].padded_numel, []
+        if self.gather_piece_numel is None:
+            return [(0, hi, list(range(len(unit.params))))]
+        for j in reversed(range(len(unit.params))):
+            members.append(j)
+            lo = unit.offsets[j]
+            if hi - lo >= self.gather_piece_numel or j == 0:
+                out.append((0 if j == 0 else lo, hi, members))
+                hi, members = lo, []
+        return out
+
+    def wait_params(self, where=None) -> None:
+        """Complete the parameter gathers in flight: those holding the parameters `where`
+        ((unit, index in unit) pairs); None: all. Cheap when none is in flight."""
+        gathers = self._gathers
+        if not gathers:
+            return
+        keys = list(gathers) if where is None else {self._piece_of.get(w) for w in where} & gathers.keys()
+        for key in sorted(keys):
+            gathers.pop(key)[0].wait()
+
+    def _launch_gather(self, i: int, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Unit i's gather into `full`, piece by piece, left in flight."""
+        unit, n = self.units[i], self.units[i].shard_numel
+        if self._gathers is None:
+            self._gathers, self._piece_of = {}, {}
+        for k, (lo, hi, members) in enumerate(self.gather_pieces(i)):
+            self._piece_of.update({(i, j): (i, k) for j in members})
+            if (lo, hi) == (0, unit.padded_numel):  # the whole unit: an all-gather
+                work, send = comm.all_gather(full, shard, group=unit.process_group, async_op=True), None
+            else:  # rank r holds flat[r n, (r + 1) n): what of [lo, hi) each holds, in rank order
+                sizes = [max(0, min(hi, (r + 1) * n) - max(lo, r * n)) for r in range(unit.world_size)]
+                a = max(lo, unit.rank * n) - unit.rank * n
+                send = shard[a:a + sizes[unit.rank]].repeat(unit.world_size)  # kept alive until the wait
+                work = comm.all_to_all(full[lo:hi], send, output_split_sizes=sizes,
+                                       input_split_sizes=[sizes[unit.rank]] * unit.world_size,
+                                       group=unit.process_group, async_op=True)
+            self._gathers[(i, k)] = (work, send)
+    # --8<-- [end:param-gather]
+
     # --8<-- [start:param-flat]
     def params_flat(self, i: int) -> torch.Tensor | None:
         """Unit i's parameters as views of one padded flat buffer (made at the first call), so
@@ -360,6 +420,10 @@ class ShardedOptimizer:
             shard, n, size = m.to(unit.device, unit.dtype), unit.shard_numel, unit.world_size
             bucket = self.allgather_bucket_size
             piece = n if bucket is None else max(1, bucket // size)
+            if piece >= n and own is not None and self.overlap_param_gather:
+                self.wait_params([(i, j) for j in range(len(unit.params))])  # one gather at a time per buffer
+                self._launch_gather(i, full, shard)
+                return  # the gathers write the parameters in place: nothing to copy
             if piece >= n:
                 comm.all_gather(full, shard, group=unit.process_group)
             by_rank = full.view(size, n)  # (N, shard_numel): row r is rank r's shard

@@ -53,7 +53,8 @@ class ZeroStage1(ZeroStage2):
                  offload_optimizer: str = "none", nvme_path: str | None = None,
                  param_dtype: torch.dtype | None = None, loss_scaler=None, bucket_bytes: int | None = None,
                  sub_group_size: int | None = None, pin_memory: bool = False, overlap: bool = True,
-                 first_bucket_bytes: int | None = None):
+                 first_bucket_bytes: int | None = None, overlap_param_gather: bool = False,
+                 module: torch.nn.Module | None = None):
         """`bucket_bytes` (the engine: ``reduce_bucket_size``): the gradients are reduce-scattered
         in units of at most that many bytes; None: one unit per parameter group (with
         `first_bucket_bytes`: that much first, then the rest)."""
@@ -61,7 +62,8 @@ class ZeroStage1(ZeroStage2):
         ZeroStage2.__init__(self, params_or_groups, make_optimizer, process_group, bucket_bytes=bucket_bytes,
                             overlap=overlap, offload_optimizer=offload_optimizer, nvme_path=nvme_path,
                             param_dtype=param_dtype, loss_scaler=loss_scaler, sub_group_size=sub_group_size,
-                            pin_memory=pin_memory, first_bucket_bytes=first_bucket_bytes)
+                            pin_memory=pin_memory, first_bucket_bytes=first_bucket_bytes,
+                            overlap_param_gather=overlap_param_gather, module=module)
         self._held = False  # gradients accumulated under no_sync and not reduced yet
         self.agree_usage_early = True  # (ZeroStage2.agree_usage_early)
 

@@ -21,6 +21,9 @@ across micro-batches would give back the memory stage 2 exists to save. Under a 
 schedule, whose micro-batches' backwards interleave with other stages' work, the engine runs
 them under `no_sync()` and calls `reduce_gradients()` once at the end, as torchtitan's FSDP
 with a pipeline does: Psi per step on the wire, full gradients held until the schedule ends.
+`overlap_param_gather=True, module=model` (Megatron's; off by default, and not offered by
+the engine) leaves the step's all-gather in flight until the next forward reads each unit
+(`param_gather.py`, which lists who waits for it).
 """
 
 from __future__ import annotations
@@ -42,10 +45,14 @@ class ZeroStage2:
                  bucket_bytes: int = 500_000_000, overlap: bool = True,
                  offload_optimizer: str = "none", nvme_path: str | None = None,
                  param_dtype: torch.dtype | None = None, loss_scaler=None, sub_group_size: int | None = None,
-                 pin_memory: bool = False, first_bucket_bytes: int | None = None):
+                 pin_memory: bool = False, first_bucket_bytes: int | None = None,
+                 overlap_param_gather: bool = False, module: torch.nn.Module | None = None):
         """`first_bucket_bytes`: the first bucket's cap, if smaller than `bucket_bytes`: torch
         DDP's layout (1 MiB, then 25 MiB), so that one reduce-scatter starts early in backward
-        even when the rest of the model fits one bucket. None: every bucket `bucket_bytes`."""
+        even when the rest of the model fits one bucket. None: every bucket `bucket_bytes`.
+        `overlap_param_gather` (Megatron's; needs `module`, the model holding the parameters):
+        the step's all-gather is left in flight and each unit waited for by the first module
+        that reads it (`param_gather.py`; other readers call `wait_params()`)."""
         self.sharded = ShardedOptimizer(params_or_groups, make_optimizer, process_group,
                                         unit_bytes=bucket_bytes, reverse_units=True,
                                         first_unit_bytes=first_bucket_bytes,
@@ -65,6 +72,19 @@ class ZeroStage2:
         self._usage: tuple | None = None  # (counts, handle): see agree_usage_early
         for p in self._where:
             p.register_post_accumulate_grad_hook(self._on_grad)
+        self._gather_hooks = []
+        if overlap_param_gather:
+            if module is None:
+                raise ValueError("overlap_param_gather=True needs module=the model: its modules wait for "
+                                 "their parameters' all-gathers before forward reads them")
+            from tinyscale.zero.param_gather import install_param_gather_hooks
+            self._gather_hooks = install_param_gather_hooks(self.sharded, module)
+            self.sharded.overlap_param_gather = True
+
+    def wait_params(self) -> None:
+        """overlap_param_gather: complete every parameter all-gather in flight (before reading the
+        parameters other than through the module's forward or state_dict)."""
+        self.sharded.wait_params()
 
     # --8<-- [start:hook]
     @torch.no_grad()
@@ -181,6 +201,7 @@ class ZeroStage2:
         if self._queued:
             self._settle()
         self._usage_agreed()  # (in flight: let it land)
+        self.sharded.wait_params()
         for unit in self.sharded.units:
             for p in unit.params:
                 p.grad = None

@@ -164,6 +164,7 @@ def load_master_from_params(sharded: ShardedOptimizer, publish=None) -> None:
 
     Stage 3 passes `publish(i, shard)` to write its parameter shards too (call it while the
     units are gathered)."""
+    sharded.wait_params()  # (overlap_param_gather) a gather in flight reads the masters, writes the parameters
     for i, (unit, master) in enumerate(zip(sharded.units, sharded.master)):
         shard = unit.shard(unit.flatten([p.detach() for p in unit.params]))
         with _resident(sharded, i, write=True):
@@ -192,6 +193,7 @@ def gather_masters(sharded: ShardedOptimizer, names: dict[int, str]) -> dict[str
 @torch.no_grad()
 def load_masters(sharded: ShardedOptimizer, masters: dict[str, torch.Tensor], names: dict[int, str]) -> None:
     """Master shards := this rank's shard of the saved full-precision masters."""
+    sharded.wait_params()  # (overlap_param_gather) a gather in flight reads the masters
     for i, (unit, master) in enumerate(zip(sharded.units, sharded.master)):
         flat = torch.zeros(unit.padded_numel, dtype=master.dtype, device=unit.device)
         unit.flatten([masters[names[id(p)]].to(unit.device) for p in unit.params], out=flat)

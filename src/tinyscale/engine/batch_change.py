@@ -52,6 +52,7 @@ def _check_layout(engine, what: str) -> None:
                           "(checkpoints load across batch sizes and layouts)")
 
 
+# --8<-- [start:agree]
 def _agree(values: tuple, what: str) -> None:
     """Every rank asked for the same change, or every rank raises (no rank steps alone)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -62,6 +63,20 @@ def _agree(values: tuple, what: str) -> None:
         raise ValueError(f"{what}: the ranks asked for different changes {dict(enumerate(said))}; every rank "
                          "must apply the same batch and lr (decide on all-reduced values, or on rank 0 and "
                          "broadcast)")
+
+
+def apply(engine, new: BatchLayout, lr_scaling: str | None, what: str) -> None:
+    """Set `engine`'s batch to `new` on every rank (collective), the lr scaled by `lr_scaling`."""
+    if lr_scaling not in LR_RULES:
+        raise ValueError(f"{what}: lr_scaling must be None, 'linear' or 'sqrt', got {lr_scaling!r}")
+    _check_layout(engine, what)
+    _agree((new.train_batch_size, new.micro_batch_size, lr_scaling), what)
+    scale = LR_RULES[lr_scaling](new.train_batch_size / engine.config_batch_size)
+    if not engine._schedules_lr:  # a caller's optimizer keeps its own lr: scale that
+        for group in engine._torch_optimizer().param_groups:
+            group["lr"] *= scale / engine.lr_scale
+    engine.batch, engine.lr_scale = new, scale
+# --8<-- [end:agree]
 
 
 def with_train_batch_size(batch: BatchLayout, train_batch_size: int) -> BatchLayout:
@@ -83,21 +98,9 @@ def with_micro_batch_size(batch: BatchLayout, micro_batch_size: int) -> BatchLay
     return BatchLayout(micro_batch_size * accum * batch.dp, micro_batch_size, accum, batch.dp)
 
 
-def apply(engine, new: BatchLayout, lr_scaling: str | None, what: str) -> None:
-    """Set `engine`'s batch to `new` on every rank (collective), the lr scaled by `lr_scaling`."""
-    if lr_scaling not in LR_RULES:
-        raise ValueError(f"{what}: lr_scaling must be None, 'linear' or 'sqrt', got {lr_scaling!r}")
-    _check_layout(engine, what)
-    _agree((new.train_batch_size, new.micro_batch_size, lr_scaling), what)
-    scale = LR_RULES[lr_scaling](new.train_batch_size / engine.config_batch_size)
-    if not engine._schedules_lr:  # a caller's optimizer keeps its own lr: scale that
-        for group in engine._torch_optimizer().param_groups:
-            group["lr"] *= scale / engine.lr_scale
-    engine.batch, engine.lr_scale = new, scale
-
-
 # --- the ramp-up -----------------------------------------------------------------------------------
 
+# --8<-- [start:rampup]
 def rampup_batch_size(start: int, increment: int, samples: int, final: int, consumed: int) -> int:
     """Megatron's ramp-up: the batch grows from `start` by `increment` in (final - start) /
     increment equal slices of `samples` trained samples, then stays at `final`."""
@@ -105,6 +108,7 @@ def rampup_batch_size(start: int, increment: int, samples: int, final: int, cons
         return final
     per_increment = samples / ((final - start) // increment)
     return min(final, start + int(consumed / per_increment) * increment)
+# --8<-- [end:rampup]
 
 
 def check_rampup(engine) -> None:

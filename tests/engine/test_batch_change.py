@@ -32,10 +32,13 @@ RTOL = 1e-10  # see the module docstring
 LR = 1e-2
 
 
-def gpt() -> GPT:
+def gpt(frozen: bool = False) -> GPT:
     cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=3, n_head=6, n_kv_head=2, d_model=12,
                     ffn_hidden=20, tie_embeddings=True)
-    return GPT(cfg, seed=7, dtype=torch.float64)
+    model = GPT(cfg, seed=7, dtype=torch.float64)
+    if frozen:  # a frozen matrix: no gradient, no state, never stepped, in every layout
+        model.blocks[1].attn.wk.weight.requires_grad_(False)
+    return model
 
 
 def config(micro: int = 1, accum: int = 1, stage: int = 0, **extra) -> dict:
@@ -55,8 +58,8 @@ def batches_of(sizes: list[int], seed: int = 3) -> list[tuple[torch.Tensor, ...]
     return [tuple(t[a:b] for t in rows) for a, b in zip(cuts, cuts[1:])]
 
 
-def reference(sizes: list[int]) -> tuple[list[float], dict]:
-    model = gpt()
+def reference(sizes: list[int], frozen: bool = False) -> tuple[list[float], dict]:
+    model = gpt(frozen)
     # micro 1: any batch is whole micro-batches; the cut does not change the mean's gradient
     losses = ts.reference.train(model, batches_of(sizes), config(micro=1))
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
@@ -81,7 +84,7 @@ def _schedule(world: int, changes: dict) -> list[int]:
 
 def _train_with_changes(stage: int, changes: dict) -> tuple[list[float], dict, list[tuple]]:
     world = dist.get_world_size() if dist.is_initialized() else 1
-    engine = ts.initialize(gpt(), config(stage=stage))
+    engine = ts.initialize(gpt(frozen=True), config(stage=stage))
     sizes, seen, losses = _schedule(world, changes), [], []
     for step, batch in enumerate(batches_of(sizes)):
         kind, n = changes.get(step, (None, None))
@@ -100,11 +103,12 @@ def _train_with_changes(stage: int, changes: dict) -> tuple[list[float], dict, l
 def test_batch_change_every_zero_stage_on_three_ranks_trains_as_one_process(stage):
     """3 ranks, the batch changing by accumulation and by micro-batch size, up and down, mid
     warm-up: every step's loss and the final parameters equal one process fed the same batches,
-    so the optimizer state and the schedule's position went through every change untouched."""
+    so the optimizer state and the schedule's position went through every change untouched (a
+    frozen matrix stays frozen)."""
     sizes = _schedule(3, CHANGES)
     assert sizes == [3, 3, 6, 12, 6, 18, 9, 9]
     results = run_on_ranks(_train_with_changes, 3, stage, CHANGES)
-    expected, state = reference(sizes)
+    expected, state = reference(sizes, frozen=True)
     for losses, final, seen in results:
         assert_losses_close(losses, expected, rtol=RTOL)
         assert_state_dicts_close(final, state, rtol=RTOL)
@@ -282,6 +286,9 @@ def _rampup_run(path: str, resume: bool) -> tuple[list[float], dict, list[int]]:
 def test_batch_change_rampup_grows_the_batch_by_samples_and_resumes_mid_ramp(tmp_path):
     with pytest.raises(ConfigError, match="whole increments"):
         ts.initialize(gpt(), config(accum=8, rampup_batch_size={"start": 2, "increment": 4, "samples": 8}))
+    from tinyscale.train import make_spec
+    with pytest.raises(ConfigError, match="rampup_batch_size is refused by tinyscale train"):  # fixed-size batches
+        make_spec("single", config=config(accum=8, rampup_batch_size={"start": 2, "increment": 2, "samples": 8}))
     losses, final, sizes = _rampup_run(str(tmp_path / "c"), resume=False)
     # 3 increments of 4 samples: 2 rows until 4 trained, 4 until 8, 6 until 12, then 8
     assert sizes == [2, 2, 4, 6, 8, 8, 8]

@@ -115,7 +115,7 @@ def test_batch_change_every_zero_stage_on_three_ranks_trains_as_one_process(stag
         assert seen[2:7] == [(6, 1, 2), (12, 2, 2), (6, 2, 1), (18, 2, 3), (9, 1, 3)]  # DeepSpeed's rules
 
 
-def test_batch_change_rules_refusals_and_lr_scaling_in_one_process():
+def test_batch_change_rules_refusals_and_lr_scaling_in_one_process(tmp_path):
     engine = ts.initialize(gpt(), {**config(micro=2, accum=2), "scheduler": None})  # the lr: LR every step
     with pytest.raises(ValueError, match="multiple of train_micro_batch_size_per_gpu x data-parallel size = 2 x 1"):
         engine.set_train_batch_size(5)  # DeepSpeed's ValueError, with the numbers
@@ -136,6 +136,11 @@ def test_batch_change_rules_refusals_and_lr_scaling_in_one_process():
     engine.train_batch(batches[3])
     assert engine._torch_optimizer().param_groups[0]["lr"] == LR
     assert engine.samples == 44
+    engine.set_train_batch_size(16, lr_scaling="linear")
+    engine.save_checkpoint(tmp_path / "c")  # keeps the samples; the batch set by a call is not the config's
+    resumed = ts.initialize(gpt(), {**config(micro=2, accum=2), "scheduler": None})
+    resumed.load_checkpoint(tmp_path / "c")
+    assert (resumed.samples, resumed.batch.train_batch_size, resumed.lr_scale) == (44, 4, 1.0)
 
 
 def test_batch_change_keeps_the_fp16_loss_scale_and_trains_as_one_process():

@@ -18,7 +18,9 @@ larger batch has a less noisy gradient; the linear rule (Goyal et al. 2017: k ti
 k times the lr) keeps the progress per sample of SGD, the square-root rule (Krizhevsky 2014;
 Adam's noise scale, Malladi et al. 2022) keeps the update's noise. ``lr_scaling`` "linear" or
 "sqrt" sets the lr to the config's (or the schedule's) times r or sqrt(r), r = the new batch /
-the config's batch; None (the default) leaves it. Lesson 12 measures both.
+the config's batch; None (the default) leaves it. Lesson 12 measures both. A checkpoint keeps
+the samples trained, not a batch set by a call: an engine that loads it starts at its own
+config's batch and lr (or the ramp's), so call again after `load_checkpoint` to keep a change.
 
 Every rank must apply the same change: a rank with another accumulation count would run more
 backward passes than its peers and wait in a collective they never make, or step with a

@@ -122,6 +122,8 @@ def _one(engine, side, batch, rank, world, gas, run, resize: bool = False) -> fl
         if rows != (engine.train_batch_size() if side == "deepspeed" else engine.batch.train_batch_size):
             engine.set_train_batch_size(rows)
         gas = engine.gradient_accumulation_steps() if side == "deepspeed" else gas
+        run.setdefault("accumulation", []).append(
+            gas if side == "deepspeed" else engine.batch.gradient_accumulation_steps)
 
     dist.barrier()
     start = time.perf_counter()

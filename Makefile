@@ -71,6 +71,7 @@ bench-medians: setup
 figures: setup
 	$(PY) benchmarks/lr_schedules.py --out lessons/figures/02-lr-schedules.svg
 	$(PY) benchmarks/watch_run.py --out lessons/figures/12-watching-a-run.svg
+	$(PY) benchmarks/batch_change.py --out lessons/figures/12-batch-change.png
 
 clean:
 	rm -rf site runs .pytest_cache .hypothesis

@@ -30,7 +30,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from tinyscale.config_deepspeed import screen
 from tinyscale.config_input import Bool, ConfigError, Float, Int, PositiveInt, Section, explain, read_file
 from tinyscale.config_monitor import HealthConfig, MonitorOutput
-from tinyscale.config_schedule import SchedulerConfig, SchedulerParams
+from tinyscale.config_schedule import RampupBatchSize, SchedulerConfig, SchedulerParams
 
 
 class OptimizerParams(Section):
@@ -220,6 +220,7 @@ class EngineConfig(Section):
     train_batch_size: PositiveInt | None = None
     train_micro_batch_size_per_gpu: PositiveInt | None = None
     gradient_accumulation_steps: PositiveInt | None = None
+    rampup_batch_size: RampupBatchSize | None = None  # tinyscale's own: Megatron's ramp (engine/batch_change.py)
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig | None = None
     gradient_clipping: Float = Field(0.0, ge=0)  # max global gradient norm; 0 = off

@@ -80,3 +80,14 @@ class SchedulerConfig(Section):
             raise ValueError(f"params.warmup_max_lr ({p.warmup_max_lr}) is below params.warmup_min_lr "
                              f"({p.warmup_min_lr})")
         return self
+
+
+class RampupBatchSize(Section):
+    """tinyscale's ``rampup_batch_size`` (Megatron's ``--rampup-batch-size start increment samples``;
+    DeepSpeed has no such key): the global batch starts at ``start`` rows and grows by
+    ``increment`` in equal slices of ``samples`` trained samples until it reaches
+    ``train_batch_size`` (`tinyscale.engine.batch_change`)."""
+
+    start: PositiveInt
+    increment: PositiveInt
+    samples: PositiveInt

@@ -106,6 +106,10 @@ def make_spec(preset: str, *, world_size: int | None = None, steps: int = 20, co
     if engine_config.parallel.tensor > 1:  # the GPT splits, and the world is dp x tp
         parallelize.check_gpt_split(gpt_config, engine_config.parallel.tensor, world_size)
     engine_config.batch(_dp(engine_config, world_size))  # the batch identity must hold for this world size
+    if engine_config.rampup_batch_size is not None:
+        raise ts.ConfigError("rampup_batch_size is refused by tinyscale train: it draws every step's batch at "
+                             "train_batch_size rows, and its reference run too; a ramp needs a loop that draws "
+                             "engine.batch.train_batch_size rows per step (ts.initialize, lesson 12)")
     if save_every < 0 or (save_every or resume) and not save_dir:
         raise ValueError("--save-every and --resume need --save-dir (and --save-every must be positive)")
     if resume:

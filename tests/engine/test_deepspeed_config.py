@@ -99,7 +99,7 @@ def test_deepspeed_config_honoured_keys_are_fields_and_every_field_is_in_the_tab
         _field(path)
     ours = {"parallel", "compression", "monitor", "activation_checkpointing.policy", "activation_checkpointing.every_k",
             "activation_checkpointing.use_reentrant",
-            "fp16.raise_error_at_min_scale"}  # tinyscale's own keys, not DeepSpeed's
+            "fp16.raise_error_at_min_scale", "rampup_batch_size"}  # tinyscale's own keys, not DeepSpeed's
 
     def leaves(model, prefix=""):
         for name, field in model.model_fields.items():

@@ -13,8 +13,9 @@ check, clipping, the schedule's lr, the optimizer step). Fed the micro-batches
 `train_batch` cuts from a global batch, the loop equals `train_batch` bit for bit
 (``pytest -k deepspeed_api``).
 
-Served: tensor parallelism and every ZeRO stage, fp16/bf16, clipping, compression, and
-`compile(backend, compile_kwargs)` (torch.compile of the GPT's blocks, engine/compiled.py). With
+Served: tensor parallelism and every ZeRO stage, fp16/bf16, clipping, compression,
+`compile(backend, compile_kwargs)` (torch.compile of the GPT's blocks, engine/compiled.py), and
+`set_train_batch_size` / `set_train_micro_batch_size` between steps (engine/batch_change.py). With
 ``parallel.pipeline``, `train_batch(data_iter=...)` as DeepSpeed's PipelineEngine (the loop
 cannot drive a schedule); ``parallel.context`` is refused at `initialize` (a module's forward
 there returns its sequence shard's loss, not the batch's). DeepSpeed methods not served raise
@@ -45,7 +46,6 @@ REFUSED = {
                                           "managed accumulation); change that in the config",
     "save_16bit_model": "save_checkpoint writes full-precision parameters; engine.full_state_dict() gives "
                         "them on every rank",
-    "set_train_batch_size": "the batch identity is fixed by the config at initialize",
 }
 
 
@@ -85,7 +85,7 @@ class DeepSpeedEngine:
 
     @property
     def global_samples(self) -> int:
-        return self.engine.step * self.engine.batch.train_batch_size
+        return self.engine.samples  # the batch may change between steps
 
     @property
     def skipped_steps(self) -> int:
@@ -116,8 +116,31 @@ class DeepSpeedEngine:
         return self.engine.batch.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True during the micro-batch whose step() steps (DeepSpeed's: micro_steps + 1 divisible by gas)."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        """True during the micro-batch whose step() steps: the open step's last. DeepSpeed 0.19.8
+        tests micro_steps + 1 divisible by gas, the same while gas is fixed; after
+        set_train_batch_size at a micro_steps that is not a multiple of the new gas, its next
+        step comes early, with fewer micro-batches (tinyscale counts the open step's)."""
+        return self._in_step + 1 == self.gradient_accumulation_steps()
+
+    # --8<-- [start:set-batch]
+    def set_train_batch_size(self, train_batch_size: int, *, lr_scaling: str | None = None) -> None:
+        """DeepSpeed's: the global batch of the next steps, by gradient_accumulation_steps (micro
+        and dp kept; `Engine.set_train_batch_size`, engine/batch_change.py). Between steps only."""
+        self._between_steps("set_train_batch_size")
+        self.engine.set_train_batch_size(train_batch_size, lr_scaling=lr_scaling)
+
+    def set_train_micro_batch_size(self, micro_batch_size: int, *, lr_scaling: str | None = None) -> None:
+        """DeepSpeed's: micro-batches of `micro_batch_size` rows, accumulation kept. The training
+        data loader keeps its micro-batch (as DeepSpeed's): feed the new one's rows yourself."""
+        self._between_steps("set_train_micro_batch_size")
+        self.engine.set_train_micro_batch_size(micro_batch_size, lr_scaling=lr_scaling)
+
+    def _between_steps(self, what: str) -> None:
+        if self._window is not None:
+            raise RuntimeError(f"{what} inside an open step: its {self._in_step + 1} micro-batch(es) were scaled "
+                               f"by 1 / gradient_accumulation_steps = 1/{self.gradient_accumulation_steps()}; "
+                               "call it after the boundary's step()")
+    # --8<-- [end:set-batch]
 
     def train(self, mode: bool = True) -> DeepSpeedEngine:
         self.engine.model.train(mode)

@@ -64,6 +64,8 @@ units are then this rank's stages, gathered around the schedule's actions
 A script's own forward/backward/step loop (`tinyscale.deepspeed`, DeepSpeed's API) runs the
 micro-batches itself and ends each step in the same `_agree_step` and `_finish_step`. After every step the
 monitor (`engine/monitor.py`: tensorboard, csv_monitor, per-rank times, health) records it.
+The batch may change between steps: `set_train_batch_size`, `set_train_micro_batch_size` and
+the config's `rampup_batch_size` (`engine/batch_change.py`; the layout changes through a checkpoint).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ from tinyscale.dist.log import get_logger
 from tinyscale.data_parallel import BucketedDDP, broadcast_parameters
 from tinyscale.data_parallel.bucketed import TORCH_FIRST_BUCKET_MB
 from tinyscale.engine import checkpoint, checkpoint_io, compression, context, dcp_checkpoint, parallelize, step_failure
+from tinyscale.engine import batch_change  # set_train_batch_size, the ramp-up
 from tinyscale.engine import expert  # ep: the groups the failure watch adds
 from tinyscale.engine.checkpoint import CheckpointError
 from tinyscale.engine.memory import MemoryReport, report_for
@@ -143,6 +146,10 @@ class Engine:
         self.reduce_group, self.reduce_rank, self.reduce_size = context.reduce_group(mesh)
         self.cp_size = self.plan.cp
         self.batch = config.batch(self.dp_size)
+        # the batch may change between steps (engine/batch_change.py): the config's is the lr's reference
+        self.config_batch_size, self.samples, self.lr_scale = self.batch.train_batch_size, 0, 1.0
+        batch_change.check_rampup(self)
+        batch_change.follow_rampup(self)  # rampup_batch_size: the first step's batch
         # DeepSpeed keys accepted with no effect here: said once, with the reason (rank 0).
         self.config_notes = (*config.notes, *notes)
         log_notes(self.config_notes)
@@ -304,6 +311,8 @@ class Engine:
         batch or a tensor of its shape (the loop of `tinyscale.deepspeed` passes a meta tensor)."""
         self.last_step = {"step": self.step - 1, "loss": mean_loss, "skipped": skipped,
                           **self.throughput.record(batch, self._clock() - start)}
+        self.samples += batch[0].shape[0]  # DeepSpeed's global_samples (the batch may change)
+        batch_change.follow_rampup(self)  # rampup_batch_size: the next step's batch
         if self.plan.moe:  # an MoE GPT: this rank's last micro-batch's routing (load, dropped, aux losses)
             self.last_step["moe"] = moe_stats(self.model)
         if self.profiler.enabled:
@@ -319,7 +328,7 @@ class Engine:
             return
         line = f"step {self.step}: loss {mean_loss:.6g}"
         if self._schedules_lr:  # the lr this step used (a skipped step used the next one's)
-            line += f", lr {lr_at(self.step - 1 - self.skipped_steps + int(skipped), self.config, self._lr_base):.6g}"
+            line += f", lr {self.lr_at(self.step - 1 - self.skipped_steps + int(skipped)):.6g}"
         if self.loss_scaler is not None:
             line += f", loss scale {self.loss_scaler.scale:g}, skipped steps {self.skipped_steps}"
         logging.getLogger("tinyscale.engine").info(line)
@@ -439,7 +448,7 @@ class Engine:
                     compression.after_sync(self, self.model.tp_group)
         self._before_step_report = self.memory_report()  # the step's peak of model states
         # a skipped step does not advance the schedule
-        lr = lr_at(self.step - self.skipped_steps, self.config, self._lr_base) if self._schedules_lr else None
+        lr = self.lr_at(self.step - self.skipped_steps) if self._schedules_lr else None
         skipped = False
         try:
             # ZeRO's gathers, fp16's overflow flag
@@ -474,6 +483,25 @@ class Engine:
         self.step += 1
         return mean_loss, skipped
     # --8<-- [end:train-batch]
+
+    def lr_at(self, applied_steps: int) -> float:
+        """The lr of the `applied_steps`-th applied step: the config's schedule, times the batch
+        change's scaling (`set_train_batch_size(..., lr_scaling=...)`; 1 otherwise)."""
+        return lr_at(applied_steps, self.config, self._lr_base) * self.lr_scale
+
+    def set_train_batch_size(self, train_batch_size: int, *, lr_scaling: str | None = None) -> None:
+        """DeepSpeed's: the global batch of the next steps, by gradient_accumulation_steps (micro
+        and dp kept); a ValueError if it is not a multiple of micro x dp. Call on every rank between
+        steps, with the same values. `lr_scaling` (tinyscale's): None, "linear" or "sqrt" scales
+        the lr by the new batch over the config's (engine/batch_change.py)."""
+        batch_change.apply(self, batch_change.with_train_batch_size(self.batch, train_batch_size), lr_scaling,
+                           f"set_train_batch_size({train_batch_size!r})")
+
+    def set_train_micro_batch_size(self, micro_batch_size: int, *, lr_scaling: str | None = None) -> None:
+        """DeepSpeed's: micro-batches of `micro_batch_size` rows, accumulation kept, so the global
+        batch becomes micro x accumulation x dp (call on every rank between steps)."""
+        batch_change.apply(self, batch_change.with_micro_batch_size(self.batch, micro_batch_size), lr_scaling,
+                           f"set_train_micro_batch_size({micro_batch_size!r})")
 
     def _complete_abandoned(self, micro_batches_left: int) -> None:
         """This rank's forward or backward raised: make the collectives the other ranks make
@@ -558,7 +586,8 @@ class Engine:
             raise error if error is not None else CheckpointError(
                 f"save_checkpoint: rank 0 could not start a version in {path}; see its error")
         tmp, name = Path(started[0][0]), started[0][1]
-        meta = {"step": self.step, "skipped_steps": self.skipped_steps, "world_size": world, "dp": self.dp_size,
+        meta = {"step": self.step, "skipped_steps": self.skipped_steps, "samples": self.samples,
+                "world_size": world, "dp": self.dp_size,
                 "optimizer_class": type(self._torch_optimizer()).__name__,
                 "config": self.config.model_dump(mode="json"), "client_state": client_state}
         if blocking:
@@ -685,6 +714,8 @@ class Engine:
         if self.loss_scaler is not None and dcp_checkpoint.SCALER in objects:
             self.loss_scaler.load_state_dict(objects[dcp_checkpoint.SCALER])
         self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
+        self.samples = meta.get("samples", self.step * self.batch.train_batch_size)  # older: one batch size
+        batch_change.follow_rampup(self)  # rampup_batch_size: where the samples trained put it
         ranks = {r: objects[f"{dcp_checkpoint.RANK}{r}"] for r in (0, rank) if f"{dcp_checkpoint.RANK}{r}" in objects}
         saved_rng = {"world_size": meta["world_size"], "ranks": ranks} if ranks else None
         warning = checkpoint.restore_rng(saved_rng, rank, world, self.device)

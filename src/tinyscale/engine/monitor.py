@@ -128,7 +128,7 @@ class Monitor:
             self._check_stragglers(step, [t[_PHASES.index("busy")] for t in times])
         if not self.writers:
             return
-        x = (step + 1) * engine.batch.train_batch_size  # DeepSpeed's x axis: samples seen
+        x = engine.samples  # DeepSpeed's x axis: samples seen (the batch may have changed)
         lr = engine._torch_optimizer().param_groups[0]["lr"]  # the lr this step used (DeepSpeed's get_lr()[0])
         scalars = {"Train/Samples/train_loss": loss, "Train/Samples/lr": lr,
                    "Train/Samples/grad_norm": grad_norm_of(engine), "Train/Samples/tokens_per_s": last["tokens_per_s"],

@@ -81,7 +81,7 @@ from tinyscale.engine import compression, context, expert
 from tinyscale.engine.plan import LayoutPlan
 from tinyscale.models.dropout import set_dropout_clock
 from tinyscale.models.gpt import GPT, _check_ids
-from tinyscale.optim import check_elementwise_state, lr_at, set_lr
+from tinyscale.optim import check_elementwise_state, set_lr
 from tinyscale.pipeline import (
     add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
 )
@@ -267,7 +267,7 @@ class PipelineStep:
             raise FloatingPointError(f"train_batch: the loss at step {engine.step} is {mean_loss}; training "
                                      "diverged (the step was dropped on every rank)")
         engine._before_step_report = engine.memory_report()  # the step's peak of model states
-        lr = lr_at(engine.step - engine.skipped_steps, engine.config, engine._lr_base) if engine._schedules_lr else None
+        lr = engine.lr_at(engine.step - engine.skipped_steps) if engine._schedules_lr else None
         try:
             with comm.record(engine.comm_ledger), profiler.phase("optimizer"):
                 skipped = self._optimizer_step(engine, lr, used)

@@ -100,9 +100,11 @@ def _rank(payload: dict) -> dict:
                 for side in order if step % 2 == 0 else order[::-1]:
                     runs[side]["losses"].append(_one(engines[side], side, batch, rank, world, gas, runs[side]))
         else:
+            resize = "batch_sizes" in payload  # batches of other sizes: set_train_batch_size on both engines
             for side in order:
                 for batch in batches:
-                    runs[side]["losses"].append(_one(engines[side], side, batch, rank, world, gas, runs[side]))
+                    runs[side]["losses"].append(_one(engines[side], side, batch, rank, world, gas, runs[side],
+                                                     resize))
         for side, engine in engines.items():
             full = _full_parameters(engine, stage) if side == "deepspeed" else {
                 k: v.tolist() for k, v in engine.full_state_dict().items()}
@@ -112,8 +114,16 @@ def _rank(payload: dict) -> dict:
     return out if rank == 0 else {}
 
 
-def _one(engine, side, batch, rank, world, gas, run) -> float:
+def _one(engine, side, batch, rank, world, gas, run, resize: bool = False) -> float:
     import torch.distributed as dist
+
+    if resize:  # DeepSpeed's set_train_batch_size (tinyscale's: engine/batch_change.py) before the step
+        rows = batch[0].shape[0]
+        if rows != (engine.train_batch_size() if side == "deepspeed" else engine.batch.train_batch_size):
+            engine.set_train_batch_size(rows)
+        gas = engine.gradient_accumulation_steps() if side == "deepspeed" else gas
+        run.setdefault("accumulation", []).append(
+            gas if side == "deepspeed" else engine.batch.gradient_accumulation_steps)
 
     dist.barrier()
     start = time.perf_counter()

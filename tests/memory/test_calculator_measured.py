@@ -3,8 +3,8 @@
 `tinyscale.calculator.estimate` (the site's calculator, docs/calculator.md) adds to ZeRO's and
 checkpointing's formulas the standard tp / pp / cp ones. Here one small GPT (tied table, GQA:
 3 K/V heads for 6 query heads, 3 blocks) trains two steps through `ts.initialize` in tp 3, pp 3
-(1F1B) and cp 3 (ring attention, bf16, ZeRO 2, full recompute), on 3 pooled gloo ranks, and the
-calculator's numbers for the same inputs are compared with the second step's `engine.comm_ledger`
+(1F1B) and cp 3 (ring attention, bf16, ZeRO 2, full recompute) on 3 pooled gloo ranks and in pp 2
+on 2, and the calculator's numbers for the same inputs are compared with the second step's `engine.comm_ledger`
 (by mesh axis) and `engine.memory_report(when="before_step")`:
 
     tp comm       the tp axis's (b, T, C) all-reduces, less the embedding's and the head's
@@ -36,7 +36,6 @@ from tinyscale.testing import run_on_ranks
 
 V, T, C, H, KV, L, F = 48, 12, 24, 6, 3, 3, 48  # vocab, tokens, width, heads, K/V heads, blocks, MLP width
 b, m = 2, 2  # rows per micro-batch, micro-batches per step
-WORLD = 3
 SHAPE = dict(vocab_size=V, n_layer=L, n_head=H, n_kv_head=KV, d_model=C, ffn_hidden=F, tie_embeddings=True)
 NORMS = (2 * L + 1) * C  # the norm weights: whole on every tp rank
 # C = 24 divides every term of Psi and of NORMS: Psi / 3 and NORMS / 3 are exact, so the
@@ -46,10 +45,11 @@ NORMS = (2 * L + 1) * C  # the norm weights: whole on every tp rank
 LAYOUTS = {
     "tp3": (3, 1, 1, 0, "fp32", "none"),
     "pp3": (1, 3, 1, 0, "fp32", "none"),
+    "pp2": (1, 2, 1, 0, "fp32", "none"),
     "cp3": (1, 1, 3, 2, "bf16", "full"),
     "tp3-full": (3, 1, 1, 0, "fp32", "full"),
 }
-DEFAULT = ("tp3", "pp3", "cp3")
+DEFAULT = ("tp3", "pp3", "cp3")  # on 3 ranks; pp2 on 2
 
 
 def calculator(name: str) -> dict:
@@ -85,8 +85,9 @@ def _train(names):
 
 @functools.cache
 def measured(names: tuple[str, ...]) -> dict:
-    """{name: [rank] -> (Psi, memory, rows)}, every layout of `names` in one pooled call."""
-    per_rank = run_on_ranks(_train, WORLD, list(names))
+    """{name: [rank] -> (Psi, memory, rows)}, every layout of `names` (one world size) in one pooled call."""
+    tp, pp, cp, *_ = LAYOUTS[names[0]]
+    per_rank = run_on_ranks(_train, tp * pp * cp, list(names))
     return {name: [results[i] for results in per_rank] for i, name in enumerate(names)}
 
 
@@ -111,7 +112,7 @@ def _check_tp(name: str):
         # everything else on the tp axis is small and left out: the vocab-parallel loss's 3 numbers
         # per token per micro-batch and one all-reduce of the world's failure flags (a float64 per rank)
         rest = {k: n for k, n in rows.items() if k[0] == "tp" and k[2] != act}
-        assert rest == {("tp", "all_reduce", tok, "float32"): 3 * m, ("tp", "all_reduce", 8 * WORLD, "float64"): 1}
+        assert rest == {("tp", "all_reduce", tok, "float32"): 3 * m, ("tp", "all_reduce", 8 * 3, "float64"): 1}
         assert calculator(name)["num_params"] == psi
 
 
@@ -134,18 +135,20 @@ def test_calculator_tp_parameters_per_rank_are_the_shard_less_replicated_norms()
         assert memory["gradients"] - 4 * NORMS * 2 // 3 == want["gradients"], rank
 
 
-def test_calculator_pp_comm_is_the_busiest_stages_sends():
-    """1F1B over 3 stages: per micro-batch the first stage sends its output forward, the last its
-    input's gradient back, the middle one both: the calculator's min(pp - 1, 2) activations per
-    micro-batch is the middle stage's. Each message carries one status element (float32) after the
-    tensor; the end stages also send the tied table's gradient to each other once per step."""
-    act = b * T * C * 4
-    want = calculator("pp3")["comm"]["pp"]
-    per_rank = measured(DEFAULT)["pp3"]
+@pytest.mark.parametrize("name", ["pp3", "pp2"])
+def test_calculator_pp_comm_is_the_busiest_stages_sends(name):
+    """1F1B: per micro-batch the first stage sends its output forward, the last its input's
+    gradient back, a middle one both: the calculator's min(pp - 1, 2) activations per micro-batch
+    is the busiest stage's (pp 2: 1, each stage an end). Each message carries one status element
+    (float32) after the tensor; the end stages also send the tied table's gradient to each other
+    once per step."""
+    act, pp = b * T * C * 4, LAYOUTS[name][1]
+    want = calculator(name)["comm"]["pp"]
+    per_rank = measured(DEFAULT if name in DEFAULT else (name,))[name]
     sends = [_sent(rows, "pp", "isend", act + 4) for _, _, rows in per_rank]
-    assert [calls for calls, _ in sends] == [m, 2 * m, m]
-    assert max(size - 4 * calls for calls, size in sends) == want == 2 * act * m
-    for rank in (0, 2):  # the tied table's gradient, V x C float32: left out (the calculator counts no embedding)
+    assert [calls for calls, _ in sends] == [m] + [2 * m] * (pp - 2) + [m]
+    assert max(size - 4 * calls for calls, size in sends) == want == min(pp - 1, 2) * act * m
+    for rank in (0, pp - 1):  # the tied table's gradient, V x C float32: left out (the calculator counts no embedding)
         assert _sent(per_rank[rank][2], "pp", "isend") == (m + 1, m * (act + 4) + V * C * 4)
 
 

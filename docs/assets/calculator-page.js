@@ -23,7 +23,7 @@
     ["pp", "pipeline parallel: the busiest stage's activations forward and gradients back"],
     ["cp", "context parallel: ring attention's K, V hops (dK, dV in fp32)"],
   ];
-  const PLANNED = "formula only, not checked against a measurement yet";  // calculator.PLANNED: the activations
+  const PLANNED = "formula only, not checked against a measurement yet";  // calculator.PLANNED: pp's activations
 
   function readInputs() {
     const inputs = {};
@@ -171,10 +171,10 @@
     params.textContent = `Ψ = ${out.num_params.toLocaleString("en")} parameters; ` +
       `${Math.round(out.params_per_rank).toLocaleString("en")} per rank (Ψ / (tp · pp)), ` +
       `ZeRO shards over N_d = dp · cp = ${x.dp * x.cp} ranks.`;
-    const planned = ["tp", "pp", "cp"].filter((k) => x[k] > 1);
     const note = document.getElementById("calc-planned-note");
-    note.hidden = planned.length === 0;
-    note.textContent = `${planned.join(", ")} > 1: how the activations split over them is ${PLANNED}.`;
+    note.hidden = !(x.pp > 1);
+    note.textContent = `pp > 1: the activations' pp factors (⌈L / pp⌉ layers, min(pp, m) micro-batches ` +
+      `in flight on 1F1B's first stage) are ${PLANNED}.`;
     const capacity = Number(document.getElementById("calc-capacity").value) || 0;
     const fits = document.getElementById("calc-fits");
     fits.textContent = capacity > 0 ? (out.device.total <= capacity * 1e9

@@ -11,18 +11,21 @@ formulas, composed here as `tinyscale estimate` composes them:
 
 Tensor, pipeline and context parallelism (lessons 07-09): the standard formulas, each checked
 against the engine one axis at a time (tp 3, pp 3, cp 3 on a small GPT: `pytest tests/memory/test_calculator_measured.py`)
-except the activations' split over tp, pp and cp, which is formula only (`PLANNED`):
+except the activations' growth with pp (its layers and in-flight micro-batches), formula only (`PLANNED`):
     parameters per rank    Psi / (tp pp)            Megatron-LM: each rank holds 1/tp of every
                                                     matrix of its pp stage. Measured: the mean over
                                                     the model-parallel ranks, counting the replicated
                                                     norms and the tied table's copy once
     ZeRO's N_d             dp cp                    cp ranks hold the same parameters, so ZeRO
                                                     shards over them too (measured: cp 3, ZeRO 2)
-    activations            ceil(L/pp) x in-flight x A / (tp cp)            (formula only)
-        A = block_saved_bytes(b, s, policy); sequence parallel splits every activation over tp
-        (Korthikanti et al. 2022, section 4.2.2), cp splits the tokens; in-flight micro-batches
+    activations            ceil(L/pp) x in-flight x A' / (tp cp)   (pp's factors: formula only)
+        A' = block_saved_bytes(b, s, policy) + (tp-1) 2 s b h p: sequence parallelism splits
+        every activation over tp (Korthikanti et al. 2022, section 4.2.2) but the two norms'
+        outputs, which the column-parallel layers save all-gathered (policies none, selective;
+        measured: a block's saved tensors under tp 3 + SP; before, A / tp left them out);
+        cp splits the tokens (measured, cp 3); in-flight micro-batches
         are 1 without pp, min(pp, m) on 1F1B's first stage. Backward of one block brings its
-        full activations back (recomputed or fetched from the host): + (A_none - A) / (tp cp).
+        full activations back (recomputed or fetched from the host): + (A'_none - A') / (tp cp).
     tp comm   per block, per micro-batch: 4 all-reduces of (s/cp) b h elements (6 when "full"
               recomputes the forward), ring: 2 (tp-1)/tp of that each, at activation bytes.
               The engine adds 2 per micro-batch (the embedding's output, the head's input) and
@@ -64,7 +67,7 @@ OPTIMIZERS = ("adamw", "sgd_momentum", "sgd")
 POLICIES = ("none", "full", "selective", "offload")
 STATES_PER_PARAM = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}  # momentum, variance
 DKV_BYTES = 4  # ring attention passes its dK/dV accumulators in at least float32 (context_parallel/ring.py)
-PLANNED = ("activations",)  # their split over tp, pp, cp: formula only, not checked against a measurement
+PLANNED = ("pp",)  # the activations' pp factors (ceil(L/pp) layers, min(pp, m) in flight): formula only
 SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden", "tie_embeddings",
                 "dropout", "attn_impl")
 DEFAULTS = dict(model="gpt2-124m", dtype="bf16", optimizer="adamw", dp=8, tp=1, pp=1, cp=1,
@@ -124,8 +127,9 @@ def estimate(inputs: dict) -> dict:
     states = model_state_bytes(num_params / (tp * pp), dp * cp, x["zero_stage"], offload=x["offload"],
                                offload_params=x["offload_params"], **per_element)
     dtype, policy, p = DTYPES[x["dtype"]], x["checkpointing"], 2 if x["dtype"] != "fp32" else 4
-    kept = block_saved_bytes(cfg, b, s, dtype, policy)
-    full = block_saved_bytes(cfg, b, s, dtype, "none")
+    gathered = 2 * s * b * cfg.d_model * p  # the norms' outputs: saved all-gathered, whole on each tp rank
+    kept = block_saved_bytes(cfg, b, s, dtype, policy) + (tp - 1) * (gathered if policy in ("none", "selective") else 0)
+    full = block_saved_bytes(cfg, b, s, dtype, "none") + (tp - 1) * gathered
     layers = math.ceil(cfg.n_layer / pp)
     in_flight = 1 if pp == 1 else min(pp, m)
     activations = (layers * in_flight * kept + (full - kept)) / (tp * cp)

@@ -14,9 +14,12 @@ on 2, and the calculator's numbers for the same inputs are compared with the sec
     parameters    Psi / (tp pp): the mean over the model-parallel ranks, each replicated copy once
     ZeRO's N_d    dp x cp: gradient and master shards of Psi / cp (Psi divisible: no padding)
 
+    activations   per block (tp 3 with sequence parallelism, cp 3): the bytes a block's first
+                  forward saves for backward (saved-tensor hooks), blocks after the first exactly
+
 What the calculator leaves out (embedding, head and loss traffic, replicated norms, the tied
-table's copy) is derived beside each comparison. Not checked here: activations under tp / pp /
-cp (they stay `PLANNED`), and tp or cp combined with other axes.
+table's copy) is derived beside each comparison. Not checked here: activations under pp (1F1B's
+in-flight micro-batches: they stay `PLANNED`), and tp or cp combined with other axes.
 `--thorough` adds tp 3 with full recompute (6 all-reduces per block). Key: calculator.
 """
 
@@ -26,6 +29,7 @@ import functools
 
 import pytest
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 
 import tinyscale as ts
 from tinyscale.calculator import PLANNED, estimate
@@ -47,9 +51,11 @@ LAYOUTS = {
     "pp3": (1, 3, 1, 0, "fp32", "none"),
     "pp2": (1, 2, 1, 0, "fp32", "none"),
     "cp3": (1, 1, 3, 2, "bf16", "full"),
+    "tp3-sp": (3, 1, 1, 0, "fp32", "none"),  # sequence parallel: what the calculator's activations assume
+    "cp3-none": (1, 1, 3, 0, "fp32", "none"),
     "tp3-full": (3, 1, 1, 0, "fp32", "full"),
 }
-DEFAULT = ("tp3", "pp3", "cp3")  # on 3 ranks; pp2 on 2
+DEFAULT = ("tp3", "pp3", "cp3", "tp3-sp", "cp3-none")  # on 3 ranks; pp2 on 2
 
 
 def calculator(name: str) -> dict:
@@ -58,8 +64,33 @@ def calculator(name: str) -> dict:
                          zero_stage=stage, micro_batch=b, seq_len=T, num_microbatches=m, checkpointing=policy))
 
 
+class _BlockSaved:
+    """Bytes each block saves for backward in its first forward (micro-batch 1) while `on`: a pack
+    hook counting each storage once, the parameters and buffers left out (as checkpointing.measure)."""
+
+    def __init__(self, model):
+        self.state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        self.on, self.block, self.seen, self.bytes = False, None, set(), {}
+        for i, block in enumerate(mod for mod in model.modules() if type(mod).__name__ == "Block"):
+            block.register_forward_pre_hook(lambda mod, args, i=i: self._enter(i))
+            block.register_forward_hook(lambda mod, args, out: setattr(self, "block", None))
+
+    def _enter(self, i):
+        self.block = i if self.on and i not in self.bytes else None
+        if self.block is not None:
+            self.bytes[i] = 0
+
+    def pack(self, t):
+        key = t.untyped_storage().data_ptr()
+        if self.block is not None and key not in self.seen and key not in self.state:
+            self.seen.add(key)
+            self.bytes[self.block] += t.untyped_storage().nbytes()
+        return t
+
+
 def _train(names):
-    """Per layout on this rank: (Psi, model-state bytes, {(axis, op, bytes, dtype): calls}) of step 2."""
+    """Per layout on this rank: (Psi, model-state bytes, {(axis, op, bytes, dtype): calls}, {block: saved
+    bytes}) of step 2."""
     out = []
     for name in names:
         tp, pp, cp, stage, dtype, policy = LAYOUTS[name]
@@ -69,17 +100,20 @@ def _train(names):
             "train_batch_size": b * m, "train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
             "bf16": {"enabled": dtype == "bf16"}, "activation_checkpointing": {"policy": policy},
-            "parallel": {"tensor": tp, "pipeline": pp, "context": cp}})
+            "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": name.endswith("-sp")}})
+        saved = _BlockSaved(engine.model)
         for batch in synthetic_token_batches(num_batches=2, batch_size=b * m, seq_len=T, vocab_size=V, seed=1):
             engine.comm_ledger.clear()  # keep the second step's: no first-step shape headers
-            engine.train_batch(batch)
+            with saved_tensors_hooks(saved.pack, lambda t: t):
+                engine.train_batch(batch)
+            saved.on = True
         groups = axis_groups(engine.mesh.layout, torch.distributed.get_rank())
         rows: dict = {}
         for row in engine.comm_ledger.rows:
             key = (axis_of(row.ranks, groups), row.op, row.bytes, row.dtype)
             rows[key] = rows.get(key, 0) + 1
         report = engine.memory_report(when="before_step").as_dict()
-        out.append((psi, {k: report[k] for k in ("parameters", "gradients", "master_weights")}, rows))
+        out.append((psi, {k: report[k] for k in ("parameters", "gradients", "master_weights")}, rows, saved.bytes))
     return out
 
 
@@ -103,7 +137,7 @@ def _check_tp(name: str):
     act, tok = b * T * C * 4, b * T * 4  # one (b, T, C) float32 activation; one float32 number per token
     ring = 2 * (tp - 1) / tp  # an all-reduce's ring factor: bytes each rank sends per byte of tensor
     want = calculator(name)["comm"]["tp"]
-    for rank, (psi, _, rows) in enumerate(measured(DEFAULT if name in DEFAULT else (name,))[name]):
+    for rank, (psi, _, rows, _) in enumerate(measured(DEFAULT if name in DEFAULT else (name,))[name]):
         calls, size = _sent(rows, "tp", "all_reduce", act)
         # the calculator counts the blocks' all-reduces; the engine adds per micro-batch the embedding's
         # output all-reduce (forward) and the head's input one (backward): 2 m more of the same size
@@ -129,7 +163,7 @@ def test_calculator_tp_parameters_per_rank_are_the_shard_less_replicated_norms()
     """Psi / tp: each rank holds 1/tp of every matrix (V, heads, K/V heads divide by 3: no padding,
     no copies) and the norms whole; the calculator counts the norms once over the group."""
     want = calculator("tp3")["device"]
-    for rank, (psi, memory, _) in enumerate(measured(DEFAULT)["tp3"]):
+    for rank, (psi, memory, _, _) in enumerate(measured(DEFAULT)["tp3"]):
         assert memory["parameters"] == 4 * ((psi - NORMS) // 3 + NORMS), rank
         assert memory["parameters"] - 4 * NORMS * 2 // 3 == want["parameters"] == 4 * psi / 3, rank
         assert memory["gradients"] - 4 * NORMS * 2 // 3 == want["gradients"], rank
@@ -145,7 +179,7 @@ def test_calculator_pp_comm_is_the_busiest_stages_sends(name):
     act, pp = b * T * C * 4, LAYOUTS[name][1]
     want = calculator(name)["comm"]["pp"]
     per_rank = measured(DEFAULT if name in DEFAULT else (name,))[name]
-    sends = [_sent(rows, "pp", "isend", act + 4) for _, _, rows in per_rank]
+    sends = [_sent(rows, "pp", "isend", act + 4) for _, _, rows, _ in per_rank]
     assert [calls for calls, _ in sends] == [m] + [2 * m] * (pp - 2) + [m]
     assert max(size - 4 * calls for calls, size in sends) == want == min(pp - 1, 2) * act * m
     for rank in (0, pp - 1):  # the tied table's gradient, V x C float32: left out (the calculator counts no embedding)
@@ -158,7 +192,7 @@ def test_calculator_pp_parameters_per_rank_are_the_mean_stage():
     want = calculator("pp3")["device"]["parameters"]
     per_rank = measured(DEFAULT)["pp3"]
     psi = per_rank[0][0]
-    held = [memory["parameters"] for _, memory, _ in per_rank]
+    held = [memory["parameters"] for _, memory, _, _ in per_rank]
     assert sum(held) - 4 * V * C == 4 * psi and (sum(held) - 4 * V * C) / 3 == want, held
 
 
@@ -169,7 +203,7 @@ def test_calculator_cp_comm_equals_the_ring_sends():
     to count dK/dV at p: 2 bytes short per element under bf16)."""
     kv = 2 * b * (T // 3) * KV * (C // H)  # one packed K and V block: elements
     want = calculator("cp3")["comm"]["cp"]
-    for rank, (_, _, rows) in enumerate(measured(DEFAULT)["cp3"]):
+    for rank, (_, _, rows, _) in enumerate(measured(DEFAULT)["cp3"]):
         sends = {(size, dtype): n for (axis, op, size, dtype), n in rows.items() if axis == "cp" and op == "isend"}
         assert sends == {(2 * kv, "bfloat16"): 3 * 2 * L * m, (4 * kv, "float32"): 2 * L * m}, (rank, sends)
         assert sum(size * n for (size, _), n in sends.items()) == want, rank
@@ -180,7 +214,7 @@ def test_calculator_cp_zero_shards_over_dp_times_cp():
     the gradients (bf16) and masters (fp32); its reduce-scatter per micro-batch and one all-gather
     per step on the cp axis are the calculator's dp traffic."""
     out = calculator("cp3")
-    for rank, (psi, memory, rows) in enumerate(measured(DEFAULT)["cp3"]):
+    for rank, (psi, memory, rows, _) in enumerate(measured(DEFAULT)["cp3"]):
         assert memory == {"parameters": 2 * psi, "gradients": 2 * psi // 3, "master_weights": 4 * psi // 3}
         assert {k: out["device"][k] for k in memory} == memory, rank
         zero = [_sent(rows, "cp", op, 2 * psi) for op in ("reduce_scatter", "all_gather")]
@@ -188,5 +222,20 @@ def test_calculator_cp_zero_shards_over_dp_times_cp():
         assert sum(size for _, size in zero) * 2 / 3 == out["comm"]["dp"], rank  # ring: (n - 1) / n each
 
 
+@pytest.mark.parametrize("name", ["tp3-sp", "cp3-none"])
+def test_calculator_tp_cp_activations_per_block_equal_the_saved_tensors(name):
+    """Per block and micro-batch, what a rank saves for backward: cp splits all of our block's
+    tensors over the tokens; tp with sequence parallelism splits all but the two norms' outputs,
+    which the column-parallel layers save as they are all-gathered, whole (Megatron gathers them
+    again in backward instead): (A + (tp - 1) 2 s b h p) / (tp cp). Without pp and checkpointing
+    the calculator's activations are L such blocks."""
+    per_block = calculator(name)["device"]["activations"] / L
+    for rank, (*_, saved) in enumerate(measured(DEFAULT)[name]):
+        assert [saved[i] for i in range(1, L)] == [per_block] * (L - 1), (name, rank, saved, per_block)
+        # the first block: equal under tp; under cp rank 0's saves 128 bytes more (a one-off, not
+        # per block; what it is was not identified), so only a bound there
+        assert per_block <= saved[0] <= per_block + (128 if name.startswith("cp") else 0), (name, rank, saved)
+
+
 def test_calculator_planned_names_only_the_unmeasured_parts():
-    assert PLANNED == ("activations",)
+    assert PLANNED == ("pp",)

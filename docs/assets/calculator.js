@@ -153,7 +153,8 @@
     const states = modelStateBytes(nParams / (tp * pp), dp * cp, x.zero_stage, x.offload, x.offload_params, nb);
     const policy = x.checkpointing, p = DTYPE_BYTES[x.dtype];
     const gathered = 2 * s * b * c.d_model * p;  // the norms' outputs: saved all-gathered, whole on each tp rank
-    const kept = blockSavedBytes(c, b, s, p, policy) + (tp - 1) * (["none", "selective"].includes(policy) ? gathered : 0);
+    const splitNorms = ["none", "selective"].includes(policy);  // the policies that save the norms' outputs
+    const kept = blockSavedBytes(c, b, s, p, policy) + (tp - 1) * (splitNorms ? gathered : 0);
     const full = blockSavedBytes(c, b, s, p, "none") + (tp - 1) * gathered;
     const layers = Math.ceil(c.n_layer / pp);
     const inFlight = pp === 1 ? 1 : Math.min(pp, m);

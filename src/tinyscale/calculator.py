@@ -10,7 +10,8 @@ formulas, composed here as `tinyscale estimate` composes them:
     dp comm        tinyscale.zero.estimate.comm_bytes_per_rank (ring collectives, section 7)
 
 Tensor, pipeline and context parallelism (lessons 07-09): the standard formulas, each checked
-against the engine one axis at a time (tp 3, pp 3, cp 3 on a small GPT: `pytest tests/memory/test_calculator_measured.py`)
+against the engine one axis at a time (tp 3, pp 3, cp 3 on a small GPT:
+`pytest tests/memory/test_calculator_measured.py`)
 except the activations' growth with pp (its layers and in-flight micro-batches), formula only (`PLANNED`):
     parameters per rank    Psi / (tp pp)            Megatron-LM: each rank holds 1/tp of every
                                                     matrix of its pp stage. Measured: the mean over
@@ -23,7 +24,7 @@ except the activations' growth with pp (its layers and in-flight micro-batches),
         every activation over tp (Korthikanti et al. 2022, section 4.2.2) but the two norms'
         outputs, which the column-parallel layers save all-gathered (policies none, selective;
         measured: a block's saved tensors under tp 3 + SP; before, A / tp left them out);
-        cp splits the tokens (measured, cp 3); in-flight micro-batches
+        cp splits the tokens (measured, cp 3, under --thorough); in-flight micro-batches
         are 1 without pp, min(pp, m) on 1F1B's first stage. Backward of one block brings its
         full activations back (recomputed or fetched from the host): + (A'_none - A') / (tp cp).
     tp comm   per block, per micro-batch: 4 all-reduces of (s/cp) b h elements (6 when "full"
@@ -128,7 +129,8 @@ def estimate(inputs: dict) -> dict:
                                offload_params=x["offload_params"], **per_element)
     dtype, policy, p = DTYPES[x["dtype"]], x["checkpointing"], 2 if x["dtype"] != "fp32" else 4
     gathered = 2 * s * b * cfg.d_model * p  # the norms' outputs: saved all-gathered, whole on each tp rank
-    kept = block_saved_bytes(cfg, b, s, dtype, policy) + (tp - 1) * (gathered if policy in ("none", "selective") else 0)
+    split_norms = policy in ("none", "selective")  # the policies that save the norms' outputs
+    kept = block_saved_bytes(cfg, b, s, dtype, policy) + (tp - 1) * (gathered if split_norms else 0)
     full = block_saved_bytes(cfg, b, s, dtype, "none") + (tp - 1) * gathered
     layers = math.ceil(cfg.n_layer / pp)
     in_flight = 1 if pp == 1 else min(pp, m)

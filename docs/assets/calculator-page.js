@@ -16,13 +16,14 @@
     ["activations", "activations", "#8e24aa"],
   ];
   const PLACES = [["device", "GPU"], ["host", "host (CPU) memory"], ["disk", "disk (NVMe)"]];
-  const COMM = [  // [key, what, planned]
-    ["dp", "data parallel / ZeRO over dp × cp ranks (ring collectives)", false],
-    ["tp", "tensor parallel: 4 all-reduces per layer per micro-batch (6 with full recompute)", true],
-    ["pp", "pipeline parallel: activations forward, gradients back", true],
-    ["cp", "context parallel: ring attention's K, V (and dK, dV) hops", true],
+  const COMM = [  // [key, what]: each checked against the engine's ledger (tests/memory/test_calculator_measured.py)
+    ["dp", "data parallel / ZeRO over dp × cp ranks (ring collectives)"],
+    ["tp", "tensor parallel: 4 all-reduces per block per micro-batch (6 with full recompute); " +
+      "the embedding's, the head's and the loss's not counted"],
+    ["pp", "pipeline parallel: the busiest stage's activations forward and gradients back"],
+    ["cp", "context parallel: ring attention's K, V hops (dK, dV in fp32)"],
   ];
-  const PLANNED = "formula only, not checked against a measurement yet";
+  const PLANNED = "formula only, not checked against a measurement yet";  // calculator.PLANNED: pp's activations
 
   function readInputs() {
     const inputs = {};
@@ -75,7 +76,7 @@
     }
   }
 
-  function commTable(out, x) {
+  function commTable(out) {
     const table = document.getElementById("calc-comm");
     table.innerHTML = "";
     const head = table.createTHead().insertRow();
@@ -83,17 +84,11 @@
       head.appendChild(document.createElement("th")).textContent = text;
     }
     const body = table.createTBody();
-    for (const [key, what, planned] of [...COMM, ["total", "", false]]) {
+    for (const [key, what] of [...COMM, ["total", ""]]) {
       const row = body.insertRow();
       row.insertCell().textContent = key;
       cell(row, out.comm[key], `comm.${key}`);
-      const note = row.insertCell();
-      note.textContent = what;
-      if (planned && x[key] > 1) {
-        const tag = note.appendChild(document.createElement("em"));
-        tag.className = "calc-planned";
-        tag.textContent = ` (${PLANNED})`;
-      }
+      row.insertCell().textContent = what;
     }
   }
 
@@ -176,10 +171,10 @@
     params.textContent = `Ψ = ${out.num_params.toLocaleString("en")} parameters; ` +
       `${Math.round(out.params_per_rank).toLocaleString("en")} per rank (Ψ / (tp · pp)), ` +
       `ZeRO shards over N_d = dp · cp = ${x.dp * x.cp} ranks.`;
-    const planned = ["tp", "pp", "cp"].filter((k) => x[k] > 1);
     const note = document.getElementById("calc-planned-note");
-    note.hidden = planned.length === 0;
-    note.textContent = `${planned.join(", ")} > 1: the parts they change are ${PLANNED}.`;
+    note.hidden = !(x.pp > 1);
+    note.textContent = `pp > 1: the activations' pp factors (⌈L / pp⌉ layers, min(pp, m) micro-batches ` +
+      `in flight on 1F1B's first stage) are ${PLANNED}.`;
     const capacity = Number(document.getElementById("calc-capacity").value) || 0;
     const fits = document.getElementById("calc-fits");
     fits.textContent = capacity > 0 ? (out.device.total <= capacity * 1e9
@@ -187,7 +182,7 @@
       : `Does not fit in ${capacity} GB.`) : "";
     memoryTable(out);
     stackedBars(out, capacity);
-    commTable(out, x);
+    commTable(out);
   }
 
   form.addEventListener("input", render);

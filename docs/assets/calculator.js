@@ -23,6 +23,7 @@
                         "tie_embeddings", "dropout", "attn_impl"];
   const DTYPE_BYTES = {bf16: 2, fp16: 2, fp32: 4};
   const STATES_PER_PARAM = {adamw: 2, sgd_momentum: 1, sgd: 0};  // momentum, variance
+  const DKV_BYTES = 4;  // ring attention passes its dK/dV accumulators in at least float32 (context_parallel/ring.py)
   const POLICIES = ["none", "full", "selective", "offload"];
   const OFFLOAD_TARGETS = ["none", "cpu", "nvme"];
   const WHERE = {none: "device", cpu: "host", nvme: "disk"};
@@ -151,8 +152,10 @@
     const nb = bytesPerElement(x.dtype, x.optimizer);
     const states = modelStateBytes(nParams / (tp * pp), dp * cp, x.zero_stage, x.offload, x.offload_params, nb);
     const policy = x.checkpointing, p = DTYPE_BYTES[x.dtype];
-    const kept = blockSavedBytes(c, b, s, p, policy);
-    const full = blockSavedBytes(c, b, s, p, "none");
+    const gathered = 2 * s * b * c.d_model * p;  // the norms' outputs: saved all-gathered, whole on each tp rank
+    const splitNorms = ["none", "selective"].includes(policy);  // the policies that save the norms' outputs
+    const kept = blockSavedBytes(c, b, s, p, policy) + (tp - 1) * (splitNorms ? gathered : 0);
+    const full = blockSavedBytes(c, b, s, p, "none") + (tp - 1) * gathered;
     const layers = Math.ceil(c.n_layer / pp);
     const inFlight = pp === 1 ? 1 : Math.min(pp, m);
     const activations = (layers * inFlight * kept + (full - kept)) / (tp * cp);
@@ -167,8 +170,8 @@
     const comm = {
       dp: commBytesPerRank(nParams / (tp * pp), x.zero_stage, dp * cp, nb.grad_bytes, m),
       tp: (recompute ? 6 : 4) * 2 * (tp - 1) / tp * tokens * c.d_model * p * layers * m,
-      pp: pp === 1 ? 0.0 : 2 * tokens * c.d_model * p * m,
-      cp: (recompute ? 8 : 6) * (cp - 1) * tokens * c.kv_dim / tp * p * layers * m,
+      pp: pp === 1 ? 0.0 : Math.min(pp - 1, 2) * tokens * c.d_model * p * m,
+      cp: ((recompute ? 6 : 4) * p + 2 * DKV_BYTES) * (cp - 1) * tokens * c.kv_dim / tp * layers * m,
     };
     comm.total = add(Object.values(comm));
     out.comm = comm;

@@ -9,24 +9,34 @@ formulas, composed here as `tinyscale estimate` composes them:
     activations    tinyscale.checkpointing.formula.block_saved_bytes (our block, per policy)
     dp comm        tinyscale.zero.estimate.comm_bytes_per_rank (ring collectives, section 7)
 
-Tensor, pipeline and context parallelism are built (lessons 07-09), but the calculator's parts
-for them are the standard formulas, not yet checked against those topics' measurements
-(formula only; `PLANNED` names them):
+Tensor, pipeline and context parallelism (lessons 07-09): the standard formulas, each checked
+against the engine one axis at a time (tp 3, pp 3, cp 3 on a small GPT:
+`pytest tests/memory/test_calculator_measured.py`)
+except the activations' growth with pp (its layers and in-flight micro-batches), formula only (`PLANNED`):
     parameters per rank    Psi / (tp pp)            Megatron-LM: each rank holds 1/tp of every
-                                                    matrix of its pp stage (norms, embedding: even)
+                                                    matrix of its pp stage. Measured: the mean over
+                                                    the model-parallel ranks, counting the replicated
+                                                    norms and the tied table's copy once
     ZeRO's N_d             dp cp                    cp ranks hold the same parameters, so ZeRO
-                                                    shards over them too (Megatron, DeepSpeed-Ulysses)
-    activations            ceil(L/pp) x in-flight x A / (tp cp)
-        A = block_saved_bytes(b, s, policy); sequence parallel splits every activation over tp
-        (Korthikanti et al. 2022, section 4.2.2), cp splits the tokens; in-flight micro-batches
+                                                    shards over them too (measured: cp 3, ZeRO 2)
+    activations            ceil(L/pp) x in-flight x A' / (tp cp)   (pp's factors: formula only)
+        A' = block_saved_bytes(b, s, policy) + (tp-1) 2 s b h p: sequence parallelism splits
+        every activation over tp (Korthikanti et al. 2022, section 4.2.2) but the two norms'
+        outputs, which the column-parallel layers save all-gathered (policies none, selective;
+        measured: a block's saved tensors under tp 3 + SP; before, A / tp left them out);
+        cp splits the tokens (measured, cp 3, under --thorough); in-flight micro-batches
         are 1 without pp, min(pp, m) on 1F1B's first stage. Backward of one block brings its
-        full activations back (recomputed or fetched from the host): + (A_none - A) / (tp cp).
-    tp comm   per layer, per micro-batch: 4 all-reduces of (s/cp) b h elements (6 when "full"
-              recomputes the forward), ring: 2 (tp-1)/tp of that each, at activation bytes
-    pp comm   per micro-batch: one activation sent forward, one gradient back: 2 (s/cp) b h p
+        full activations back (recomputed or fetched from the host): + (A'_none - A') / (tp cp).
+    tp comm   per block, per micro-batch: 4 all-reduces of (s/cp) b h elements (6 when "full"
+              recomputes the forward), ring: 2 (tp-1)/tp of that each, at activation bytes.
+              The engine adds 2 per micro-batch (the embedding's output, the head's input) and
+              the vocab-parallel loss's 3 numbers per token: not counted
+    pp comm   the busiest stage, per micro-batch: one activation sent forward and one gradient
+              back from a middle stage, one of them from an end stage: min(pp-1, 2) (s/cp) b h p
+              (not counted: a status element per message, the tied table's gradient)
     cp comm   ring attention, per layer, per micro-batch: K and V chunks passed cp-1 times
-              forward, K, V, dK, dV backward (and K, V again when "full" recomputes):
-              (2 + 4 [+ 2]) (cp-1) (s/cp) b (kv/tp) p
+              forward and backward (and again when "full" recomputes), at p; dK, dV passed cp-1
+              times in float32 (DKV_BYTES): ((4 [+ 2]) p + 2 x 4) (cp-1) (s/cp) b (kv/tp)
 Not counted: the embedding, final norm, logits and loss activations, temporary buffers
 (gradient buckets, stage 3's gathered parameters), allocator fragmentation.
 
@@ -34,7 +44,7 @@ Exact model states per rank, for the layouts the engine runs: not this calculato
 and Psi/N_d (averages), but `tinyscale.engine.layout_memory.rank_model_state_bytes` (the real
 stages, replicated norms, vocab padding, K/V copies, the tied table's copy, ZeRO's padded units,
 Adam's step counters), which equals `engine.memory_report` byte for byte in every layout of the
-layout matrix (`pytest -k layout_memory`). It is not ported to calculator.js, so `PLANNED` stays.
+layout matrix (`pytest -k layout_memory`). It is not ported to calculator.js.
 
 From a shell, with the page's inputs as flags (JSON out, bytes):
     python -m tinyscale.calculator --model llama-1b --dp 8 --tp 2 --zero-stage 3 --checkpointing full
@@ -57,7 +67,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OPTIMIZERS = ("adamw", "sgd_momentum", "sgd")
 POLICIES = ("none", "full", "selective", "offload")
 STATES_PER_PARAM = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}  # momentum, variance
-PLANNED = ("tp", "pp", "cp")  # formula only: not yet checked against the topics' measurements
+DKV_BYTES = 4  # ring attention passes its dK/dV accumulators in at least float32 (context_parallel/ring.py)
+PLANNED = ("pp",)  # the activations' pp factors (ceil(L/pp) layers, min(pp, m) in flight): formula only
 SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "ffn_hidden", "tie_embeddings",
                 "dropout", "attn_impl")
 DEFAULTS = dict(model="gpt2-124m", dtype="bf16", optimizer="adamw", dp=8, tp=1, pp=1, cp=1,
@@ -117,8 +128,10 @@ def estimate(inputs: dict) -> dict:
     states = model_state_bytes(num_params / (tp * pp), dp * cp, x["zero_stage"], offload=x["offload"],
                                offload_params=x["offload_params"], **per_element)
     dtype, policy, p = DTYPES[x["dtype"]], x["checkpointing"], 2 if x["dtype"] != "fp32" else 4
-    kept = block_saved_bytes(cfg, b, s, dtype, policy)
-    full = block_saved_bytes(cfg, b, s, dtype, "none")
+    gathered = 2 * s * b * cfg.d_model * p  # the norms' outputs: saved all-gathered, whole on each tp rank
+    split_norms = policy in ("none", "selective")  # the policies that save the norms' outputs
+    kept = block_saved_bytes(cfg, b, s, dtype, policy) + (tp - 1) * (gathered if split_norms else 0)
+    full = block_saved_bytes(cfg, b, s, dtype, "none") + (tp - 1) * gathered
     layers = math.ceil(cfg.n_layer / pp)
     in_flight = 1 if pp == 1 else min(pp, m)
     activations = (layers * in_flight * kept + (full - kept)) / (tp * cp)
@@ -135,8 +148,8 @@ def estimate(inputs: dict) -> dict:
         "dp": comm_bytes_per_rank(num_params / (tp * pp), x["zero_stage"], dp * cp,
                                   per_element["grad_bytes"], num_microbatches=m),
         "tp": (6 if recompute else 4) * 2 * (tp - 1) / tp * tokens * cfg.d_model * p * layers * m,
-        "pp": 0.0 if pp == 1 else 2 * tokens * cfg.d_model * p * m,
-        "cp": (8 if recompute else 6) * (cp - 1) * tokens * cfg.kv_dim / tp * p * layers * m,
+        "pp": 0.0 if pp == 1 else min(pp - 1, 2) * tokens * cfg.d_model * p * m,
+        "cp": ((6 if recompute else 4) * p + 2 * DKV_BYTES) * (cp - 1) * tokens * cfg.kv_dim / tp * layers * m,
     }
     comm["total"] = _add(comm.values())
     return {"num_params": num_params, "params_per_rank": num_params / (tp * pp), **places, "comm": comm}

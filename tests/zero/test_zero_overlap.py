@@ -101,6 +101,16 @@ def _train(stage: int, overlap: bool, fail_micro: int, overlap_param_gather: boo
     return state_dict_cpu(model), launched_mid_backward, skipped, len(zero.sharded.units)
 
 
+def one_process_step(model, params, opt, x, y, rows, world: int, accum: int, clip: float) -> None:
+    """One step of the one-process truth: every rank's micro-batches (`rows(rank, micro)`), averaged."""
+    for rank in range(world):
+        for micro in range(accum):
+            (model(x[rows(rank, micro)], y[rows(rank, micro)]) / (accum * world)).backward()
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _one_process():
     model = UnusedMLP(seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -108,12 +118,7 @@ def _one_process():
     for step, (x, y) in enumerate(_batches()):
         if step == OVERFLOW_STEP:
             continue  # skipped on every rank
-        for rank in range(WORLD):
-            for micro in range(ACCUM):
-                (model(x[_rows(rank, micro)], y[_rows(rank, micro)]) / (ACCUM * WORLD)).backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        one_process_step(model, params, opt, x, y, _rows, WORLD, ACCUM, CLIP)
     return state_dict_cpu(model)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tests.zero.test_unused import UnusedMLP
+from tests.zero.test_zero_overlap import one_process_step
 from tinyscale.testing import assert_state_dicts_close, run_on_ranks, state_dict_cpu
 
 WORLD, MICRO, ACCUM, STEPS = 3, 2, 2, 5
@@ -95,12 +96,7 @@ def _one_process():
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=DECAY)
     batches, states, losses = _batches(), [], []
     for step, (x, y) in enumerate(batches[:STEPS]):
-        for rank in range(WORLD):
-            for micro in range(ACCUM):
-                (model(x[_rows(rank, micro)], y[_rows(rank, micro)]) / (ACCUM * WORLD)).backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        one_process_step(model, params, opt, x, y, _rows, WORLD, ACCUM, CLIP)
         states.append(state_dict_cpu(model))
         with torch.no_grad():
             losses.append(model(*batches[STEPS]).item() if step == 1 else None)

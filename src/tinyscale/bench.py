@@ -136,6 +136,7 @@ def merge(out: str, inputs: Sequence[str]) -> dict:
 # (after their own warm-up; the step counts are in each run's record). At load 10 to 39 on
 # the 2 cores, 3 runs with more steps (pipeline 4, DDP and ZeRO 8, DeepSpeed 6) took 25 minutes
 # (2026-11-26), DeepSpeed the largest and most variable part (81 to 310 s a run).
+# With these entries 3 idle runs took 666 s (2026-11-27, zero.py at its 50 rounds).
 REPEAT: dict[str, tuple[list[str], tuple[str, ...]]] = {
     # pipeline: its default 80 rounds (3 steps could not resolve a 5 % difference; about 45 s idle)
     "pipeline": ([], ("pp_1f1b_vs_torch", "pp_afab_vs_torch", "pp_1f1b_bubble_gap_points")),

@@ -193,7 +193,7 @@ def test_compression_user_residual_of_a_parameter_no_rank_used_waits():
 def _powersgd_error_while_unused():
     model = UserModel()
     engine = ts.initialize(model, _config({**LOSSY["powersgd"], "rank": 1}))  # rank 1 < 2: lossy for `unused`
-    b, i = engine.ddp._where[model.unused]
+    b, i = engine.ddp.bucket_of(model.unused)
     start = engine.ddp.buckets[b].offsets[i]
     kept = []
     for step, batch in enumerate(_batches(5)):

@@ -233,7 +233,8 @@ def _recorded_topk(_):
     for batch in batches("dp2-tp2"):
         engine.train_batch(batch)
     owners = compression.replica_owners(engine.model, engine.model.tp_group)
-    where = {n: engine.ddp._where[q] for n, q in engine.model.named_parameters() if q in engine.ddp._where}
+    where = {n: engine.ddp.bucket_of(q) for n, q in engine.model.named_parameters()
+             if engine.ddp.bucket_of(q) is not None}
     slots = {n: (b, engine.ddp.buckets[b].offsets[i], q.numel()) for n, q in engine.model.named_parameters()
              if n in where for b, i in [where[n]]}
     replicated = {n: owners[id(q)] for n, q in engine.model.named_parameters() if id(q) in owners}

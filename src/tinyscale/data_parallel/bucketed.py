@@ -187,6 +187,11 @@ class BucketedDDP(DataParallelBase):
         self._abandon_backward()
 
     # --8<-- [start:grad_ready]
+    def bucket_of(self, param: torch.Tensor) -> tuple[int, int] | None:
+        """(bucket index, slot in that bucket) of `param`'s gradient; None if no bucket holds it."""
+        hit = self._slot_of.get(id(param))
+        return None if hit is None else (hit[1], hit[2])
+
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Runs for every parameter every step, in Python where torch's reducer is C++, between
         # autograd's kernels (cold caches): so no helper calls, no decorator, no tensor-keyed dict

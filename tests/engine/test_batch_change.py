@@ -225,6 +225,7 @@ def test_batch_change_deepspeed_loop_equals_train_batch_across_the_change():
         assert torch.equal(v, ds.engine.full_state_dict()[k]), k
 
 
+@pytest.mark.thorough  # 44 s in the default suite (two DeepSpeed processes); the float64 tests above stay
 def test_batch_change_deepspeed_agreement_losses_follow_deepspeeds_across_the_change():
     """DeepSpeed 0.19.8 itself (its own process, DS_ACCELERATOR=cpu, gloo, 2 ranks, float32):
     set_train_batch_size on both engines before steps 2 and 4 (8 -> 16 -> 8 rows, accumulation

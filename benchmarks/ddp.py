@@ -45,7 +45,8 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from tinyscale.bench import add_json_argument, ratio_interval, round_robin, slowest, summary, write_json
+from tinyscale.bench import (add_json_argument, interval_verdict, ratio_interval, round_robin, slowest, summary,
+                             write_json)
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.data_parallel import BucketedDDP, NaiveDDP
 from tinyscale.dist import comm
@@ -141,8 +142,7 @@ def main() -> None:
             table.add_row(name, v["s"].ms(), f"{v['s'].median / torch_s:.2f}x", calls, f"{v['bytes']:,}")
         console.print(table)
         low, high = intervals[key]
-        verdict = ("this run cannot tell them apart" if low <= 1 <= high else
-                   "BucketedDDP faster" if high < 1 else "BucketedDDP slower")
+        verdict = interval_verdict(low, high, "BucketedDDP")
         each, each_low, each_high = intervals[key + "_per_round"]
         console.print(f"BucketedDDP / torch DDP: {ratios[key]:.3f}x, 95% interval {low:.3f} .. {high:.3f} "
                       f"(bootstrap over {args.steps} paired rounds): {verdict}; the median of each round's "

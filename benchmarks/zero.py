@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from tinyscale.bench import add_json_argument, ratio_interval, round_robin, slowest, write_json
+from tinyscale.bench import add_json_argument, interval_verdict, ratio_interval, round_robin, slowest, write_json
 from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.dist import comm
 from tinyscale.models import GPT, GPTConfig
@@ -211,7 +211,7 @@ def main() -> None:
         each = statistics.median([x / y for x, y in zip(a, b)])
         each_low, each_high = ratio_interval(a, b, per_round=True)
         intervals[key + "_per_round"] = (each, each_low, each_high)
-        verdict = "cannot tell them apart" if low <= 1 <= high else "ours faster" if high < 1 else "ours slower"
+        verdict = interval_verdict(low, high)
         console.print(f"{key}: {ratios[key]:.3f}x, 95% interval {low:.3f} .. {high:.3f} (bootstrap over "
                       f"{args.steps} paired rounds): {verdict}; the median of each round's ratio {each:.3f}x "
                       f"({each_low:.3f} .. {each_high:.3f})")

@@ -9,7 +9,7 @@
 - `slowest(per_rank)`: step by step, the slowest rank's time (a step ends when all do).
 - `summary(times)`: median, fastest and slowest step: the median is the figure, min .. max
   its spread.
-- `ratio_interval(ours, base)`: a 95% bootstrap interval for the ratio of two variants'
+- `ratio_interval(ours, base)` (and `interval_verdict`): a 95% bootstrap interval for the ratio of two variants'
   medians, over the rounds both were timed in.
 - `write_json(path, ratios)`: the benchmark's ratios under the keys `make bench` merges into
   runs/bench.json, with the machine and its load when measured (`uptime`'s load averages:
@@ -94,6 +94,11 @@ def ratio_interval(ours: Sequence[float], base: Sequence[float], level: float = 
                       statistics.median([ours[i] for i in rounds]) / statistics.median([base[i] for i in rounds]))
     ratios.sort()
     return ratios[int((1 - level) / 2 * resamples)], ratios[min(resamples - 1, int((1 + level) / 2 * resamples))]
+
+
+def interval_verdict(low: float, high: float, ours: str = "ours") -> str:
+    """What an interval of ours / base says: apart only when it does not hold 1.0."""
+    return "this run cannot tell them apart" if low <= 1 <= high else f"{ours} faster" if high < 1 else f"{ours} slower"
 
 
 def machine() -> dict:

@@ -126,6 +126,26 @@ def _fwd(x_ptr, bias_ptr, res_ptr, w_ptr, b_ptr, rows_ptr, pos_ptr, y_ptr, h_ptr
 
 
 @jit
+def _bwd_one_row(h_ptr, w, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dres_ptr, dx_ptr, key, threshold,
+                 scale, row, T, N, cols, mask, DROPOUT: tl.constexpr):
+    """One row's dres and dx, stored; returns (dy, x_hat) for the weight's and bias's sums."""
+    offs = tl.cast(row, tl.int64) * N + cols  # (a plain int under the interpreter)
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    x_hat = tl.where(mask, (h - tl.load(mean_ptr + row)) * rstd, 0.0)  # recomputed, not stored
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = dy * w
+    # LayerNorm's backward, plus the gradient that reaches h along the residual stream
+    dh = rstd * (g - tl.sum(g, axis=0) / N - x_hat * (tl.sum(g * x_hat, axis=0) / N))
+    dh += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dres_ptr + offs, dh.to(dres_ptr.dtype.element_ty), mask=mask)
+    if DROPOUT:  # the same mask, redrawn from the counter
+        dh = tl.where(_keep(key, threshold, rows_ptr, pos_ptr, row, T, cols), dh * scale, 0.0)
+    tl.store(dx_ptr + offs, dh.to(dx_ptr.dtype.element_ty), mask=mask)
+    return dy, x_hat
+
+
+@jit
 def _bwd(h_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dres_ptr, dx_ptr, dw_part_ptr,
          db_part_ptr, key, threshold, scale, R, T, N, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
     pid, programs = tl.program_id(0), tl.num_programs(0)
@@ -135,19 +155,8 @@ def _bwd(h_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dr
     dw = tl.zeros((BLOCK,), dtype=tl.float32)  # this program's share of the weight's and bias's gradients,
     db = tl.zeros((BLOCK,), dtype=tl.float32)  # summed over its rows in registers: one (C,) partial each
     for row in range(pid, R, programs):
-        offs = tl.cast(row, tl.int64) * N + cols  # (a plain int under the interpreter)
-        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        x_hat = tl.where(mask, (h - tl.load(mean_ptr + row)) * rstd, 0.0)  # recomputed, not stored
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = dy * w
-        # LayerNorm's backward, plus the gradient that reaches h along the residual stream
-        dh = rstd * (g - tl.sum(g, axis=0) / N - x_hat * (tl.sum(g * x_hat, axis=0) / N))
-        dh += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dres_ptr + offs, dh.to(dres_ptr.dtype.element_ty), mask=mask)
-        if DROPOUT:  # the same mask, redrawn from the counter
-            dh = tl.where(_keep(key, threshold, rows_ptr, pos_ptr, row, T, cols), dh * scale, 0.0)
-        tl.store(dx_ptr + offs, dh.to(dx_ptr.dtype.element_ty), mask=mask)
+        dy, x_hat = _bwd_one_row(h_ptr, w, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dres_ptr, dx_ptr,
+                                 key, threshold, scale, row, T, N, cols, mask, DROPOUT)
         dw += dy * x_hat
         db += dy
     tl.store(dw_part_ptr + pid.to(tl.int64) * N + cols, dw, mask=mask)
@@ -158,21 +167,11 @@ def _bwd(h_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dr
 def _bwd_row(h_ptr, w_ptr, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dres_ptr, dx_ptr,
              key, threshold, scale, T, N, DROPOUT: tl.constexpr, BLOCK: tl.constexpr):
     """Two-pass backward, pass 1: one program per row (as the forward) for dres and dx only."""
-    row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    offs = row.to(tl.int64) * N + cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + row)
-    x_hat = tl.where(mask, (h - tl.load(mean_ptr + row)) * rstd, 0.0)
-    g = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32) * w
-    dh = rstd * (g - tl.sum(g, axis=0) / N - x_hat * (tl.sum(g * x_hat, axis=0) / N))
-    dh += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dres_ptr + offs, dh.to(dres_ptr.dtype.element_ty), mask=mask)
-    if DROPOUT:
-        dh = tl.where(_keep(key, threshold, rows_ptr, pos_ptr, row, T, cols), dh * scale, 0.0)
-    tl.store(dx_ptr + offs, dh.to(dx_ptr.dtype.element_ty), mask=mask)
+    _bwd_one_row(h_ptr, w, dy_ptr, dh_ptr, mean_ptr, rstd_ptr, rows_ptr, pos_ptr, dres_ptr, dx_ptr, key, threshold,
+                 scale, tl.program_id(0), T, N, cols, mask, DROPOUT)
 
 
 @jit

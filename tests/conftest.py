@@ -13,7 +13,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+from tinyscale.dist import procs
 from tinyscale.testing import close_pools
+
+# A pooled rank unpickles each test body by importing its test module, which imports pytest and
+# hypothesis: 0.4 s of CPU per rank process without this, and the suite starts rank processes
+# by the hundred (pools for 2, 3 and 4 ranks, each restarted after a test that fails a rank on
+# purpose, and every `launch`). Imported once in the forkserver instead, before any rank starts.
+procs.add_preload("pytest", "hypothesis")
 
 # This process's own work (float64 references, tiny models) gets one thread; rank processes set
 # theirs (cores / ranks, tinyscale.dist.runtime). On the shared 2 cores torch's default 2 threads

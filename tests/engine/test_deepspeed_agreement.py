@@ -1,8 +1,9 @@
 """tinyscale against DeepSpeed 0.19.8 itself: the same config, the same numbers.
 
 DeepSpeed runs in a process of its own (`tinyscale.testing.deepspeed_peer`), so importing it
-never touches this one. Each test sends DeepSpeed the whole batch of cases at once (one process
-start) and compares every value:
+never touches this one. Each test sends DeepSpeed the whole batch of cases at once and compares
+every value; the four one-process tasks share one DeepSpeed process (`_theirs`: each process
+spends ~4 s importing DeepSpeed):
 
 - learning-rate schedulers: 320 parameter sets, every step equal;
 - the fp16 loss scaler: 240 overflow scripts through DeepSpeed's ZeRO and stage-0 scalers;
@@ -17,6 +18,7 @@ The first run on a machine builds DeepSpeed's shared-memory op (minutes on a bus
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -27,6 +29,16 @@ from tinyscale.testing import deepspeed_peer
 
 pytestmark = pytest.mark.skipif(not deepspeed_peer.available(),
                                 reason="DeepSpeed is not installed: pip install -e '.[peers]' (make setup does)")
+
+
+@functools.cache
+def _theirs() -> dict:
+    """DeepSpeed's answers for the scheduler, scaler, growth-step and config tests, from one process."""
+    return deepspeed_peer.run_many({
+        "schedules": _schedule_cases(), "scalers": _scaler_cases(),
+        "configs": [{"config": c, "world_size": 2} for c in _config_cases().values()],
+        "fp16_growth": {"x": GROWTH_X, "steps": 3, "fp16": GROWTH_FP16, "stages": [0, 1]},  # last: it starts a group
+    }, timeout_s=900)
 
 
 # --- learning-rate schedulers -------------------------------------------------------------------
@@ -59,7 +71,7 @@ def _tinyscale_lrs(case: dict) -> list[float]:
 
 def test_deepspeed_agreement_schedulers_give_deepspeeds_lr_at_every_step():
     cases = _schedule_cases()
-    theirs = deepspeed_peer.run("schedules", cases)
+    theirs = _theirs()["schedules"]
     differ = []
     for case, ds in zip(cases, theirs):
         ours = _tinyscale_lrs(case)
@@ -112,7 +124,7 @@ def _tinyscale_scales(case: dict, **override) -> dict:
 
 def test_deepspeed_agreement_loss_scaler_follows_deepspeeds_zero_path_and_shows_stage0s_quirk():
     cases = _scaler_cases()
-    theirs = deepspeed_peer.run("scalers", cases)
+    theirs = _theirs()["scalers"]
     zero_differ = [i for i, (c, ds) in enumerate(zip(cases, theirs)) if _tinyscale_scales(c) != ds["zero"]]
     assert not zero_differ, f"{len(zero_differ)} of {len(cases)} differ from DeepSpeed's ZeRO scaler, e.g. " \
                             f"{cases[zero_differ[0]]} -> {theirs[zero_differ[0]]['zero']}"
@@ -128,6 +140,10 @@ def test_deepspeed_agreement_loss_scaler_follows_deepspeeds_zero_path_and_shows_
     assert quirk >= len(cases) // 2  # the two DeepSpeed paths really disagree, on most scripts
 
 
+GROWTH_X = [0.125, 0.25, 0.375, 0.5]  # |x| < 1 and exact in fp16: no clipping, no rounding
+GROWTH_FP16 = {"initial_scale_power": 4, "loss_scale_window": 1, "hysteresis": 1}
+
+
 def test_deepspeed_agreement_growth_step_unscales_with_the_scale_that_scaled_the_loss():
     """Which is right on a growth step: DeepSpeed updates the scale before it unscales, so the
     step that doubles S divides gradients made with S by 2S. SGD (lr 1) on w . x from w = 0:
@@ -138,9 +154,8 @@ def test_deepspeed_agreement_growth_step_unscales_with_the_scale_that_scaled_the
 
     from tinyscale.precision import DynamicLossScaler, MixedPrecisionOptimizer
 
-    x = [0.125, 0.25, 0.375, 0.5]  # |x| < 1 and exact in fp16: no clipping, no rounding
-    fp16 = {"initial_scale_power": 4, "loss_scale_window": 1, "hysteresis": 1}
-    theirs = deepspeed_peer.run("fp16_growth", {"x": x, "steps": 3, "fp16": fp16, "stages": [0, 1]}, timeout_s=900)
+    x, fp16 = GROWTH_X, GROWTH_FP16
+    theirs = _theirs()["fp16_growth"]
     w = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
     mp = MixedPrecisionOptimizer([w], lambda g: torch.optim.SGD(g, lr=1.0), dtype=torch.float16,
                                  loss_scaler=DynamicLossScaler(**fp16))
@@ -370,7 +385,7 @@ def test_deepspeed_agreement_configs_in_tests_are_accepted_or_refused_alike():
     from pathlib import Path
 
     cases = _config_cases()
-    theirs = deepspeed_peer.run("configs", [{"config": c, "world_size": 2} for c in cases.values()])
+    theirs = _theirs()["configs"]
     verdicts = {}
     for (name, config), ds in zip(cases.items(), theirs):
         ours, why = _tinyscale_accepts(config, 2)

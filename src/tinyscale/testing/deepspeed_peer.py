@@ -16,6 +16,9 @@ harness's pooled ranks). Tasks:
   gradient: the update of every step, at ZeRO stages 0 and 1.
 - ``configs``: whether DeepSpeed's own config parser accepts each config (and its message if not).
 - ``train``: DeepSpeed's engine on `world_size` gloo ranks training the GPT on given batches.
+
+`run_many({task: payload, ...})` runs several of the one-process tasks (all but ``train``) in one
+process, in the order given: each process spends ~4 s importing DeepSpeed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,14 @@ def run(task: str, payload, timeout_s: float = TIMEOUT_S):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_many(tasks: dict, timeout_s: float = TIMEOUT_S) -> dict:
+    """{task: answer} for {task: payload}, all computed in one DeepSpeed process, in order."""
+    if "train" in tasks or "many" in tasks:
+        raise ValueError("run_many: 'train' starts ranks of its own and 'many' nests; call run() for them")
+    answers = run("many", [[task, payload] for task, payload in tasks.items()], timeout_s=timeout_s)
+    return dict(zip(tasks, answers))
+
+
 # --- the tasks, run in the child process --------------------------------------------------------
 
 
@@ -73,37 +84,44 @@ def scalers(cases: list[dict]) -> list[dict]:
     (FP16_UnfusedOptimizer's ``_update_scale`` is the same code)."""
     from types import SimpleNamespace
 
-    import torch
     from deepspeed.runtime.fp16 import loss_scaler
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 
     # update_scale asks deepspeed.comm for the rank only to decide who logs; rank 0 here. (A
     # real process group would build DeepSpeed's shared-memory op, minutes on a busy machine.)
-    loss_scaler.dist = SimpleNamespace(get_rank=lambda: 0)
-    out = []
-    for case in cases:
-        args = DeepSpeedFP16Config(enabled=True, **case["fp16"]).dynamic_loss_scale_args()
-        zero = loss_scaler.CreateLossScaler(dtype=torch.float16, static_loss_scale=0, dynamic_scaling=True,
-                                            dynamic_loss_args=args)
-        stage0 = object.__new__(FP16_Optimizer)  # _update_scale reads only these two attributes
-        stage0.verbose = False
-        stage0.loss_scale_config = loss_scaler.LossScaleConfig(torch.float16, True, 0, args)
-        result = {}
-        for name, scale_of, update in (
-                ("zero", lambda: zero.cur_scale, zero.update_scale),
-                ("stage0", lambda: stage0.loss_scale_config.cur_scale, stage0._update_scale)):
-            scales, raised_at = [], None
-            for step, overflow in enumerate(case["overflows"]):
-                scales.append(float(scale_of()))  # the scale this step's loss is multiplied by
-                try:
-                    update(overflow)
-                except Exception:  # DeepSpeed raises a bare Exception at the minimum scale
-                    raised_at = step
-                    break
-            result[name] = {"scales": scales, "raised_at": raised_at}
-        out.append(result)
-    return out
+    # Put back afterwards: a later task in the same process (run_many) may use a real group.
+    real_dist, loss_scaler.dist = loss_scaler.dist, SimpleNamespace(get_rank=lambda: 0)
+    try:
+        return [_scale_both(case, loss_scaler, FP16_Optimizer, DeepSpeedFP16Config) for case in cases]
+    finally:
+        loss_scaler.dist = real_dist
+
+
+def _scale_both(case: dict, loss_scaler, FP16_Optimizer, DeepSpeedFP16Config) -> dict:
+    """One overflow script through both of DeepSpeed's scalers: the scale at each step, or where it raised."""
+    import torch
+
+    args = DeepSpeedFP16Config(enabled=True, **case["fp16"]).dynamic_loss_scale_args()
+    zero = loss_scaler.CreateLossScaler(dtype=torch.float16, static_loss_scale=0, dynamic_scaling=True,
+                                        dynamic_loss_args=args)
+    stage0 = object.__new__(FP16_Optimizer)  # _update_scale reads only these two attributes
+    stage0.verbose = False
+    stage0.loss_scale_config = loss_scaler.LossScaleConfig(torch.float16, True, 0, args)
+    result = {}
+    for name, scale_of, update in (
+            ("zero", lambda: zero.cur_scale, zero.update_scale),
+            ("stage0", lambda: stage0.loss_scale_config.cur_scale, stage0._update_scale)):
+        scales, raised_at = [], None
+        for step, overflow in enumerate(case["overflows"]):
+            scales.append(float(scale_of()))  # the scale this step's loss is multiplied by
+            try:
+                update(overflow)
+            except Exception:  # DeepSpeed raises a bare Exception at the minimum scale
+                raised_at = step
+                break
+        result[name] = {"scales": scales, "raised_at": raised_at}
+    return result
 
 
 def _process_group_of_one() -> None:
@@ -160,7 +178,7 @@ def configs(cases: list[dict]) -> list[dict]:
     from deepspeed.runtime import config as ds_config
     from deepspeed.runtime import lr_schedules
 
-    out = []
+    real_dist, out = ds_config.dist, []
     for case in cases:
         raw = json.loads(json.dumps(case["config"]))
         dp = case.get("world_size", 1)
@@ -177,6 +195,7 @@ def configs(cases: list[dict]) -> list[dict]:
             out.append({"accepted": True, "message": "", "gradient_clipping": parsed.gradient_clipping})
         except Exception as exc:  # noqa: BLE001 - any refusal, whatever DeepSpeed raises
             out.append({"accepted": False, "message": f"{type(exc).__name__}: {exc}"[:300]})
+    ds_config.dist = real_dist  # a later task in the same process (run_many) may use a real group
     return out
 
 
@@ -186,13 +205,15 @@ def main() -> None:
     import contextlib
 
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints; stdout carries only the answer
+        tasks = {"schedules": schedules, "scalers": scalers, "configs": configs, "fp16_growth": fp16_growth}
         if task == "train":
             from tinyscale.testing.deepspeed_train import train
 
             answer = train(payload)
+        elif task == "many":
+            answer = [tasks[name](one) for name, one in payload]
         else:
-            answer = {"schedules": schedules, "scalers": scalers, "configs": configs,
-                      "fp16_growth": fp16_growth}[task](payload)
+            answer = tasks[task](payload)
     print(json.dumps(answer))
 
 

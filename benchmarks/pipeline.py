@@ -16,14 +16,18 @@ bootstrap interval of that median (`tinyscale.bench.ratio_interval(per_round=Tru
 the rounds where our executor runs as users run it; every `INSTRUMENT`-th round it runs with
 each action timed instead (a few microseconds per action), and only those rounds give the
 bubble: measured from each compute action's start and end (a clock the ranks share) beside the
-simulator's, run on the median measured cost of each (stage, kind) and the
-per-message latency measured in the same processes (a ping-pong of one activation-sized
-message, half the median round trip), and the closed form (which assumes equal stages and free
-messages). Each send and receive is charged the mean of what it held its rank for, per (stage,
-kind): a send its share of the time until its run of messages reaches a receive, a receive
-its time less its wait for the data. Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
+simulator's, and the closed form (which assumes equal stages and free messages). The simulator
+replays each timed step on that step's own costs: each compute action's measured time, each
+send and receive's measured hold of its rank (a send its share of the time until its run of
+messages reaches a receive, a receive its time less its wait for the data), each message
+arriving the per-message latency after its send (a ping-pong of one activation-sized message in
+the same processes, half the median round trip). Its bubble is set beside that step's measured
+one. (One cost per (stage, kind) instead, the medians over steps, leaves out how the actions'
+times vary: in a balanced pipeline each wait follows the slower of two ranks, which the
+typical costs do not show; lessons/08 measures it.) Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
 pp_afab_vs_torch (the median paired ratios; their quartiles and interval under `ratio_stats`)
-and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points). Each of ours runs
+and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points, the median over the
+timed steps; `gap_points_typical_costs` beside it from one cost per (stage, kind)). Each of ours runs
 beside the torch schedule it is compared with in a round; 80 rounds take about 45 s on 2
 nearly idle cores.
 Lesson: lessons/08-pipeline-parallel.md.
@@ -42,7 +46,7 @@ from rich.table import Table
 
 import tinyscale as ts
 from tinyscale.dist import comm
-from tinyscale.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F
+from tinyscale.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action
 from tinyscale.bench import add_json_argument, ratio_interval, round_robin, slowest, write_json
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
@@ -67,7 +71,7 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
     cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=n_layer, n_head=4, d_model=128, ffn_hidden=384)
     (inputs, targets), = synthetic_token_batches(num_batches=1, batch_size=2 * m, seq_len=32, vocab_size=128, seed=1)
     runs, logs, executors, instrumented = {}, {name: [] for name in OURS}, {}, {}
-    holds = {name: {} for name in OURS}  # (stage, kind) of a send / receive -> seconds it held its rank
+    held = {name: [] for name in OURS}  # this step's (send / receive, seconds it held its rank)
     waited: list[float] = []  # seconds inside comm.Work.wait during the current receive
     for name, (make, v) in OURS.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
@@ -78,7 +82,7 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
             def timed(a, run=getattr(executor, method), log=logs[name]):
                 start = time.perf_counter()
                 run(a)
-                log.append((a, start, time.perf_counter()))
+                log.append((_fields(a), start, time.perf_counter()))
             wrappers[method] = timed
 
         # What each message holds its rank for. A send: its share of the time from the start of
@@ -86,21 +90,20 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         # run, not only runs of sends alone (the last stage's SEND_B shares a run with a
         # RECV_F). A receive: its time less what it spent waiting for the data to arrive, the
         # wait the simulator derives from the schedule and `latency`.
-        def communicate(actions, run=executor._communicate, log=holds[name], ex=executor):
+        def communicate(actions, run=executor._communicate, log=held[name], ex=executor):
             start = time.perf_counter()
             ex.first_receive = None
             run(actions)
             sends = [a for a in actions if a.kind in (SEND_F, SEND_B)]
             end = ex.first_receive or time.perf_counter()
-            for a in sends:
-                log.setdefault((a.stage, a.kind), []).append((end - start) / len(sends))
+            log += [(_fields(a), (end - start) / len(sends)) for a in sends]
 
-        def receive(a, run=executor._receive, log=holds[name], ex=executor):
+        def receive(a, run=executor._receive, log=held[name], ex=executor):
             start = time.perf_counter()
             ex.first_receive = ex.first_receive or start
             waited.clear()
             run(a)
-            log.setdefault((a.stage, a.kind), []).append(time.perf_counter() - start - sum(waited))
+            log.append((_fields(a), time.perf_counter() - start - sum(waited)))
         wrappers["_communicate"], wrappers["_receive"] = communicate, receive
         runs[name] = (model, lambda ex=executor: ex.run(inputs.chunk(m), targets.chunk(m)))
         executors[name] = executor
@@ -111,7 +114,7 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         schedule = getattr(pipelining, cls)(stage, m, loss_fn=gpt_loss)
         kwargs = {"target": targets, "losses": []} if rank == p - 1 else {}
         runs[name] = (model, lambda s=schedule, kw=kwargs: s.step(inputs, **kw) if rank == 0 else s.step(**kw))
-    actions = {}
+    actions, messages = {}, {}
     wait = comm.Work.wait  # replaced by timed_wait (this rank process only) on instrumented rounds
 
     def timed_wait(work):
@@ -125,6 +128,7 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         timing = name in logs and is_instrumented(i)
         if timing:  # this round times each action (instance attributes shadow the methods)
             logs[name].clear()
+            held[name].clear()
             vars(executors[name]).update(instrumented[name])
             comm.Work.wait = timed_wait
         run()
@@ -133,15 +137,20 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
             for method in instrumented[name]:
                 del vars(executors[name])[method]
             comm.Work.wait = wait
-            actions.setdefault(name, []).append([(str(a), s, e) for a, s, e in logs[name]])
+            actions.setdefault(name, []).append(list(logs[name]))
+            messages.setdefault(name, []).append(list(held[name]))
 
     # each of ours beside the torch schedule it is compared with, so a pair's two steps see the same load
     order = ["afab", "torch GPipe", "1f1b", "torch 1F1B", "zb_h1", "interleaved_1f1b"]
     times = round_robin({name: lambda i, name=name: step(name, i) for name in order}, steps, warmup=1,
                         before=dist.barrier)
-    return {"times": times, "actions": actions, "latency": _latency(2 * cfg.max_seq_len * cfg.d_model + 1),
-            "holds": {name: {key: statistics.mean(d) for key, d in h.items()} for name, h in holds.items()},
-            "median_holds": {name: {key: statistics.median(d) for key, d in h.items()} for name, h in holds.items()}}
+    return {"times": times, "actions": actions, "messages": messages,
+            "latency": _latency(2 * cfg.max_seq_len * cfg.d_model + 1)}
+
+
+def _fields(a) -> tuple[int, str, int]:
+    """An action as plain data, to return from the rank processes (`Action(*fields)` again)."""
+    return a.stage, a.kind, a.microbatch
 
 
 def is_instrumented(i: int) -> bool:
@@ -176,41 +185,39 @@ def _latency(numel: int, trips: int = 30) -> float:
     return statistics.median(trip[2:]) / 2
 
 
-def bubbles(per_rank: list[dict], name: str, m: int, latency: float = 0.0,
-            message_cost: dict | None = None) -> tuple[float, float]:
-    """Measured bubble (median over steps) and the simulator's on the measured median costs,
-    each message arriving `latency` seconds after its send, each send and receive holding its
-    rank for message_cost[(stage, kind)] seconds (0 without it)."""
+def bubbles(per_rank: list[dict], name: str, m: int, latency: float = 0.0) -> dict:
+    """Schedule `name`'s bubble in each timed step, measured and simulated, as medians over steps:
+    `measured`; `replayed`, the simulator on each step's own costs (each compute action's time,
+    each send and receive's hold, each message arriving `latency` after its send) and `gap`,
+    the median of the steps' measured minus replayed (in points); `typical`, the simulator on one
+    cost per (stage, kind) (the median compute time over steps, the mean hold) and `free`, the
+    same costs with free messages."""
     p = len(per_rank)
-    steps = len(per_rank[0]["actions"][name])
-    measured, durations = [], {}
-    for k in range(steps):
+    schedule = add_communication(OURS[name][0](p, m))
+    measured, replayed, durations, holds = [], [], {}, {}
+    for k in range(len(per_rank[0]["actions"][name])):
         lines = [r["actions"][name][k] for r in per_rank]
         start = min(s for line in lines for _, s, _ in line)
         end = max(e for line in lines for _, _, e in line)
-        busy = sum(e - s for line in lines for _, s, e in line)
-        measured.append(1 - busy / (p * (end - start)))
-        for line in lines:
-            for a, s, e in line:
-                durations.setdefault(_kind(a), []).append(e - s)
+        measured.append(1 - sum(e - s for line in lines for _, s, e in line) / (p * (end - start)))
+        cost = {Action(*a): e - s for line in lines for a, s, e in line}
+        hold = {Action(*a): t for r in per_rank for a, t in r["messages"][name][k]}
+        replayed.append(float(simulate(schedule, cost.__getitem__, latency=latency,
+                                       message_cost=lambda a, hold=hold: hold.get(a, 0.0)).bubble_fraction))
+        for a, t in cost.items():
+            durations.setdefault((a.stage, a.kind), []).append(t)
+        for a, t in hold.items():
+            holds.setdefault((a.stage, a.kind), []).append(t)
+    # one cost per (stage, kind); a hold's mean (a few receives hold their rank for milliseconds,
+    # most for 0.2 ms, and each rank must be charged the total)
     cost = {key: statistics.median(d) for key, d in durations.items()}
-    make, _ = OURS[name]
-    held = message_cost or {}
-    sim = simulate(add_communication(make(p, m)), lambda a: cost[(a.stage, a.kind)], latency=latency,
-                   message_cost=lambda a: held.get((a.stage, a.kind), 0.0))
-    return statistics.median(measured), float(sim.bubble_fraction)
-
-
-def message_holds(per_rank: list[dict], name: str, which: str = "holds") -> dict:
-    """(stage, kind) -> mean seconds a send / receive of schedule `name` held its rank (each
-    stage's messages are on one rank). The mean, not the median: a few receives hold their
-    rank for milliseconds (most for 0.2 ms), and the simulator must charge each rank the total."""
-    return {key: t for r in per_rank for key, t in r[which][name].items()}
-
-
-def _kind(action: str) -> tuple[int, str]:
-    stage = int("".join(c for c in action[:2] if c.isdigit()) or 0)
-    return stage, action[len(str(stage)):].rstrip("0123456789")
+    held = {key: statistics.mean(d) for key, d in holds.items()}
+    typical = simulate(schedule, lambda a: cost[(a.stage, a.kind)], latency=latency,
+                       message_cost=lambda a: held.get((a.stage, a.kind), 0.0))
+    free = simulate(schedule, lambda a: cost[(a.stage, a.kind)])
+    return {"measured": statistics.median(measured), "replayed": statistics.median(replayed),
+            "gap": 100 * statistics.median(x - y for x, y in zip(measured, replayed)),
+            "typical": float(typical.bubble_fraction), "free": float(free.bubble_fraction), "holds": held}
 
 
 def main() -> None:
@@ -231,40 +238,38 @@ def main() -> None:
     times = {name: statistics.median(per_round[name][i] for i in plain) for name in per_round}
     stats = {ours: paired_ratio(per_round[ours], per_round[theirs], plain) for theirs, (_, ours) in TORCH.items()}
     latency = statistics.median(r["latency"] for r in per_rank)
-    held = {name: message_holds(per_rank, name) for name in OURS}
-    sends = [t for (_, kind), t in held["1f1b"].items() if kind in (SEND_F, SEND_B)]
-    recvs = [t for (_, kind), t in held["1f1b"].items() if kind in (RECV_F, RECV_B)]
+    bub = {name: bubbles(per_rank, name, m, latency) for name in OURS}
+    held = bub["1f1b"]["holds"]
+    sends = [t for (_, kind), t in held.items() if kind in (SEND_F, SEND_B)]
+    recvs = [t for (_, kind), t in held.items() if kind in (RECV_F, RECV_B)]
     table = Table(title=f"pipeline step on {p} CPU ranks, m = {m}, {args.layers} layers, float32 "
                         f"(median of {len(plain)} rounds; bubbles from {args.steps - len(plain)} more)")
-    for col in ("variant", "step ms", "ours / torch (quartiles)", "bubble measured", "simulated (measured costs)",
-                f"simulated (+ messages: {latency * 1e6:.0f} us latency, each send and receive's mean measured "
-                f"hold; 1F1B: {' '.join(f'{t * 1e6:.0f}' for t in sends)} us per send, "
-                f"{' '.join(f'{t * 1e6:.0f}' for t in recvs)} us per receive)", "closed form"):
+    for col in ("variant", "step ms", "ours / torch (quartiles)", "bubble measured", "simulated: steps replayed",
+                "gap (points)", "simulated: one cost per (stage, kind)", "the same, free messages", "closed form"):
         table.add_column(col, justify="right" if col != "variant" else "left")
     torch_of = {ours: name for name, (_, ours) in TORCH.items()}
-    gaps = {}
-    measured_1f1b, with_median_holds = bubbles(per_rank, "1f1b", m, latency, message_holds(per_rank, "1f1b", "median_holds"))
-    for name in OURS:
-        measured, simulated = bubbles(per_rank, name, m)
-        _, with_latency = bubbles(per_rank, name, m, latency, held[name])
-        gaps[name] = 100 * (measured - with_latency)
+    for name, b in bub.items():
         ratio = f"{stats[name]['median']:.3f} ({stats[name]['q1']:.2f}-{stats[name]['q3']:.2f})" if name in stats else ""
-        table.add_row(f"ours {name}", f"{times[name] * 1e3:.1f}", ratio, f"{measured:.1%}", f"{simulated:.1%}",
-                      f"{with_latency:.1%}", f"{CLOSED[name](p, m):.1%}")
+        table.add_row(f"ours {name}", f"{times[name] * 1e3:.1f}", ratio, f"{b['measured']:.1%}", f"{b['replayed']:.1%}",
+                      f"{b['gap']:.1f}", f"{b['typical']:.1%}", f"{b['free']:.1%}", f"{CLOSED[name](p, m):.1%}")
     for name in TORCH:
-        table.add_row(name, f"{times[name] * 1e3:.1f}", "", "", "", "", "")
+        table.add_row(name, f"{times[name] * 1e3:.1f}", "", "", "", "", "", "", "")
     Console(width=130).print(table)
+    print(f"simulated with messages: {latency * 1e6:.0f} us latency; each step replayed on its own costs and holds, "
+          f"or one cost per (stage, kind) with the mean holds (1F1B: {' '.join(f'{t * 1e6:.0f}' for t in sends)} "
+          f"us per send, {' '.join(f'{t * 1e6:.0f}' for t in recvs)} us per receive)")
     for name, st in stats.items():
         print(f"ours {name} / {torch_of[name]}: median of {st['n']} paired rounds {st['median']:.3f}, "
               f"quartiles {st['q1']:.3f} .. {st['q3']:.3f}, 95 % CI of the median {st['ci95'][0]:.3f} .. {st['ci95'][1]:.3f}")
     print(f"wall time {time.perf_counter() - start:.0f} s")
     write_json(args.json, {"pp_1f1b_vs_torch": stats["1f1b"]["median"],
                            "pp_afab_vs_torch": stats["afab"]["median"],
-                           "pp_1f1b_bubble_gap_points": gaps["1f1b"]},
+                           "pp_1f1b_bubble_gap_points": bub["1f1b"]["gap"]},
                ratio_stats={f"pp_{name}_vs_torch": st for name, st in stats.items()},
                latency_s=latency, send_s=statistics.median(sends), recv_s=statistics.median(recvs),
-               gap_points_median_holds=100 * (measured_1f1b - with_median_holds),
-               holds_1f1b_us={f"{s}{kind}": round(t * 1e6) for (s, kind), t in held["1f1b"].items()}, microbatches=m, steps=args.steps)
+               bubble_1f1b={key: bub["1f1b"][key] for key in ("measured", "replayed", "typical", "free")},
+               gap_points_typical_costs=100 * (bub["1f1b"]["measured"] - bub["1f1b"]["typical"]),
+               holds_1f1b_us={f"{s}{kind}": round(t * 1e6) for (s, kind), t in held.items()}, microbatches=m, steps=args.steps)
 
 
 if __name__ == "__main__":

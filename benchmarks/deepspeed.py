@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         low, high = intervals[key] = ratio_interval(ours, theirs)
         each = statistics.median([a / b for a, b in zip(ours, theirs)])
         intervals[key + "_per_round"] = (each, *ratio_interval(ours, theirs, per_round=True))
-        step_ms[key] = {"tinyscale": [round(1e3 * t, 3) for t in ours], "deepspeed": [round(1e3 * t, 3) for t in theirs]}
+        step_ms[key] = {side: [round(1e3 * t, 3) for t in times]
+                        for side, times in (("tinyscale", ours), ("deepspeed", theirs))}
         verdicts.append(f"{key}: {ratio:.3f}x, 95% interval {low:.3f} .. {high:.3f} over {len(ours)} paired steps: "
                         f"{interval_verdict(low, high, 'tinyscale')}; the median of each step's ratio {each:.3f}x")
         table.add_row(str(stage), *(f"{1e3 * statistics.median(t):.1f} ({1e3 * min(t):.1f} .. {1e3 * max(t):.1f})"

@@ -13,14 +13,18 @@ one optimizer step at a time, alternating which goes first, so that changes in t
 load hit both alike. The first two steps of each are warm-up and dropped. A step is, on
 tinyscale's side, `engine.train_batch(batch)`; on DeepSpeed's, `engine(x, y)`,
 `engine.backward(loss)` and `engine.step()` over this rank's micro-batches (the rows tinyscale
-gives this rank); rank 0 times each after a barrier.
+gives this rank); every rank times each after a barrier, and a step's time is its slowest
+rank's (`tinyscale.bench.slowest`, as the other benchmarks).
 
 It prints the median step time of each (and the spread, fastest .. slowest), the ratio
-tinyscale / DeepSpeed (below 1: tinyscale is faster), and checks that the losses agree: both
+tinyscale / DeepSpeed (below 1: tinyscale is faster) with its 95% bootstrap interval over the
+paired steps (`tinyscale.bench.ratio_interval`: a step of each engine is one round) and the
+median of each round's ratio, and checks that the losses agree: both
 train in float32 and reduce in different orders, and Adam can turn rounding-level gradients
 into updates of either sign, so the check is 1e-3 relative (a wrong gradient scale or a lost
 micro-batch moves the loss by far more within a few steps). --json writes the ratios under
-`zero0_vs_deepspeed` .. `zero3_vs_deepspeed`. Tests: `pytest -k deepspeed_agreement`.
+`zero0_vs_deepspeed` .. `zero3_vs_deepspeed`, their intervals and each step's milliseconds.
+`--stages 0,1` times those stages only. Tests: `pytest -k deepspeed_agreement`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from tinyscale.bench import add_json_argument, write_json
+from tinyscale.bench import add_json_argument, interval_verdict, ratio_interval, write_json
 from tinyscale.data import sample_batches, stdlib_corpus
 from tinyscale.models import GPTConfig
 from tinyscale.testing import deepspeed_peer
@@ -76,21 +80,32 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.micro} x {seq} tokens per rank per step, {args.steps} timed steps (+{WARMUP} warm-up)")
     result = deepspeed_peer.run("train", payload, timeout_s=3600)
 
-    table = Table(title="one training step, median (fastest .. slowest), rank 0")
+    table = Table(title="one training step (its slowest rank), median (fastest .. slowest)")
     for col in ("ZeRO stage", "tinyscale ms", "DeepSpeed ms", "tinyscale / DeepSpeed", "loss max rel. diff"):
         table.add_column(col, justify="right")
-    ratios, ok = {}, True
+    ratios, intervals, step_ms, verdicts, ok = {}, {}, {}, [], True
     for stage in stages:
         runs = result[str(stage)]
         ours, theirs = (runs[side]["seconds"][WARMUP:] for side in ("tinyscale", "deepspeed"))
         diff = max(abs(a - b) / abs(b) for a, b in zip(runs["tinyscale"]["losses"], runs["deepspeed"]["losses"]))
         ok &= diff < LOSS_REL and all(map(math.isfinite, runs["tinyscale"]["losses"]))
+        key = f"zero{stage}_vs_deepspeed"
         ratio = statistics.median(ours) / statistics.median(theirs)
-        ratios[f"zero{stage}_vs_deepspeed"] = round(ratio, 3)
+        ratios[key] = round(ratio, 3)
+        low, high = intervals[key] = ratio_interval(ours, theirs)
+        each = statistics.median([a / b for a, b in zip(ours, theirs)])
+        intervals[key + "_per_round"] = (each, *ratio_interval(ours, theirs, per_round=True))
+        step_ms[key] = {side: [round(1e3 * t, 3) for t in times]
+                        for side, times in (("tinyscale", ours), ("deepspeed", theirs))}
+        verdicts.append(f"{key}: {ratio:.3f}x, 95% interval {low:.3f} .. {high:.3f} over {len(ours)} paired steps: "
+                        f"{interval_verdict(low, high, 'tinyscale')}; the median of each step's ratio {each:.3f}x")
         table.add_row(str(stage), *(f"{1e3 * statistics.median(t):.1f} ({1e3 * min(t):.1f} .. {1e3 * max(t):.1f})"
                                     for t in (ours, theirs)), f"{ratio:.2f}x", f"{diff:.1e}")
     console.print(table)
-    write_json(args.json, ratios, world_size=args.world_size, model=args.model, steps=args.steps)
+    for line in verdicts:
+        console.print(line)
+    write_json(args.json, ratios, world_size=args.world_size, model=args.model, steps=args.steps,
+               intervals={k: [round(v, 4) for v in iv] for k, iv in intervals.items()}, step_ms=step_ms)
     if not ok:
         console.print(f"[red]the losses differ by more than {LOSS_REL:g} relative[/red]")
         return 1

@@ -150,7 +150,8 @@ REPEAT: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "ddp": ([], ("ddp_bucketed_vs_torch_2", "ddp_bucketed_vs_torch_4")),
     # zero: its default 50 rounds and their intervals (6 steps spread zero2_vs_ddp 0.99-1.09; about 60 s)
     "zero": ([], ("zero1_vs_ddp", "zero2_vs_ddp", "zero3_vs_fsdp2")),
-    "deepspeed": (["--steps", "4"], ("zero0_vs_deepspeed", "zero1_vs_deepspeed", "zero2_vs_deepspeed",
+    # deepspeed: 12 paired steps (4 spread zero0_vs_deepspeed 0.97-1.04 over 3 idle runs; a step is ~0.1 s a side)
+    "deepspeed": (["--steps", "12"], ("zero0_vs_deepspeed", "zero1_vs_deepspeed", "zero2_vs_deepspeed",
                                      "zero3_vs_deepspeed")),
 }
 

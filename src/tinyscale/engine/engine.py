@@ -339,7 +339,8 @@ class Engine:
                                "engine from the last checkpoint")
         if self.pipeline is not None:
             return self.pipeline.train_step(self, batch)
-        self.model.train()
+        if not all(m.training for m in self.model.modules()):  # (a look is cheaper than train()'s
+            self.model.train()                                   # setattr on every module, each step)
         if self.zero is not None:
             self.zero.abandon_backward()  # nothing to forget unless a caller ran backward itself
         micro = local_micro_batches(batch, dp_rank=self.dp_rank, dp_size=self.dp_size,

@@ -48,17 +48,25 @@ class MemoryReport:
 
 
 def unique_nbytes(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
-    """Bytes per device type of the given tensors, each storage region counted once."""
+    """Bytes per device type of the given tensors, each storage region counted once.
+
+    The engine counts every step (`Engine.memory_report(when="before_step")`), so the loop
+    reads as little per tensor as it can: ``nbytes`` (numel x element size) and the device
+    type from the ``is_cpu`` / ``is_cuda`` flags (``t.device`` builds a new object per call)."""
     seen: set[tuple[int, int]] = set()
     out: dict[str, int] = {}
     for t in tensors:
-        if t is None or t.numel() == 0 or t.untyped_storage().nbytes() == 0:
+        if t is None:
+            continue
+        nbytes = t.nbytes
+        if nbytes == 0 or t.untyped_storage().nbytes() == 0:
             continue  # nothing held (ZeRO-3 frees gathered buffers, the disk tier swapped ones)
-        key = (t.data_ptr(), t.numel() * t.element_size())
+        key = (t.data_ptr(), nbytes)
         if key in seen:
             continue
         seen.add(key)
-        out[t.device.type] = out.get(t.device.type, 0) + key[1]
+        kind = "cpu" if t.is_cpu else "cuda" if t.is_cuda else t.device.type
+        out[kind] = out.get(kind, 0) + nbytes
     return out
 
 
@@ -79,12 +87,19 @@ def report_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                compute_device: torch.device, extra: dict[str, list[torch.Tensor]] | None = None) -> MemoryReport:
     """Count a model, its optimizer, and `extra` tensors by category (e.g. ZeRO's shards)."""
     report = MemoryReport()
+    # One walk over the modules for parameters and buffers (model.parameters() and .buffers()
+    # walk them once each): a tied weight is listed twice here, and counted once below.
+    params: list[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
+    for module in model.modules():
+        params += [p for p in module._parameters.values() if p is not None]
+        buffers += [b for b in module._buffers.values() if b is not None]
     groups = {
-        "parameters": list(model.parameters()),
-        "gradients": [p.grad for p in model.parameters() if p.grad is not None],
+        "parameters": params,
+        "gradients": [p.grad for p in params if p.grad is not None],
         "optimizer_states": optimizer_state_tensors(optimizer) if optimizer is not None else [],
         "master_weights": [],
-        "buffers": list(model.buffers()),
+        "buffers": buffers,
     }
     for category, tensors in (extra or {}).items():
         groups[category] = groups[category] + [t for t in tensors if t is not None]

@@ -6,7 +6,7 @@ from the same seed, and for each ZeRO stage asked for trains it once through
 ``deepspeed.initialize`` (``engine(x, y)``, ``engine.backward(loss)``, ``engine.step()`` per
 micro-batch) and once through ``tinyscale.initialize`` (``train_batch``), optionally alternating
 step by step (``interleave``, for timing), and returns the losses, the final full parameters and
-the seconds of every step from rank 0.
+the seconds of every step (its slowest rank's).
 
 Rows as tinyscale's engine splits them (`tinyscale.data.local_micro_batches`): rank r takes
 the r-th contiguous block of each global batch, cut into contiguous micro-batches. DeepSpeed's
@@ -75,6 +75,7 @@ def _rank(payload: dict) -> dict:
     import torch.distributed as dist
 
     import tinyscale as ts
+    from tinyscale.bench import slowest
     from tinyscale.models import GPT, GPTConfig
 
     deepspeed.init_distributed(dist_backend="gloo")  # wraps the group launch made
@@ -105,6 +106,12 @@ def _rank(payload: dict) -> dict:
                 for batch in batches:
                     runs[side]["losses"].append(_one(engines[side], side, batch, rank, world, gas, runs[side],
                                                      resize))
+        # a step ends when every rank's does: each step's slowest rank (rank 0 alone would leave
+        # out tinyscale's optimizer step on the other ranks, which DeepSpeed's loss all-reduce waits for)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, {side: runs[side]["seconds"] for side in runs})
+        for side in runs:
+            runs[side]["seconds"] = slowest([r[side] for r in per_rank])
         for side, engine in engines.items():
             full = _full_parameters(engine, stage) if side == "deepspeed" else {
                 k: v.tolist() for k, v in engine.full_state_dict().items()}

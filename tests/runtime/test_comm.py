@@ -116,3 +116,32 @@ def test_comm_nested_records_each_close_their_own_ledger():
             assert inner == outer and comm._active[-1] is inner
         assert len(comm._active) == 1 and comm._active[0] is outer
     assert comm._active == []
+
+
+def _gathers_beside_a_send():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    # a caller's message on the default tag, posted first and received last: the gathers' own
+    # messages must not be matched with it
+    note = torch.full((5,), 100.0 + rank)
+    sent = comm.isend(note, (rank + 1) % n)
+    first, second = torch.empty(3 * n), torch.empty(2 * n)
+    a = comm.all_gather(first, torch.full((3,), float(rank)), async_op=True)
+    b = comm.all_gather(second, torch.full((2,), 10.0 + rank), async_op=True)
+    b.wait()
+    a.wait()
+    got = torch.empty(5)
+    comm.irecv(got, (rank - 1) % n).wait()
+    sent.wait()
+    return first.tolist(), second.tolist(), got.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_comm_gloo_all_gather_p2p_two_in_flight_and_a_callers_send_stay_apart(world_size):
+    """On gloo the all-gather is point-to-point (comm.GLOO_ALL_GATHER_P2P): two in flight at
+    once land in order, and a caller's send on the same group is not taken for one of them."""
+    assert comm.GLOO_ALL_GATHER_P2P
+    for rank, (first, second, got) in enumerate(run_on_ranks(_gathers_beside_a_send, world_size)):
+        n = world_size
+        assert first == [float(r) for r in range(n) for _ in range(3)]
+        assert second == [10.0 + r for r in range(n) for _ in range(2)]
+        assert got == [100.0 + (rank - 1) % n] * 5

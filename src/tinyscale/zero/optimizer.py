@@ -130,7 +130,9 @@ class ShardedOptimizer:
         # grad None, so torch skips exactly it: no decay, no state, no step count, as in one process.
         self.params = [p for unit in self.units for p in unit.params]  # the order of usage flags
         self._index = {id(p): k for k, p in enumerate(self.params)}
-        self._used_here = torch.zeros(len(self.params), dtype=torch.bool)
+        # this rank's usage flags: a Python list, since the gradient hooks set one per gradient
+        # (a tensor's item assignment is two ops, select and fill_, about 10 us each call)
+        self._used_here = [False] * len(self.params)
         opt_groups = [{**{k: v for k, v in group.items() if k != "params"},
                        "params": [f.view for frags, ug in zip(self.fragments, unit_group) if ug == g for f in frags]}
                       for g, group in enumerate(self.param_groups) if group["params"]]
@@ -169,22 +171,22 @@ class ShardedOptimizer:
     def used_here(self) -> torch.Tensor:
         """This rank's usage flags (1.0 per parameter that got a gradient this step), float64 so
         that the engine can send them in its loss all-reduce: the sum counts the ranks that used it."""
-        return self._used_here.to(torch.float64)
+        return torch.tensor(self._used_here, dtype=torch.float64)
 
     def agree_used(self) -> torch.Tensor:
         """Which parameters got a gradient on some rank: one small all-reduce (len(params) int32)."""
-        flags = self._used_here.to(self.units[0].device, torch.int32, copy=True)
+        flags = torch.tensor(self._used_here, dtype=torch.int32, device=self.units[0].device)
         if self.distributed:
             comm.all_reduce(flags, group=self.process_group)
         return flags.cpu() > 0
 
     def agree_used_async(self) -> tuple[torch.Tensor, object]:
         """`agree_used`, launched: (counts, handle); after handle.wait(), ``counts.cpu() > 0``."""
-        flags = self._used_here.to(self.units[0].device, torch.int32, copy=True)
+        flags = torch.tensor(self._used_here, dtype=torch.int32, device=self.units[0].device)
         return flags, comm.all_reduce(flags, group=self.process_group, async_op=True) if self.distributed else None
 
     def forget_usage(self) -> None:
-        self._used_here.zero_()
+        self._used_here = [False] * len(self.params)
     # --8<-- [end:usage]
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -242,6 +244,7 @@ class ShardedOptimizer:
         parameter storage: nothing is gathered, because the next forward gathers each unit
         when it needs it."""
         self.wait_params()  # (overlap_param_gather) the last step's gathers write the parameters
+        used = used.tolist() if torch.is_tensor(used) else used  # read once per fragment: no tensor indexing
         if self.swap is None:
             # --8<-- [start:sub-groups]
             for group in self.sub_groups:  # sub_group_size: one sub-group's temporaries at a time
@@ -261,7 +264,7 @@ class ShardedOptimizer:
         self.grad = [None] * len(self.master)
 
     # --8<-- [start:attach]
-    def _attach_grads(self, i: int, used: torch.Tensor | None, which: Sequence[int] | None = None) -> None:
+    def _attach_grads(self, i: int, used: Sequence[bool] | None, which: Sequence[int] | None = None) -> None:
         """Each fragment of unit i (those in `which`, a sub-group's: consecutive) gets its
         slice of the gradient shard, or None if its parameter got no gradient anywhere (or
         the unit none at all)."""
@@ -461,7 +464,14 @@ class ShardedOptimizer:
         reduce_scatter, overwritten in place."""
         unit = self.units[unit_index]
         flat = unit.flatten(grads) if flat is None else flat
-        if self.grad[unit_index] is None:
+        first = self.grad[unit_index] is None  # the step's first reduction of this unit
+        if first and self.distributed and self.reduce_scatter and self.comm_dtype in (None, unit.dtype) \
+                and self.prescale_gradients:  # it lands in the gradient shard itself: no zeros to add to
+            flat.div_(unit.mean_over)
+            self.grad[unit_index] = out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            return _PendingShard(comm.reduce_scatter(out, flat, group=unit.process_group, async_op=async_op),
+                                 flat, out, None)
+        if first:
             self.grad[unit_index] = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         if not self.distributed:
             return _PendingShard(None, flat, flat, self.grad[unit_index])
@@ -517,13 +527,16 @@ class _PendingShard:
     """A reduce-scatter (of pre-divided gradients) in flight; wait() adds the result, the
     average, into the gradient shard."""
 
-    def __init__(self, work, flat: torch.Tensor, out: torch.Tensor, target: torch.Tensor, post: float = 1.0):
+    def __init__(self, work, flat: torch.Tensor, out: torch.Tensor, target: torch.Tensor | None,
+                 post: float = 1.0):
         # `flat` is held until the collective is done: its memory must outlive the send.
+        # target None: `out` is the gradient shard itself (the step's first reduction of the unit).
         self.work, self.flat, self.out, self.target, self.post = work, flat, out, target, post
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
         # post-scaling (prescale_gradients false) in the shard's dtype, not the wire's
-        self.target.add_(self.out if self.post == 1 else self.out.to(self.target.dtype) / self.post)
+        if self.target is not None:
+            self.target.add_(self.out if self.post == 1 else self.out.to(self.target.dtype) / self.post)
         self.flat = None

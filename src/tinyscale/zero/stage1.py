@@ -65,7 +65,6 @@ class ZeroStage1(ZeroStage2):
                             pin_memory=pin_memory, first_bucket_bytes=first_bucket_bytes,
                             overlap_param_gather=overlap_param_gather, module=module)
         self._held = False  # gradients accumulated under no_sync and not reduced yet
-        self.agree_usage_early = True  # (ZeroStage2.agree_usage_early)
 
     @property
     def grad_flat(self) -> list[torch.Tensor | None]:
@@ -105,8 +104,10 @@ class ZeroStage1(ZeroStage2):
 
     def _launch(self, u: int) -> None:
         """Send unit u's flat buffer; a parameter without a gradient in it counts as zero."""
-        unit = self.sharded.units[u]
+        unit, filled = self.sharded.units[u], self._ready[u]
         for i, p in enumerate(unit.params):
+            if i in filled:  # its hook in this backward just put it in its slot
+                continue
             if p.grad is None:
                 if self._flat[u] is not None:
                     self._slot(u, i).zero_()

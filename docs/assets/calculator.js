@@ -116,10 +116,20 @@
     return volume * (dp - 1) / dp * bytesPerElement;
   }
 
-  function bytesPerElement(dtype, optimizer) {
+  function bytesPerElement(dtype, optimizer, stage) {
     const states = 4 * STATES_PER_PARAM[optimizer];
-    if (dtype === "fp32") return {param_bytes: 4, grad_bytes: 4, optimizer_bytes: states, master_bytes: 0};
+    if (dtype === "fp32") {  // ZeRO >= 1 steps an fp32 copy of the rank's shard; DDP none
+      const master = [1, 2, 3].includes(stage) ? 4 : 0;
+      return {param_bytes: 4, grad_bytes: 4, optimizer_bytes: master + states, master_bytes: master};
+    }
     return {param_bytes: 2, grad_bytes: 2, optimizer_bytes: 4 + states, master_bytes: 4};
+  }
+
+  // tinyscale.calculator._fp32_saved: float32 tensors of a block under bf16 / fp16
+  function fp32Saved(c, b, s, p, policy) {
+    if (!["none", "selective"].includes(policy)) return 0;
+    const lse = policy === "none" && c.attn_impl === "sdpa" && !(c.dropout > 0) ? c.n_head * s * b : 0;
+    return (Math.max(p, 4) - p) * (2 * s * b * c.d_model + 2 * s * b + lse);
   }
 
   const add = (values) => values.reduce((total, v) => total + v, 0.0);
@@ -149,13 +159,14 @@
     if (pp > c.n_layer) fail(`pp=${pp}: at most n_layer=${c.n_layer} stages (one layer each)`);
     if (s % cp) fail(`cp=${cp}: it must divide seq_len=${s} (each cp rank takes s/cp tokens)`);
     const nParams = numParams(c);
-    const nb = bytesPerElement(x.dtype, x.optimizer);
+    const nb = bytesPerElement(x.dtype, x.optimizer, x.zero_stage);
     const states = modelStateBytes(nParams / (tp * pp), dp * cp, x.zero_stage, x.offload, x.offload_params, nb);
     const policy = x.checkpointing, p = DTYPE_BYTES[x.dtype];
     const gathered = 2 * s * b * c.d_model * p;  // the norms' outputs: saved all-gathered, whole on each tp rank
     const splitNorms = ["none", "selective"].includes(policy);  // the policies that save the norms' outputs
-    const kept = blockSavedBytes(c, b, s, p, policy) + (tp - 1) * (splitNorms ? gathered : 0);
-    const full = blockSavedBytes(c, b, s, p, "none") + (tp - 1) * gathered;
+    const kept = (blockSavedBytes(c, b, s, p, policy) + (tp - 1) * (splitNorms ? gathered : 0)
+                  + fp32Saved(c, b, s, p, policy));
+    const full = blockSavedBytes(c, b, s, p, "none") + (tp - 1) * gathered + fp32Saved(c, b, s, p, "none");
     const layers = Math.ceil(c.n_layer / pp);
     const inFlight = pp === 1 ? 1 : Math.min(pp, m);
     const activations = (layers * inFlight * kept + (full - kept)) / (tp * cp);
@@ -169,7 +180,7 @@
     const recompute = policy === "full";
     const comm = {
       dp: commBytesPerRank(nParams / (tp * pp), x.zero_stage, dp * cp, nb.grad_bytes, m),
-      tp: (recompute ? 6 : 4) * 2 * (tp - 1) / tp * tokens * c.d_model * p * layers * m,
+      tp: ((recompute ? 6 : 4) * layers + (pp === 1 ? 2 : 1)) * 2 * (tp - 1) / tp * tokens * c.d_model * p * m,
       pp: pp === 1 ? 0.0 : Math.min(pp - 1, 2) * tokens * c.d_model * p * m,
       cp: ((recompute ? 6 : 4) * p + 2 * DKV_BYTES) * (cp - 1) * tokens * c.kv_dim / tp * layers * m,
     };

@@ -5,7 +5,8 @@ port of `estimate` below; `pytest -k calculator` checks that the two agree on a 
 inputs (in node, and in the built page in Chromium). Pure arithmetic on top of two topics'
 formulas, composed here as `tinyscale estimate` composes them:
 
-    model states   tinyscale.zero.estimate.model_state_bytes (ZeRO's section 5)
+    model states   tinyscale.zero.estimate.model_state_bytes (ZeRO's section 5); fp32 under
+                   ZeRO >= 1 keeps an fp32 master shard too (measured: dp 3, ZeRO 1)
     activations    tinyscale.checkpointing.formula.block_saved_bytes (our block, per policy)
     dp comm        tinyscale.zero.estimate.comm_bytes_per_rank (ring collectives, section 7)
 
@@ -24,13 +25,18 @@ except the activations' growth with pp (its layers and in-flight micro-batches),
         every activation over tp (Korthikanti et al. 2022, section 4.2.2) but the two norms'
         outputs, which the column-parallel layers save all-gathered (policies none, selective;
         measured: a block's saved tensors under tp 3 + SP; before, A / tp left them out);
-        cp splits the tokens (measured, cp 3, under --thorough); in-flight micro-batches
+        cp splits the tokens (measured, cp 3, under --thorough). Under bf16 / fp16 our block keeps
+        each norm's upcast input, 1/rms and sdpa's log-sum-exp in float32, which
+        block_saved_bytes counts at p: `_fp32_saved` adds (4 - p) of each (measured: dp 3, bf16);
+        in-flight micro-batches
         are 1 without pp, min(pp, m) on 1F1B's first stage. Backward of one block brings its
         full activations back (recomputed or fetched from the host): + (A'_none - A') / (tp cp).
     tp comm   per block, per micro-batch: 4 all-reduces of (s/cp) b h elements (6 when "full"
-              recomputes the forward), ring: 2 (tp-1)/tp of that each, at activation bytes.
-              The engine adds 2 per micro-batch (the embedding's output, the head's input) and
-              the vocab-parallel loss's 3 numbers per token: not counted
+              recomputes the forward), and 2 per micro-batch more (the embedding's output in
+              forward, the head's input in backward; 1 under pp: an end stage holds one), ring:
+              2 (tp-1)/tp of that each, at activation bytes (measured: tp 3, both of them).
+              Not counted: the vocab-parallel loss's 3 float32 numbers per token (12 / (h p) of
+              one activation)
     pp comm   the busiest stage, per micro-batch: one activation sent forward and one gradient
               back from a middle stage, one of them from an end stage: min(pp-1, 2) (s/cp) b h p
               (not counted: a status element per message, the tied table's gradient)
@@ -92,12 +98,25 @@ def _int_at_least(inputs: dict, field: str, low: int) -> int:
     return value
 
 
-def _bytes_per_element(dtype: str, optimizer: str) -> dict[str, float]:
-    """ZeRO's 2 + 2 + K: mixed precision keeps fp32 master weights (4) in the optimizer's K."""
+def _bytes_per_element(dtype: str, optimizer: str, stage: int) -> dict[str, float]:
+    """ZeRO's 2 + 2 + K: mixed precision keeps fp32 master weights (4) in the optimizer's K. So does
+    fp32 under ZeRO >= 1: the optimizer steps an fp32 copy of the rank's shard (as DeepSpeed's ZeRO
+    does), 4 Psi / N_d more than the paper's 4 + 4 + K (`engine.layout_memory`); DDP (stage 0) none."""
     states = 4 * STATES_PER_PARAM[optimizer]  # fp32 momentum / variance
     if dtype == "fp32":
-        return dict(param_bytes=4, grad_bytes=4, optimizer_bytes=states, master_bytes=0)
+        master = 4 if stage in (1, 2, 3) else 0
+        return dict(param_bytes=4, grad_bytes=4, optimizer_bytes=master + states, master_bytes=master)
     return dict(param_bytes=2, grad_bytes=2, optimizer_bytes=4 + states, master_bytes=4)
+
+
+def _fp32_saved(cfg: GPTConfig, b: int, s: int, p: int, policy: str) -> int:
+    """What `block_saved_bytes` counts at p bytes but our block keeps in float32 under bf16 / fp16
+    (`RMSNorm` computes in float32; sdpa's log-sum-exp is float32): each norm's upcast input and
+    1/rms, and the log-sum-exp where the policy keeps it. Measured: a bf16 block's saved tensors."""
+    if policy not in ("none", "selective"):
+        return 0
+    lse = cfg.n_head * s * b if policy == "none" and cfg.attn_impl == "sdpa" and not cfg.dropout > 0 else 0
+    return (max(p, 4) - p) * (2 * s * b * cfg.d_model + 2 * s * b + lse)
 
 
 def _add(values) -> float:
@@ -124,14 +143,15 @@ def estimate(inputs: dict) -> dict:
     if s % cp:
         raise ValueError(f"cp={cp}: it must divide seq_len={s} (each cp rank takes s/cp tokens)")
     num_params = cfg.num_params()
-    per_element = _bytes_per_element(x["dtype"], x["optimizer"])
+    per_element = _bytes_per_element(x["dtype"], x["optimizer"], x["zero_stage"])
     states = model_state_bytes(num_params / (tp * pp), dp * cp, x["zero_stage"], offload=x["offload"],
                                offload_params=x["offload_params"], **per_element)
     dtype, policy, p = DTYPES[x["dtype"]], x["checkpointing"], 2 if x["dtype"] != "fp32" else 4
     gathered = 2 * s * b * cfg.d_model * p  # the norms' outputs: saved all-gathered, whole on each tp rank
     split_norms = policy in ("none", "selective")  # the policies that save the norms' outputs
-    kept = block_saved_bytes(cfg, b, s, dtype, policy) + (tp - 1) * (gathered if split_norms else 0)
-    full = block_saved_bytes(cfg, b, s, dtype, "none") + (tp - 1) * gathered
+    kept = (block_saved_bytes(cfg, b, s, dtype, policy) + (tp - 1) * (gathered if split_norms else 0)
+            + _fp32_saved(cfg, b, s, p, policy))
+    full = block_saved_bytes(cfg, b, s, dtype, "none") + (tp - 1) * gathered + _fp32_saved(cfg, b, s, p, "none")
     layers = math.ceil(cfg.n_layer / pp)
     in_flight = 1 if pp == 1 else min(pp, m)
     activations = (layers * in_flight * kept + (full - kept)) / (tp * cp)
@@ -147,7 +167,8 @@ def estimate(inputs: dict) -> dict:
     comm = {
         "dp": comm_bytes_per_rank(num_params / (tp * pp), x["zero_stage"], dp * cp,
                                   per_element["grad_bytes"], num_microbatches=m),
-        "tp": (6 if recompute else 4) * 2 * (tp - 1) / tp * tokens * cfg.d_model * p * layers * m,
+        "tp": ((6 if recompute else 4) * layers + (2 if pp == 1 else 1)) * 2 * (tp - 1) / tp * tokens * cfg.d_model
+        * p * m,
         "pp": 0.0 if pp == 1 else min(pp - 1, 2) * tokens * cfg.d_model * p * m,
         "cp": ((6 if recompute else 4) * p + 2 * DKV_BYTES) * (cp - 1) * tokens * cfg.kv_dim / tp * layers * m,
     }

@@ -7,17 +7,19 @@ checkpointing's formulas the standard tp / pp / cp ones. Here one small GPT (tie
 on 2, and the calculator's numbers for the same inputs are compared with the second step's `engine.comm_ledger`
 (by mesh axis) and `engine.memory_report(when="before_step")`:
 
-    tp comm       the tp axis's (b, T, C) all-reduces, less the embedding's and the head's
+    tp comm       the tp axis's (b, T, C) all-reduces: the blocks', the embedding's and the head's
     pp comm       the busiest stage's sends, less each message's status element
     cp comm       the cp axis's sends, exactly (K/V at the activation dtype, dK/dV in float32)
     dp comm       over N_d = dp x cp: the cp axis's reduce-scatters and all-gathers, exactly
     parameters    Psi / (tp pp): the mean over the model-parallel ranks, each replicated copy once
     ZeRO's N_d    dp x cp: gradient and master shards of Psi / cp (Psi divisible: no padding)
+    fp32 masters  fp32 at ZeRO 1 over dp 3: the fp32 master shard, 4 Psi / 3
 
     activations   per block (tp 3 with sequence parallelism, cp 3): the bytes a block's first
-                  forward saves for backward (saved-tensor hooks), blocks after the first exactly
+                  forward saves for backward (saved-tensor hooks), blocks after the first exactly;
+                  and under bf16 at dp 3 (the norms' inputs, 1/rms and log-sum-exp in float32)
 
-What the calculator leaves out (embedding, head and loss traffic, replicated norms, the tied
+What the calculator leaves out (the loss's traffic, replicated norms, the tied
 table's copy) is derived beside each comparison. Not checked here: activations under pp (1F1B's
 in-flight micro-batches: they stay `PLANNED`), and tp or cp combined with other axes.
 `--thorough` adds tp 3 with full recompute (6 all-reduces per block) and cp 3's activations (fp32,
@@ -55,13 +57,16 @@ LAYOUTS = {
     "tp3-sp": (3, 1, 1, 0, "fp32", "none"),  # sequence parallel: what the calculator's activations assume
     "cp3-none": (1, 1, 3, 0, "fp32", "none"),  # --thorough: ~60 s on 2 loaded cores (fp32 ring attention)
     "tp3-full": (3, 1, 1, 0, "fp32", "full"),
+    "dp3-zero1": (1, 1, 1, 1, "fp32", "none"),  # dp 3 (DP below): fp32 ZeRO 1 keeps an fp32 master shard
+    "dp3-bf16": (1, 1, 1, 0, "bf16", "none"),  # dp 3: a bf16 block keeps its norms' inputs in float32
 }
-DEFAULT = ("tp3", "pp3", "cp3", "tp3-sp")  # on 3 ranks; pp2 on 2
+DP = {"dp3-zero1": 3, "dp3-bf16": 3}  # data-parallel degree (1 unless named)
+DEFAULT = ("tp3", "pp3", "cp3", "tp3-sp", "dp3-zero1", "dp3-bf16")  # on 3 ranks; pp2 on 2
 
 
 def calculator(name: str) -> dict:
     tp, pp, cp, stage, dtype, policy = LAYOUTS[name]
-    return estimate(dict(model="custom", **SHAPE, dtype=dtype, optimizer="adamw", dp=1, tp=tp, pp=pp, cp=cp,
+    return estimate(dict(model="custom", **SHAPE, dtype=dtype, optimizer="adamw", dp=DP.get(name, 1), tp=tp, pp=pp, cp=cp,
                          zero_stage=stage, micro_batch=b, seq_len=T, num_microbatches=m, checkpointing=policy))
 
 
@@ -95,15 +100,16 @@ def _train(names):
     out = []
     for name in names:
         tp, pp, cp, stage, dtype, policy = LAYOUTS[name]
+        dp = DP.get(name, 1)
         model = GPT(GPTConfig(max_seq_len=T, **SHAPE), seed=3, dtype=torch.float32)
         psi = sum(p.numel() for p in model.parameters())
         engine = ts.initialize(model, {
-            "train_batch_size": b * m, "train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
+            "train_batch_size": b * m * dp, "train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
             "bf16": {"enabled": dtype == "bf16"}, "activation_checkpointing": {"policy": policy},
             "parallel": {"tensor": tp, "pipeline": pp, "context": cp, "sequence_parallel": name.endswith("-sp")}})
         saved = _BlockSaved(engine.model)
-        for batch in synthetic_token_batches(num_batches=2, batch_size=b * m, seq_len=T, vocab_size=V, seed=1):
+        for batch in synthetic_token_batches(num_batches=2, batch_size=b * m * dp, seq_len=T, vocab_size=V, seed=1):
             engine.comm_ledger.clear()  # keep the second step's: no first-step shape headers
             with saved_tensors_hooks(saved.pack, lambda t: t):
                 engine.train_batch(batch)
@@ -122,7 +128,7 @@ def _train(names):
 def measured(names: tuple[str, ...]) -> dict:
     """{name: [rank] -> (Psi, memory, rows)}, every layout of `names` (one world size) in one pooled call."""
     tp, pp, cp, *_ = LAYOUTS[names[0]]
-    per_rank = run_on_ranks(_train, tp * pp * cp, list(names))
+    per_rank = run_on_ranks(_train, tp * pp * cp * DP.get(names[0], 1), list(names))
     return {name: [results[i] for results in per_rank] for i, name in enumerate(names)}
 
 
@@ -140,10 +146,11 @@ def _check_tp(name: str):
     want = calculator(name)["comm"]["tp"]
     for rank, (psi, _, rows, _) in enumerate(measured(DEFAULT if name in DEFAULT else (name,))[name]):
         calls, size = _sent(rows, "tp", "all_reduce", act)
-        # the calculator counts the blocks' all-reduces; the engine adds per micro-batch the embedding's
-        # output all-reduce (forward) and the head's input one (backward): 2 m more of the same size
+        # the blocks' all-reduces and, per micro-batch, the embedding's output all-reduce (forward) and
+        # the head's input one (backward), of the same size: the calculator counts all of them (it
+        # used to leave out the 2 m, 1 / (2 L + 1) of the bytes here)
         assert calls == blocks * L * m + 2 * m, (name, rank, rows)
-        assert (calls - 2 * m) * act * ring == want, (name, rank)
+        assert calls * act * ring == want, (name, rank)
         # everything else on the tp axis is small and left out: the vocab-parallel loss's 3 numbers
         # per token per micro-batch and one all-reduce of the world's failure flags (a float64 per rank)
         rest = {k: n for k, n in rows.items() if k[0] == "tp" and k[2] != act}
@@ -151,7 +158,7 @@ def _check_tp(name: str):
         assert calculator(name)["num_params"] == psi
 
 
-def test_calculator_tp_comm_equals_the_ledger_less_embedding_and_head():
+def test_calculator_tp_comm_equals_the_ledger_s_activation_all_reduces():
     _check_tp("tp3")
 
 
@@ -223,13 +230,15 @@ def test_calculator_cp_zero_shards_over_dp_times_cp():
         assert sum(size for _, size in zero) * 2 / 3 == out["comm"]["dp"], rank  # ring: (n - 1) / n each
 
 
-@pytest.mark.parametrize("name", ["tp3-sp", pytest.param("cp3-none", marks=pytest.mark.thorough)])
+@pytest.mark.parametrize("name", ["tp3-sp", "dp3-bf16", pytest.param("cp3-none", marks=pytest.mark.thorough)])
 def test_calculator_tp_cp_activations_per_block_equal_the_saved_tensors(name):
     """Per block and micro-batch, what a rank saves for backward: cp splits all of our block's
     tensors over the tokens; tp with sequence parallelism splits all but the two norms' outputs,
     which the column-parallel layers save as they are all-gathered, whole (Megatron gathers them
     again in backward instead): (A + (tp - 1) 2 s b h p) / (tp cp). Without pp and checkpointing
-    the calculator's activations are L such blocks."""
+    the calculator's activations are L such blocks. Under bf16 (dp 3) the norms' upcast inputs, 1/rms
+    and sdpa's log-sum-exp are float32 (`_fp32_saved`): counting them at 2 bytes, as
+    `block_saved_bytes` does, is 2 (2 s b h + 2 s b + a s b) bytes a block short and fails."""
     per_block = calculator(name)["device"]["activations"] / L
     for rank, (*_, saved) in enumerate(measured(DEFAULT if name in DEFAULT else (name,))[name]):
         assert [saved[i] for i in range(1, L)] == [per_block] * (L - 1), (name, rank, saved, per_block)
@@ -240,3 +249,20 @@ def test_calculator_tp_cp_activations_per_block_equal_the_saved_tensors(name):
 
 def test_calculator_planned_names_only_the_unmeasured_parts():
     assert PLANNED == ("pp",)
+
+
+def test_calculator_fp32_zero1_counts_the_master_shard():
+    """fp32 under ZeRO 1 over dp 3: the optimizer steps an fp32 copy of the rank's third (as
+    DeepSpeed's ZeRO does), 4 Psi / 3 beside the fp32 parameters (Psi divides by 3: no padding).
+    The calculator counted 0 for it (fp32's 4 + 4 + K without a master). The report is taken after
+    the last backward reduce-scattered the gradients: a third of them, where the calculator counts
+    the whole gradient that ZeRO 1 holds between an accumulation's micro-batches. ZeRO 1's traffic:
+    one reduce-scatter and one all-gather of Psi fp32 elements per step, ring (n - 1) / n each."""
+    out = calculator("dp3-zero1")
+    for rank, (psi, memory, rows, _) in enumerate(measured(DEFAULT)["dp3-zero1"]):
+        assert memory["master_weights"] == 4 * psi // 3 == out["device"]["master_weights"], rank
+        assert memory["parameters"] == 4 * psi == out["device"]["parameters"], rank
+        assert memory["gradients"] == 4 * psi // 3 == out["device"]["gradients"] / 3, rank
+        zero = [_sent(rows, "dp", op, 4 * psi) for op in ("reduce_scatter", "all_gather")]
+        assert zero == [(1, 4 * psi), (1, 4 * psi)], (rank, rows)
+        assert sum(size for _, size in zero) * 2 / 3 == out["comm"]["dp"], rank

@@ -178,16 +178,16 @@ def moe_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, ep: int = 1) ->
     SwiGLU insides (4 M F_e, as a dense MLP's four) and the combine weights (M), in the compute
     dtype; the shared experts' SwiGLU insides (4 N S F_e); the router's logits, probabilities
     and top-k weights in float32 at least (N (2E + k + 2) + E); the int64 top-k and token indices
-    (N k + 2 M). With ep > 1 the rows a rank receives (R, the same M on average) are sorted by
-    expert first: the sorted rows and the outputs before the way back are kept as well as the
-    returned outputs (4 M C instead of 3), with the sort's int64 order (M). Not split by tp: every
-    tp rank runs the whole MoE on its tokens (`tensor_parallel.apply`). Read off the saved tensors
-    of one MoE forward at ep 1 and 2."""
+    (N k + 2 M). With ep > 1 the experts run on the R rows a rank receives (the same M on average),
+    sorted by expert: their input and SwiGLU insides are R rows, the returned outputs and their
+    weighted copy M rows, still 3 M C; the rows sent and the experts' outputs before the way back
+    are not kept (the all-to-all keeps nothing, combine's `index_put` only the order); the sort
+    adds its int64 order (R = M). Not split by tp: every tp rank runs the whole MoE on its tokens
+    (`tensor_parallel.apply`). Read off the saved tensors of one MoE forward at ep 1 and 2."""
     N = b * s
     M = N * kept_per_token(cfg)
     C, Fe, E, k = cfg.d_model, cfg.expert_dim, cfg.moe_experts, cfg.moe_top_k
-    rows = 3 if ep == 1 else 4  # (M, C) tensors kept
-    return (p * (M * (rows * C + 4 * Fe + 1) + 4 * N * cfg.moe_shared_experts * Fe)
+    return (p * (M * (3 * C + 4 * Fe + 1) + 4 * N * cfg.moe_shared_experts * Fe)
             + max(p, 4) * (N * (2 * E + k + 2) + E) + 8 * (N * k + 2 * M + (M if ep > 1 else 0)))
 # --8<-- [end:moe-activations]
 

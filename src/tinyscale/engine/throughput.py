@@ -41,13 +41,15 @@ def early_stop_of(config: EngineConfig, model_config: GPTConfig | None = None) -
     re-entrant one does not; in a compiled block both are torch's checkpoint, whose backward graph
     reruns what an early stop reruns with "aot_eager", and the whole region with the "eager"
     backend (measured: `pytest -k "hfu_matches or torch_compile_checkpointing"`), unless the
-    region breaks Dynamo's graph: counter dropout masks (`model_config`) key each mask by a
-    Python int read from a tensor, so Dynamo runs that region as torch's eager checkpoint, which
-    stops early (measured: selective reruns Q K^T only). "inductor" partitions the same tagged
-    graph, so it is counted as "aot_eager" (not measured: its generated kernels run outside the
-    dispatcher, where no FLOP counter sees them)."""
+    region breaks Dynamo's graph, and Dynamo runs it as torch's eager checkpoint, which stops
+    early (measured: selective reruns Q K^T only): with dropout (`model_config`), counter masks
+    key each mask by a Python int read from a tensor, and tensor parallelism's dropout asks the
+    process group for its rank. "inductor" partitions the same tagged graph, so it is counted as
+    "aot_eager" (not measured: its generated kernels run outside the dispatcher, where no FLOP
+    counter sees them)."""
     if config.compile.enabled:
-        breaks = model_config is not None and model_config.dropout > 0 and model_config.dropout_masks == "counter"
+        breaks = model_config is not None and model_config.dropout > 0 and (
+            model_config.dropout_masks == "counter" or config.parallel.tensor > 1)
         return config.compile.backend != "eager" or breaks
     return not config.activation_checkpointing.use_reentrant
 

@@ -205,9 +205,10 @@ def test_mfu_hfu_matches_flop_counter_under_the_checkpointing_policies(policy, e
 # Layouts whose rerun the GPT's config alone does not tell (all selective, each a P v per region):
 # tensor parallelism with dropout runs the attention core as matmuls whatever attn_impl says (each
 # rank's dropout is a function, which SDPA cannot take), so the early stop skips its P v; under the
-# "eager" compile backend, counter dropout, and tensor parallelism's exact dropout, break the
-# checkpointed region's graph, so Dynamo runs it as torch's eager checkpoint, which stops early,
-# where a captured region reruns whole (the tracker mode is refused there: engine/compiled.py).
+# "eager" compile backend, where a captured region reruns whole, the rerun stops early (as torch's
+# eager checkpoint does) with counter dropout (a graph break in the region) and with tensor
+# parallelism's exact dropout (its blocks break at their collectives; the tracker mode is refused
+# there: engine/compiled.py).
 # (world, GPTConfig options, config options). Vocab 64: tp 2 divides it, so no padded head rows run.
 _EAGER = {"compile": {"enabled": True, "backend": "eager"}}
 _LAYOUT_RERUNS = {

@@ -40,11 +40,13 @@ def early_stop_of(config: EngineConfig, model_config: GPTConfig | None = None) -
     """`early_stop` for `tinyscale.mfu.hfu`: ours non-re-entrant stops its rerun early, the
     re-entrant one does not; in a compiled block both are torch's checkpoint, whose backward graph
     reruns what an early stop reruns with "aot_eager", and the whole region with the "eager"
-    backend (measured: `pytest -k "hfu_matches or torch_compile_checkpointing"`), unless the
-    region breaks Dynamo's graph, and Dynamo runs it as torch's eager checkpoint, which stops
-    early (measured: selective reruns Q K^T only): with dropout (`model_config`), counter masks
-    key each mask by a Python int read from a tensor, and tensor parallelism's dropout asks the
-    process group for its rank. "inductor" partitions the same tagged graph, so it is counted as
+    backend (measured: `pytest -k "hfu_matches or torch_compile_checkpointing"`), except where
+    the rerun was measured to stop early there too (selective reruns Q K^T only), as torch's
+    eager checkpoint does: with dropout (`model_config`) and counter masks, which key each mask
+    by a Python int read from a tensor (a graph break in the region), and with dropout under
+    tensor parallelism, whose blocks Dynamo breaks at their collectives (the region then runs
+    as torch's eager checkpoint; without dropout the core is SDPA, rerun whole either way).
+    "inductor" partitions the same tagged graph, so it is counted as
     "aot_eager" (not measured: its generated kernels run outside the dispatcher, where no FLOP
     counter sees them)."""
     if config.compile.enabled:

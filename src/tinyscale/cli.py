@@ -82,7 +82,7 @@ def _write_outputs(run_dir: Path, spec, result: dict, ref: dict | None, summary:
 def _utilization(spec, tokens_per_s: float, result: dict) -> dict:
     """MFU and HFU of the run's throughput (steps after the first), `tinyscale.mfu`'s formulas."""
     from tinyscale.config import EngineConfig
-    from tinyscale.engine.throughput import early_stop_of, recompute_of
+    from tinyscale.engine.throughput import early_stop_of, explicit_core_of, recompute_of
     from tinyscale.mfu import hfu, mfu
     from tinyscale.models import GPTConfig
 
@@ -92,7 +92,8 @@ def _utilization(spec, tokens_per_s: float, result: dict) -> dict:
     source = "vendor table" if result["backend"] == "nccl" else "measured matmul peak of this CPU"
     return {"mfu": mfu(tokens_per_s, cfg, peak, num_devices=devices),
             "hfu": hfu(tokens_per_s, cfg, peak, num_devices=devices, recompute=recompute, recomputed_layers=layers,
-                       early_stop=early_stop_of(engine_config)),
+                       early_stop=early_stop_of(engine_config, cfg),
+                       explicit_core=explicit_core_of(engine_config, cfg)),
             "peak_flops": peak, "peak_source": source}
 
 

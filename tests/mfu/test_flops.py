@@ -3,6 +3,8 @@ and with recomputation), and the shortcuts differ from them by exactly what they
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -180,7 +182,6 @@ def test_mfu_hfu_matches_flop_counter_under_the_checkpointing_policies(policy, e
     runs under tinyscale's checkpoint (counted by FlopCounterMode, the forward's own included)
     equal the formula exactly: whole regions re-entrantly or with early_stop=False, all but an
     unsaved last matmul with early stop (the non-re-entrant default)."""
-    import functools
 
     import tinyscale.checkpointing.policies as policies
     from tinyscale.checkpointing import apply_policy
@@ -199,3 +200,63 @@ def test_mfu_hfu_matches_flop_counter_under_the_checkpointing_policies(policy, e
     # float64: an MoE's experts run as a loop of matmuls FlopCounterMode sees (not a Triton kernel)
     model = apply_policy(GPT(cfg, dtype=torch.float64), policy, every_k=every_k, use_reentrant=variant == "reentrant")
     assert sum(_counted(model, 2, 32)) == 2 * forward_flops(cfg, 32).hardware(recompute, layers, early_stop)
+
+
+# Layouts whose rerun the GPT's config alone does not tell (all selective, each a P v per region):
+# tensor parallelism with dropout runs the attention core as matmuls whatever attn_impl says (each
+# rank's dropout is a function, which SDPA cannot take), so the early stop skips its P v; under the
+# "eager" compile backend, where a captured region reruns whole, the rerun stops early (as torch's
+# eager checkpoint does) with counter dropout (a graph break in the region) and with tensor
+# parallelism's exact dropout (its blocks break at their collectives; the tracker mode is refused
+# there: engine/compiled.py).
+# (world, GPTConfig options, config options). Vocab 64: tp 2 divides it, so no padded head rows run.
+_EAGER = {"compile": {"enabled": True, "backend": "eager"}}
+_LAYOUT_RERUNS = {
+    "tp2-sdpa-tracker-dropout": (2, {"dropout": 0.1}, {"parallel": {"tensor": 2, "tensor_dropout": "tracker"}}),
+    "compiled-eager-counter-dropout": (1, {"dropout": 0.1, "dropout_masks": "counter"}, _EAGER),
+    "compiled-eager-tp2-exact-dropout": (2, {"dropout": 0.1}, {"parallel": {"tensor": 2}, **_EAGER}),
+}
+_ROWS, _SEQ = 4, 16  # 16 tokens: hardware FLOPs / 16 is an exact float, so the comparison below is ==
+
+
+def _engine_steps_flops(cases: list[tuple[dict, dict]]) -> list[tuple[int, float]]:
+    """Per (GPTConfig options, config options): this rank's matmul FLOPs in one engine step
+    (FlopCounterMode; a compiled case after one uncounted step, which compiles), and the hardware
+    FLOPs per token the engine's HFU counts for the whole job."""
+    import tinyscale as ts
+    from tinyscale.data import synthetic_token_batches
+
+    out = []
+    for model_options, config_options in cases:
+        torch._dynamo.reset()
+        cfg = GPTConfig(vocab_size=64, max_seq_len=_SEQ, n_layer=2, n_head=4, n_kv_head=2, d_model=16, ffn_hidden=24,
+                        tie_embeddings=True, **model_options)  # attn_impl "sdpa", the default
+        config = {"train_batch_size": _ROWS, "activation_checkpointing": {"policy": "selective"}, **config_options}
+        engine = ts.initialize(GPT(cfg, seed=0, dtype=torch.float64), config)
+        first, second = synthetic_token_batches(num_batches=2, batch_size=_ROWS, seq_len=_SEQ, vocab_size=64, seed=0)
+        if "compile" in config_options:
+            engine.train_batch(first)
+        with FlopCounterMode(display=False) as counter:
+            engine.train_batch(second)
+        out.append((counter.get_total_flops(), engine.throughput.tracker.hardware_flops_per_token))
+    return out
+
+
+@functools.cache
+def _layout_flops(world: int) -> dict[str, list[tuple[int, float]]]:
+    """{layout: per rank (FLOPs, hardware FLOPs per token)} for the layouts of this world size, in one call."""
+    from tinyscale.testing import run_on_ranks
+
+    names = [name for name, (w, _, _) in _LAYOUT_RERUNS.items() if w == world]
+    cases = [_LAYOUT_RERUNS[name][1:] for name in names]
+    per_rank = run_on_ranks(_engine_steps_flops, world, cases) if world > 1 else [_engine_steps_flops(cases)]
+    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(names)}
+
+
+@pytest.mark.parametrize("layout", _LAYOUT_RERUNS)
+def test_mfu_hfu_matches_flop_counter_where_the_layout_decides_the_rerun(layout):
+    """The engine's HFU (`explicit_core_of`, `early_stop_of` with the GPT's config) equals the FLOPs
+    the step runs, summed over the ranks (tp: each runs its heads' and FFN columns' share)."""
+    per_rank = _layout_flops(_LAYOUT_RERUNS[layout][0])[layout]
+    assert len({per_token for _, per_token in per_rank}) == 1  # every rank counts the job's FLOPs alike
+    assert sum(flops for flops, _ in per_rank) == _ROWS * _SEQ * per_rank[0][1]

@@ -9,7 +9,8 @@ sequence length); other models get tokens/s only. Peak: `peak_flops=` if given, 
 vendor table for a CUDA device (`tinyscale.mfu.peak_flops`), else none (a CPU has no vendor
 peak: the CLI measures one with `measured_peak`). HFU adds what the activation-checkpointing
 policy recomputes, as its checkpoint reruns it (`early_stop_of`: whole regions re-entrantly, all
-but a region's unsaved last matmul with early stop). Both are over a window of steps
+but a region's unsaved last matmul with early stop; `explicit_core_of`: whether the attention
+core's P v is such a matmul). Both are over a window of steps
 (`WindowedMFU`: tokens and seconds summed, not an average of per-step ratios), so they are right
 whenever they are read.
 """
@@ -20,7 +21,7 @@ import torch
 
 from tinyscale.config import EngineConfig
 from tinyscale.mfu import WindowedMFU, hardware_flops_per_token, model_flops_per_token, peak_flops
-from tinyscale.models import GPT
+from tinyscale.models import GPT, GPTConfig
 
 
 def recompute_of(config: EngineConfig, n_layer: int) -> tuple[str, int | None]:
@@ -35,16 +36,32 @@ def recompute_of(config: EngineConfig, n_layer: int) -> tuple[str, int | None]:
     return "none", None  # "offload" moves activations, it recomputes nothing
 
 
-def early_stop_of(config: EngineConfig) -> bool:
+def early_stop_of(config: EngineConfig, model_config: GPTConfig | None = None) -> bool:
     """`early_stop` for `tinyscale.mfu.hfu`: ours non-re-entrant stops its rerun early, the
     re-entrant one does not; in a compiled block both are torch's checkpoint, whose backward graph
     reruns what an early stop reruns with "aot_eager", and the whole region with the "eager"
-    backend (measured: `pytest -k "hfu_matches or torch_compile_checkpointing"`). "inductor"
-    partitions the same tagged graph, so it is counted as "aot_eager" (not measured: its
-    generated kernels run outside the dispatcher, where no FLOP counter sees them)."""
+    backend (measured: `pytest -k "hfu_matches or torch_compile_checkpointing"`), except where
+    the rerun was measured to stop early there too (selective reruns Q K^T only), as torch's
+    eager checkpoint does: with dropout (`model_config`) and counter masks, which key each mask
+    by a Python int read from a tensor (a graph break in the region), and with dropout under
+    tensor parallelism, whose blocks Dynamo breaks at their collectives (the region then runs
+    as torch's eager checkpoint; without dropout the core is SDPA, rerun whole either way).
+    "inductor" partitions the same tagged graph, so it is counted as
+    "aot_eager" (not measured: its generated kernels run outside the dispatcher, where no FLOP
+    counter sees them)."""
     if config.compile.enabled:
-        return config.compile.backend != "eager"
+        breaks = model_config is not None and model_config.dropout > 0 and (
+            model_config.dropout_masks == "counter" or config.parallel.tensor > 1)
+        return config.compile.backend != "eager" or breaks
     return not config.activation_checkpointing.use_reentrant
+
+
+def explicit_core_of(config: EngineConfig, model_config: GPTConfig) -> bool | None:
+    """`explicit_core` for `tinyscale.mfu.hfu`: True under tensor parallelism with dropout (its
+    attention core drops each rank's heads through a function, tensor_parallel/random.py, so it
+    runs as matmuls, and an early stop skips its P v, whatever attn_impl says); else None, the
+    config's own answer."""
+    return True if config.parallel.tensor > 1 and model_config.dropout > 0 else None
 
 
 class Throughput:
@@ -79,7 +96,8 @@ class Throughput:
                 recompute, layers = recompute_of(self.config, gpt.n_layer)
                 flops = model_flops_per_token(gpt, self._seq_len)
                 hflops = hardware_flops_per_token(gpt, self._seq_len, recompute=recompute, recomputed_layers=layers,
-                                                  early_stop=early_stop_of(self.config))
+                                                  early_stop=early_stop_of(self.config, gpt),
+                                                  explicit_core=explicit_core_of(self.config, gpt))
             self.tracker = WindowedMFU(flops, self.peak or 1.0, window=self.window, num_devices=self.num_devices,
                                        hardware_flops_per_token=hflops)
         self.tracker.update(tokens=int(tokens), seconds=seconds)

@@ -36,7 +36,11 @@ non-re-entrant default, ours and torch's; and a checkpoint in a block compiled w
 whose backward graph reruns the same matmuls) the rerun ends at the region's last
 saved tensor, so a last matmul whose output nothing saves is not rerun: the block's MLP down
 projection, unless a residual dropout after it saves a mask drawn from its output; the core's
-P v, unless a fused SDPA kernel saves its own output.
+P v, unless a fused SDPA kernel saves its own output. Whether the core is a fused kernel is the
+config's (attn_impl "math", or counter dropout masks, run it as matmuls) unless the layout
+decides otherwise: tensor parallelism with dropout runs it as matmuls whatever attn_impl says
+(its dropout, drawn per rank, is passed in as a function SDPA cannot take), so the engine passes
+explicit_core=True there (engine/throughput.py).
 
 Lesson: lessons/06-mfu.md. Tests: `pytest tests/mfu -k mfu`.
 """
@@ -135,13 +139,22 @@ class ForwardFlops:
         return self.model + self.recomputed(recompute, recomputed_layers, early_stop)
 
 
-def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False) -> ForwardFlops:
+def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False,
+                  explicit_core: bool | None = None) -> ForwardFlops:
     """Exact matmul FLOPs of the GPT's forward pass over one sequence of `seq_len` tokens.
 
     `seq_len` may exceed config.max_seq_len (this is arithmetic: the model itself would refuse).
     causal=False counts the full T x T attention square (the math path, PaLM's convention);
-    causal=True only the T(T+1)/2 pairs a causal kernel must compute."""
+    causal=True only the T(T+1)/2 pairs a causal kernel must compute. explicit_core: whether
+    the attention core runs as matmuls of its own (what an early stop can skip P v of); None
+    reads it from the config, True where the layout makes it so (tensor parallelism with
+    dropout). It changes only `recomputed`, not the forward's count."""
     _check(config, seq_len)
+    if explicit_core is None:
+        explicit_core = config.attn_impl == "math" or (config.dropout > 0 and config.dropout_masks == "counter")
+    elif not isinstance(explicit_core, bool):
+        raise ValueError(f"explicit_core={explicit_core!r}: pass True (the core's matmuls run on their own), "
+                         "False (a fused SDPA kernel) or None (from the config)")
     T, C, L = seq_len, config.d_model, config.n_layer
     pairs = T * (T + 1) // 2 if causal else T * T  # query-key pairs per head
     return ForwardFlops(
@@ -155,7 +168,7 @@ def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False) -> F
         mlp_last=T * sum(2 * C * (config.moe_shared_experts * config.expert_dim if config.is_moe_layer(i)
                                   else config.ffn_dim) for i in range(L)),  # (T, F) @ (F, C)
         residual_dropout=config.dropout > 0,
-        explicit_core=config.attn_impl == "math" or (config.dropout > 0 and config.dropout_masks == "counter"),
+        explicit_core=explicit_core,
     )
 # --8<-- [end:forward-flops]
 
@@ -182,10 +195,12 @@ def model_flops_per_token(config: GPTConfig, seq_len: int, *, causal: bool = Fal
 
 def hardware_flops_per_token(config: GPTConfig, seq_len: int, *, recompute: str = "none",
                              recomputed_layers: int | None = None, causal: bool = False,
-                             early_stop: bool = True) -> float:
+                             early_stop: bool = True, explicit_core: bool | None = None) -> float:
     """Executed matmul FLOPs per token, recomputation included: the numerator of HFU.
-    early_stop: as `ForwardFlops.recomputed` (False for a re-entrant checkpoint)."""
-    return forward_flops(config, seq_len, causal=causal).hardware(recompute, recomputed_layers, early_stop) / seq_len
+    early_stop: as `ForwardFlops.recomputed` (False for a re-entrant checkpoint); explicit_core:
+    as `forward_flops`."""
+    flops = forward_flops(config, seq_len, causal=causal, explicit_core=explicit_core)
+    return flops.hardware(recompute, recomputed_layers, early_stop) / seq_len
 
 
 def matmul_params(config: GPTConfig) -> int:

@@ -43,7 +43,7 @@ eagerly (`pytest -k torch_compile_checkpointing`, one process, attention "math")
 the same bytes (the blocks' inputs), `selective` keeps no (B, H, T, T) tensor, and the same
 softmaxes run again in backward; the compiled backward skips each region's last matmul (the
 MLP's down projection, the attention's P v), whose output no gradient needs, as torch's eager
-checkpoint stops early and ours does not. Random ops rerun in the backward graph get the
+checkpoint's early stop does (and, since then, ours: `tinyscale.checkpointing`'s `early_stop=True`). Random ops rerun in the backward graph get the
 generator state they had in the forward (saved beside the inputs, one CPU state of 5,056 bytes
 per random op: eagerly the checkpoint keeps one per region, outside autograd), so stream
 dropout's masks are replayed (with inductor: `fallback_random`, as below).

@@ -192,7 +192,7 @@ def test_mfu_hfu_matches_flop_counter_under_the_checkpointing_policies(policy, e
     ac = {"policy": policy, "every_k": every_k, "use_reentrant": variant == "reentrant"}
     config = EngineConfig.load({"train_batch_size": 2, "activation_checkpointing": ac})
     recompute, layers = recompute_of(config, cfg.n_layer)
-    early_stop = early_stop_of(config)
+    early_stop = early_stop_of(config, tp=config.parallel.tensor)
     assert early_stop == (variant != "reentrant")
     if variant == "no-early-stop":  # apply_policy leaves early_stop at checkpoint()'s default: turn it off
         monkeypatch.setattr(policies, "checkpoint", functools.partial(policies.checkpoint, early_stop=False))

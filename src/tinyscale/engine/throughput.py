@@ -36,7 +36,7 @@ def recompute_of(config: EngineConfig, n_layer: int) -> tuple[str, int | None]:
     return "none", None  # "offload" moves activations, it recomputes nothing
 
 
-def early_stop_of(config: EngineConfig, model_config: GPTConfig | None = None) -> bool:
+def early_stop_of(config: EngineConfig, model_config: GPTConfig | None = None, *, tp: int) -> bool:
     """`early_stop` for `tinyscale.mfu.hfu`: ours non-re-entrant stops its rerun early, the
     re-entrant one does not; in a compiled block both are torch's checkpoint, whose backward graph
     reruns what an early stop reruns with "aot_eager", and the whole region with the "eager"
@@ -48,20 +48,21 @@ def early_stop_of(config: EngineConfig, model_config: GPTConfig | None = None) -
     as torch's eager checkpoint; without dropout the core is SDPA, rerun whole either way).
     "inductor" partitions the same tagged graph, so it is counted as
     "aot_eager" (not measured: its generated kernels run outside the dispatcher, where no FLOP
-    counter sees them)."""
+    counter sees them). `tp`: the tensor-parallel degree, the plan's (`engine.plan.tp`: the
+    config's layout is not read after `plan_layout`)."""
     if config.compile.enabled:
         breaks = model_config is not None and model_config.dropout > 0 and (
-            model_config.dropout_masks == "counter" or config.parallel.tensor > 1)
+            model_config.dropout_masks == "counter" or tp > 1)
         return config.compile.backend != "eager" or breaks
     return not config.activation_checkpointing.use_reentrant
 
 
-def explicit_core_of(config: EngineConfig, model_config: GPTConfig) -> bool | None:
+def explicit_core_of(config: EngineConfig, model_config: GPTConfig, *, tp: int) -> bool | None:
     """`explicit_core` for `tinyscale.mfu.hfu`: True under tensor parallelism with dropout (its
     attention core drops each rank's heads through a function, tensor_parallel/random.py, so it
     runs as matmuls, and an early stop skips its P v, whatever attn_impl says); else None, the
-    config's own answer."""
-    return True if config.parallel.tensor > 1 and model_config.dropout > 0 else None
+    config's own answer. `tp` as in `early_stop_of`."""
+    return True if tp > 1 and model_config.dropout > 0 else None
 
 
 class Throughput:
@@ -69,7 +70,7 @@ class Throughput:
     the same wall time, so tokens are the global batch's and the devices are all ranks'."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, *,
-                 peak: float | None = None, num_devices: int = 1, window: int = 20):
+                 peak: float | None = None, num_devices: int = 1, window: int = 20, tp: int = 1):
         if peak is None and device.type == "cuda":
             try:
                 dtype = next(model.parameters()).dtype
@@ -81,6 +82,7 @@ class Throughput:
         if peak is not None and not peak > 0:
             raise ValueError(f"peak_flops={peak!r} must be a positive number of FLOP/s (e.g. measured_peak())")
         self.model, self.config, self.peak, self.num_devices, self.window = model, config, peak, num_devices, window
+        self.tp = tp  # the plan's tensor-parallel degree
         self.tracker: WindowedMFU | None = None
         self._seq_len: int | None = None
 
@@ -96,8 +98,8 @@ class Throughput:
                 recompute, layers = recompute_of(self.config, gpt.n_layer)
                 flops = model_flops_per_token(gpt, self._seq_len)
                 hflops = hardware_flops_per_token(gpt, self._seq_len, recompute=recompute, recomputed_layers=layers,
-                                                  early_stop=early_stop_of(self.config, gpt),
-                                                  explicit_core=explicit_core_of(self.config, gpt))
+                                                  early_stop=early_stop_of(self.config, gpt, tp=self.tp),
+                                                  explicit_core=explicit_core_of(self.config, gpt, tp=self.tp))
             self.tracker = WindowedMFU(flops, self.peak or 1.0, window=self.window, num_devices=self.num_devices,
                                        hardware_flops_per_token=hflops)
         self.tracker.update(tokens=int(tokens), seconds=seconds)

@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -98,36 +99,78 @@ class Row:
 
 @dataclass
 class Ledger:
-    """The rows recorded while a `record()` block was open (on this rank)."""
+    """The rows recorded while a `record()` block was open (on this rank).
 
-    rows: list[Row] = field(default_factory=list)
+    ``max_rows=None`` (the default, what `record()` opens) keeps every row in the list `rows`.
+    With `max_rows`, `rows` (a `collections.deque`) keeps the most recent `max_rows` rows, and
+    a row pushed out of that window is folded into per-op running totals, so `bytes`,
+    `bus_bytes`, `calls`, `seconds` and `by_op` still count every call recorded since the
+    last `clear()`; what reads `rows` itself (a test's filter, `plan.traffic_by_axis`) sees
+    the window only. The engine's ledger is bounded (`engine.COMM_LEDGER_MAX_ROWS`), so a long
+    run does not keep a row for every call it ever made.
+    """
 
-    def _select(self, op: str | Sequence[str] | None) -> list[Row]:
+    rows: list[Row] | deque[Row] = field(default_factory=list)
+    max_rows: int | None = None
+    # {op: {"calls", "bytes", "bus_bytes", "seconds"}} of the rows that left the window
+    _retired: dict[str, dict[str, float]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.max_rows is not None:
+            if self.max_rows < 1:
+                raise ValueError(f"Ledger.max_rows must be >= 1 (or None: keep every row), got {self.max_rows}")
+            given, self.rows = self.rows, deque()
+            for row in given:
+                self.append(row)
+
+    def append(self, row: Row) -> None:
+        """Record one call: every op of this module adds its row to each open ledger through here."""
+        if self.max_rows is not None and len(self.rows) == self.max_rows:
+            # Folded as the row is now: an async row evicted before its Work.wait() counts with
+            # seconds 0.0 (its later stamp is lost to the totals). The engine waits on every
+            # async op within its step and its window holds many steps' rows, so there it cannot.
+            old = self.rows.popleft()
+            t = self._retired.setdefault(old.op, {"calls": 0, "bytes": 0, "bus_bytes": 0.0, "seconds": 0.0})
+            t["calls"] += 1
+            t["bytes"] += old.bytes
+            t["bus_bytes"] += old.bus_bytes
+            t["seconds"] += old.seconds
+        self.rows.append(row)
+
+    def _ops(self, op: str | Sequence[str] | None) -> set[str] | None:
         if op is None:
-            return self.rows
+            return None
         ops = {op} if isinstance(op, str) else set(op)
         unknown = ops - _BUS_FACTOR.keys()
         if unknown:
             raise ValueError(f"unknown op {sorted(unknown)}; known ops: {sorted(_BUS_FACTOR)}")
-        return [r for r in self.rows if r.op in ops]
+        return ops
+
+    def _select(self, op: str | Sequence[str] | None) -> Sequence[Row]:
+        ops = self._ops(op)
+        return self.rows if ops is None else [r for r in self.rows if r.op in ops]
+
+    def _retired_total(self, op: str | Sequence[str] | None, key: str) -> float:
+        ops = self._ops(op)
+        return sum(t[key] for name, t in self._retired.items() if ops is None or name in ops)
 
     def bytes(self, op: str | Sequence[str] | None = None) -> int:
         """Total size of the selected calls (see the module docstring for what size means per op)."""
-        return sum(r.bytes for r in self._select(op))
+        return sum((r.bytes for r in self._select(op)), self._retired_total(op, "bytes"))
 
     def bus_bytes(self, op: str | Sequence[str] | None = None) -> float:
         """Total bytes this rank sends for the selected calls under ring algorithms."""
-        return sum(r.bus_bytes for r in self._select(op))
+        return sum((r.bus_bytes for r in self._select(op)), self._retired_total(op, "bus_bytes"))
 
     def calls(self, op: str | Sequence[str] | None = None) -> int:
-        return len(self._select(op))
+        return len(self._select(op)) + self._retired_total(op, "calls")
 
     def seconds(self, op: str | Sequence[str] | None = None) -> float:
-        return sum(r.seconds for r in self._select(op))
+        return sum((r.seconds for r in self._select(op)), self._retired_total(op, "seconds"))
 
     def by_op(self) -> dict[str, dict[str, float]]:
         """{op: {"calls", "bytes", "bus_bytes", "seconds"}} in first-seen order."""
-        out: dict[str, dict[str, float]] = {}
+        out = {op: dict(t) for op, t in self._retired.items()}
         for r in self.rows:
             s = out.setdefault(r.op, {"calls": 0, "bytes": 0, "bus_bytes": 0.0, "seconds": 0.0})
             s["calls"] += 1
@@ -138,6 +181,7 @@ class Ledger:
 
     def clear(self) -> None:
         self.rows.clear()
+        self._retired.clear()
 
 
 # The open ledgers of this process, innermost last. Every op appends to all of them, so an
@@ -300,7 +344,7 @@ def _issue(op: str, nbytes: int, tensor: torch.Tensor, group, async_op: bool, ca
             ranks=_group_ranks(group, op, peer),
         )
         for ledger in _active:
-            ledger.rows.append(row)
+            ledger.append(row)
     return Work(work, row, watched, group, op) if async_op else None
 
 
@@ -524,7 +568,7 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
             row = Row(p.op, _nbytes(p.tensor), _group_size(p.group), str(p.tensor.dtype).removeprefix("torch."),
                       0.0, True, p.peer, start, None, _group_ranks(p.group, p.op, p.peer))
             for ledger in _active:
-                ledger.rows.append(row)
+                ledger.append(row)
         rows.append(row)
     # torch returns one Work per op on gloo, and a single coalesced Work on NCCL.
     watched = [_watch_of(p.group) for p in ops]

@@ -89,7 +89,7 @@ def _bench_rank(dp: int, tp: int, steps: int, rows: int, seq: int, d_model: int,
     engine.train_batch(batches[0])
     return {"ms": {k: statistics.median(v[2:]) * 1e3 for k, v in times.items()},
             "spread": {k: (min(v[2:]) * 1e3, max(v[2:]) * 1e3) for k, v in times.items()},
-            "engine_bus_bytes": engine.comm_ledger.bus_bytes(), "engine_calls": len(engine.comm_ledger.rows)}
+            "engine_bus_bytes": engine.comm_ledger.bus_bytes(), "engine_calls": engine.comm_ledger.calls()}
 
 
 def main() -> None:

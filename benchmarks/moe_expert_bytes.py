@@ -35,7 +35,7 @@ def _one(stage: int, ep: int) -> dict:
         "train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
         "parallel": {"expert": ep}})
-    engine.comm_ledger.rows.clear()  # the step's traffic, not the initial broadcast
+    engine.comm_ledger.clear()  # the step's traffic, not the initial broadcast
     for batch in synthetic_token_batches(num_batches=1, batch_size=8, seq_len=16, vocab_size=64, seed=0):
         engine.train_batch(batch)
     held = sum(torch.Size(s).numel() for n, s in engine._tp_shapes.items() if ".experts." in n) * 4

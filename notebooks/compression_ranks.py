@@ -35,5 +35,5 @@ def train_curves(runs: dict[str, dict], optimizer: dict, steps: int = 30) -> dic
                   "optimizer": optimizer, "compression": section}
         engine = ts.initialize(GPT(GPTConfig.preset("tiny"), seed=0), config)
         losses = [engine.train_batch(b) for b in batches]
-        out[name] = {"loss": losses, "bytes": sum(r.bytes for r in engine.comm_ledger.rows)}
+        out[name] = {"loss": losses, "bytes": engine.comm_ledger.bytes()}
     return out

@@ -43,15 +43,23 @@ def main() -> None:
         print(f"{name:>10} {do_bench(fused):8.3f} {do_bench(lambda: both(fused)):11.3f}")
 
 
-def backward_sweep() -> None:
-    """The backward kernel alone (forward outside the timing) per programs-per-SM x warps, each
-    checked against eager's gradients on the same inputs (largest error over max |eager grad|)."""
+def _inputs() -> tuple[torch.Tensor, ...]:
+    """x, residual (8, 1024, 4096) bf16 with gradients; LayerNorm weight and bias near 1 and 0; two
+    output gradients: the backward sweep's and the device timing's inputs (seed 0)."""
     torch.manual_seed(0)
     B, T, C, dtype = 8, 1024, 4096, torch.bfloat16
     x, r = (torch.randn(B, T, C, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     w = (1 + 0.1 * torch.randn(C, device="cuda", dtype=dtype)).requires_grad_()
     b = (0.1 * torch.randn(C, device="cuda", dtype=dtype)).requires_grad_()
     g1, g2 = (torch.randn(B, T, C, device="cuda", dtype=dtype) for _ in range(2))
+    return x, r, w, b, g1, g2
+
+
+def backward_sweep() -> None:
+    """The backward kernel alone (forward outside the timing) per programs-per-SM x warps, each
+    checked against eager's gradients on the same inputs (largest error over max |eager grad|)."""
+    x, r, w, b, g1, g2 = _inputs()
+    C = x.shape[-1]
     y0, h0 = F.layer_norm(r + F.dropout(x, 0.0), (C,), w, b), r + x  # p = 0 so eager's gradients are the truth
     ref = torch.autograd.grad((y0, h0), (x, r, w, b), (g1, g2))
     y_e, h_e = (lambda h: (F.layer_norm(h, (C,), w, b), h))(r + F.dropout(x, 0.1))
@@ -111,12 +119,8 @@ def device_times() -> None:
     """Forward and backward alone, eager and each fused backward: do_bench (host launches included),
     kernel time on the device (profiler) and CUDA-graph replay. If the fused kernels lose only with the
     host in the loop, the gap is launch cost, not the kernels."""
-    torch.manual_seed(0)
-    B, T, C, dtype = 8, 1024, 4096, torch.bfloat16
-    x, r = (torch.randn(B, T, C, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-    w = (1 + 0.1 * torch.randn(C, device="cuda", dtype=dtype)).requires_grad_()
-    b = (0.1 * torch.randn(C, device="cuda", dtype=dtype)).requires_grad_()
-    g1, g2 = (torch.randn(B, T, C, device="cuda", dtype=dtype) for _ in range(2))
+    x, r, w, b, g1, g2 = _inputs()
+    C = x.shape[-1]
 
     def eager():
         h = r + F.dropout(x, 0.1)

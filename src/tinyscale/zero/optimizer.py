@@ -465,15 +465,9 @@ class ShardedOptimizer:
         unit = self.units[unit_index]
         flat = unit.flatten(grads) if flat is None else flat
         first = self.grad[unit_index] is None  # the step's first reduction of this unit
-        if first and self.distributed and self.reduce_scatter and self.comm_dtype in (None, unit.dtype) \
-                and self.prescale_gradients:  # it lands in the gradient shard itself: no zeros to add to
-            flat.div_(unit.mean_over)
-            self.grad[unit_index] = out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            return _PendingShard(comm.reduce_scatter(out, flat, group=unit.process_group, async_op=async_op),
-                                 flat, out, None)
-        if first:
-            self.grad[unit_index] = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         if not self.distributed:
+            if first:
+                self.grad[unit_index] = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
             return _PendingShard(None, flat, flat, self.grad[unit_index])
         # Divide before summing (as torch DDP does): in fp16 the sum of N scaled gradients can
         # overflow where their mean would not. (A power-of-two N divides exactly either way.)
@@ -483,6 +477,13 @@ class ShardedOptimizer:
         post = n / pre  # what the sum is divided by when it arrives
         if self.comm_dtype is not None:
             flat = flat.to(self.comm_dtype)
+        if self.reduce_scatter and first and post == 1 and flat.dtype == unit.dtype:
+            # the step's first reduction, needing nothing on arrival, lands in the gradient shard itself
+            self.grad[unit_index] = out = torch.empty(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            return _PendingShard(comm.reduce_scatter(out, flat, group=unit.process_group, async_op=async_op),
+                                 flat, out, None)
+        if first:
+            self.grad[unit_index] = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
         if not self.reduce_scatter:  # all-reduce the whole unit, keep this rank's slice of it
             lo, hi = unit.shard_range()
             work = comm.all_reduce(flat, group=unit.process_group, async_op=async_op)

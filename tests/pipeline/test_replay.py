@@ -1,4 +1,5 @@
-"""benchmarks/pipeline.py's bubble gap: each timed step replayed in the simulator on its own costs.
+"""tinyscale.pipeline.replay (benchmarks/pipeline.py's bubble gap, notebook 08's bubbles): each
+timed step replayed in the simulator on its own costs.
 
 Fed a timeline the simulator itself produced (an executor with no cost outside its actions and
 messages), the replay gives the measured bubble exactly; a wait the model lacks shows as a gap;
@@ -6,44 +7,32 @@ and one cost per (stage, kind) hides the waits that the actions' spread causes (
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
 from tinyscale.pipeline import add_communication, one_f_one_b, simulate
+from tinyscale.pipeline.replay import bubbles
 from tinyscale.pipeline.schedules import COMM_KINDS, F
 
-
-@pytest.fixture(scope="module")
-def bench():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline.py"
-    spec = importlib.util.spec_from_file_location("bench_pipeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCHEDULE = add_communication(one_f_one_b(2, 8))
 
 
-def _steps(costs, holds, latency, p=2, m=8, delay=0.0):
-    """The benchmark's per-rank record of one step per cost table, from the simulator's timelines;
-    `delay` shifts rank 0's compute after its first (a wait the model does not have; rank 0
-    runs the step's last action, so the step grows by `delay`)."""
-    per_rank = [{"actions": {"1f1b": []}, "messages": {"1f1b": []}} for _ in range(p)]
+def _steps(costs, holds, latency, delay=0.0):
+    """One timed step per cost table, as `StepTimer` records it on each rank, from the
+    simulator's timelines; `delay` shifts rank 0's compute after its first (a wait the model
+    does not have; rank 0 runs the step's last action, so the step grows by `delay`)."""
+    steps = []
     for cost, hold in zip(costs, holds):
-        sim = simulate(add_communication(one_f_one_b(p, m)), cost, latency=latency, message_cost=hold)
+        sim = simulate(SCHEDULE, cost, latency=latency, message_cost=hold)
+        computes, held = [], []
         for r, line in enumerate(sim.timelines):
-            computes = [t for t in line if t.action.kind not in COMM_KINDS]
-            shift = [delay if r == 0 and k > 0 else 0.0 for k in range(len(computes))]
-            per_rank[r]["actions"]["1f1b"].append(
-                [(_fields(t.action), t.start + d, t.end + d) for t, d in zip(computes, shift)])
-            per_rank[r]["messages"]["1f1b"].append(
-                [(_fields(t.action), hold(t.action)) for t in line if t.action.kind in COMM_KINDS])
-    return per_rank
-
-
-def _fields(a):
-    return a.stage, a.kind, a.microbatch
+            work = [t for t in line if t.action.kind not in COMM_KINDS]
+            shift = [delay if r == 0 and k > 0 else 0.0 for k in range(len(work))]
+            computes.append([(t.action, t.start + d, t.end + d) for t, d in zip(work, shift)])
+            held.append([(t.action, hold(t.action)) for t in line if t.action.kind in COMM_KINDS])
+        steps.append((computes, held))
+    return steps
 
 
 def _jittered(steps: int, seed: int = 0):
@@ -57,17 +46,17 @@ def _jittered(steps: int, seed: int = 0):
     return [step_cost() for _ in range(steps)]
 
 
-def test_pp_simulator_bench_replay_gives_the_measured_bubble_and_a_missing_wait_as_the_gap(bench):
+def test_pp_simulator_bench_replay_gives_the_measured_bubble_and_a_missing_wait_as_the_gap():
     costs = _jittered(9)
     holds = [lambda a, k=k: 0.05 + 0.02 * ((a.microbatch + k) % 3) for k in range(9)]
-    exact = bench.bubbles(_steps(costs, holds, 0.1), "1f1b", 8, latency=0.1)
+    exact = bubbles(SCHEDULE, _steps(costs, holds, 0.1), latency=0.1)
     # the same simulation twice, on the same floats: only rounding of sums of ~60 costs near 1 (~1e-14)
     assert exact["gap"] == pytest.approx(0.0, abs=1e-9)
     assert exact["replayed"] == pytest.approx(exact["measured"], abs=1e-12)
     # One cost per (stage, kind) hides the waits that the spread causes (each wait follows the
     # slower rank): 17.4 % against 20.0 % here; the replay sees them.
     assert exact["typical"] < exact["replayed"] - 0.02
-    late = bench.bubbles(_steps(costs, holds, 0.1, delay=1.0), "1f1b", 8, latency=0.1)
+    late = bubbles(SCHEDULE, _steps(costs, holds, 0.1, delay=1.0), latency=0.1)
     # rank 0 idles 1.0 more (a wait the model lacks) in a step about 30 long: the measured bubble
     # grows by about its busy share over the longer step, 0.8 / 31 = 2.6 points; the replay does not
     assert late["replayed"] == pytest.approx(exact["replayed"], abs=1e-12)

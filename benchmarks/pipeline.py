@@ -24,7 +24,8 @@ arriving the per-message latency after its send (a ping-pong of one activation-s
 the same processes, half the median round trip). Its bubble is set beside that step's measured
 one. (One cost per (stage, kind) instead, the medians over steps, leaves out how the actions'
 times vary: in a balanced pipeline each wait follows the slower of two ranks, which the
-typical costs do not show; lessons/08 measures it.) Timing: tinyscale.bench; timers and replay: tinyscale.pipeline.replay. `--json PATH` writes pp_1f1b_vs_torch,
+typical costs do not show; lessons/08 measures it.) Timing: tinyscale.bench; the step timer and
+the replay: tinyscale.pipeline.replay. `--json PATH` writes pp_1f1b_vs_torch,
 pp_afab_vs_torch (the median paired ratios; their quartiles and interval under `ratio_stats`)
 and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points, the median over the
 timed steps; `gap_points_typical_costs` beside it from one cost per (stage, kind)). Each of ours runs

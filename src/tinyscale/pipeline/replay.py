@@ -7,7 +7,9 @@ ranks of one machine share) and what each message held its rank for:
   receive (frames built, isends issued), in every run, not only runs of sends alone (the last
   stage's SEND_B shares a run with a RECV_F);
 - a receive: its time less what it spent waiting for the data (in `comm.Work.wait`), the wait
-  the simulator derives from the schedule and the message latency.
+  the simulator derives from the schedule and the message latency (kept apart, in `waits`);
+and the step's wall time on the rank (`wall`): what is in none of these is host work that the
+simulator has no term for (the executor's loop, waiting for sends).
 `message_latency` measures that latency: half the median round trip of one message.
 
 `bubbles(schedule, steps, latency)` sets each step's measured bubble, 1 - busy / (p x makespan)
@@ -46,6 +48,8 @@ class StepTimer:
         self.executor = executor
         self.computes: list[tuple[Action, float, float]] = []
         self.holds: list[tuple[Action, float]] = []
+        self.waits: list[tuple[Action, float]] = []  # each receive's wait for its data
+        self.wall = 0.0
         self._waited: list[float] = []  # seconds in comm.Work.wait during the current receive
         self._first_receive: float | None = None
         self._wrappers = {}
@@ -70,12 +74,13 @@ class StepTimer:
             self._waited.clear()
             run(a)
             self.holds.append((a, time.perf_counter() - start - sum(self._waited)))
+            self.waits.append((a, sum(self._waited)))
         self._wrappers["_communicate"], self._wrappers["_receive"] = communicate, receive
 
     @contextlib.contextmanager
     def timing(self):
         """Time what runs inside (one step; each `timing()` starts a new record)."""
-        self.computes, self.holds = [], []
+        self.computes, self.holds, self.waits = [], [], []
         wait, waited = comm.Work.wait, self._waited
 
         def timed_wait(work):
@@ -84,9 +89,11 @@ class StepTimer:
             waited.append(time.perf_counter() - start)
         vars(self.executor).update(self._wrappers)  # instance attributes shadow the methods
         comm.Work.wait = timed_wait
+        start = time.perf_counter()
         try:
             yield self
         finally:
+            self.wall = time.perf_counter() - start
             comm.Work.wait = wait
             for method in self._wrappers:
                 del vars(self.executor)[method]

@@ -58,9 +58,10 @@ def make_executor(name: str, m: int, v: int = 1, n_layer: int = 4, dtype=torch.f
 
 
 def timed_rounds(configs: list[tuple[str, int, int]], rounds: int = 5, n_layer: int = 4) -> list[list[tuple]]:
-    """For each (schedule, m, v): this rank's (computes, holds, waits, wall) in each of `rounds` steps; the
-    configurations take turns, one step each per round (a change of load hits them alike),
-    after a warm-up round (allocators, gloo's connections)."""
+    """For each (schedule, m, v): this rank's `StepTimer` record (computes, holds, waits,
+    send_waits, wall) of each of `rounds` steps; the configurations take turns, one step each
+    per round (a change of load hits them alike), after a warm-up round (allocators, gloo's
+    connections)."""
     runs = [make_executor(name, m, v, n_layer) for name, m, v in configs]
     timers = [StepTimer(executor) for executor, *_ in runs]
     records: list[list[tuple]] = [[] for _ in configs]
@@ -71,7 +72,7 @@ def timed_rounds(configs: list[tuple[str, int, int]], rounds: int = 5, n_layer: 
             with timer.timing():
                 executor.run(inputs, targets)
             if k:
-                record.append((timer.computes, timer.holds, timer.waits, timer.wall))
+                record.append((timer.computes, timer.holds, timer.waits, timer.send_waits, timer.wall))
     return records
 
 

@@ -8,8 +8,10 @@ ranks of one machine share) and what each message held its rank for:
   stage's SEND_B shares a run with a RECV_F);
 - a receive: its time less what it spent waiting for the data (in `comm.Work.wait`), the wait
   the simulator derives from the schedule and the message latency (kept apart, in `waits`);
-and the step's wall time on the rank (`wall`): what is in none of these is host work that the
-simulator has no term for (the executor's loop, waiting for sends).
+the time spent waiting for sends (`send_waits`: on gloo the executor waits for a run's sends
+after its receives where no rank can block so; the simulator's sends never wait); and the step's
+wall time on the rank (`wall`): what is in none of these is host work that the simulator has no
+term for (the executor's loop between actions).
 `message_latency` measures that latency: half the median round trip of one message.
 
 `bubbles(schedule, steps, latency)` sets each step's measured bubble, 1 - busy / (p x makespan)
@@ -49,7 +51,7 @@ class StepTimer:
         self.computes: list[tuple[Action, float, float]] = []
         self.holds: list[tuple[Action, float]] = []
         self.waits: list[tuple[Action, float]] = []  # each receive's wait for its data
-        self.wall = 0.0
+        self.wall = self.send_waits = 0.0
         self._waited: list[float] = []  # seconds in comm.Work.wait during the current receive
         self._first_receive: float | None = None
         self._wrappers = {}
@@ -81,12 +83,13 @@ class StepTimer:
     def timing(self):
         """Time what runs inside (one step; each `timing()` starts a new record)."""
         self.computes, self.holds, self.waits = [], [], []
-        wait, waited = comm.Work.wait, self._waited
+        wait, waited, total = comm.Work.wait, self._waited, [0.0]
 
         def timed_wait(work):
             start = time.perf_counter()
             wait(work)
             waited.append(time.perf_counter() - start)
+            total[0] += waited[-1]
         vars(self.executor).update(self._wrappers)  # instance attributes shadow the methods
         comm.Work.wait = timed_wait
         start = time.perf_counter()
@@ -94,6 +97,7 @@ class StepTimer:
             yield self
         finally:
             self.wall = time.perf_counter() - start
+            self.send_waits = total[0] - sum(t for _, t in self.waits)
             comm.Work.wait = wait
             for method in self._wrappers:
                 del vars(self.executor)[method]

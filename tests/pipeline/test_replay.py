@@ -3,17 +3,27 @@ timed step replayed in the simulator on its own costs.
 
 Fed a timeline the simulator itself produced (an executor with no cost outside its actions and
 messages), the replay gives the measured bubble exactly; a wait the model lacks shows as a gap;
-and one cost per (stage, kind) hides the waits that the actions' spread causes (lessons/08)."""
+and one cost per (stage, kind) hides the waits that the actions' spread causes (lessons/08).
+On 2 ranks, `StepTimer` records each action once and parts of the step that do not overlap."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from tinyscale.pipeline import add_communication, one_f_one_b, simulate
-from tinyscale.pipeline.replay import bubbles
+from tinyscale.data import synthetic_token_batches
+from tinyscale.dist import comm
+from tinyscale.models import GPT, GPTConfig
+from tinyscale.pipeline import (
+    GPTStage, PipelineExecutor, add_communication, gpt_loss, interleaved_1f1b, one_f_one_b, partition_gpt, simulate,
+    stages_on_rank, zb_h1,
+)
+from tinyscale.pipeline.replay import StepTimer, bubbles
 from tinyscale.pipeline.schedules import COMM_KINDS, F
+from tinyscale.testing import run_on_ranks
 
 SCHEDULE = add_communication(one_f_one_b(2, 8))
 
@@ -61,3 +71,41 @@ def test_pp_simulator_bench_replay_gives_the_measured_bubble_and_a_missing_wait_
     # grows by about its busy share over the longer step, 0.8 / 31 = 2.6 points; the replay does not
     assert late["replayed"] == pytest.approx(exact["replayed"], abs=1e-12)
     assert late["gap"] > 1.0
+
+
+def _timed_steps():
+    """On each rank, one step of ZB-H1 and of interleaved 1F1B (m = 4) after a warm-up step, as
+    `StepTimer` records it, with whether the executor and `comm.Work.wait` were restored after."""
+    p, rank, m, out = dist.get_world_size(), dist.get_rank(), 4, []
+    cfg = GPTConfig(vocab_size=64, max_seq_len=8, n_layer=4, n_head=2, d_model=16, ffn_hidden=24)
+    (inputs, targets), = synthetic_token_batches(num_batches=1, batch_size=2 * m, seq_len=8, vocab_size=64, seed=0)
+    for schedule, v in ((zb_h1(p, m), 1), (interleaved_1f1b(p, m, 2), 2)):
+        model = GPT(cfg, seed=0, dtype=torch.float64)
+        stages = {s.stage: GPTStage(model, s) for s in stages_on_rank(partition_gpt(cfg, p, virtual_stages=v), rank)}
+        executor = PipelineExecutor(add_communication(schedule), rank, stages, loss_fn=gpt_loss)
+        timer, wait = StepTimer(executor), comm.Work.wait
+        executor.run(inputs.chunk(m), targets.chunk(m))
+        with timer.timing():
+            executor.run(inputs.chunk(m), targets.chunk(m))
+        restored = not set(vars(executor)) & {"_forward", "_backward", "_weight_grad", "_communicate", "_receive"}
+        out.append((executor.actions, timer.computes, timer.holds, timer.waits, timer.send_waits, timer.wall,
+                    restored and comm.Work.wait is wait))
+    return out
+
+
+def test_pp_simulator_bench_replay_step_timer_records_each_action_once_and_parts_that_fit_the_step():
+    """`StepTimer` (what the benchmark and notebook 08 replay): each compute action once, in the
+    rank's order; one hold per send and receive, one wait per receive; compute, holds, waits
+    and sends' waits are disjoint parts of the step's wall time; the executor is left as it was."""
+    for rank, steps in enumerate(run_on_ranks(_timed_steps, 2)):
+        for actions, computes, holds, waits, send_waits, wall, restored in steps:
+            assert [a for a, _, _ in computes] == [a for a in actions if a.kind not in COMM_KINDS]
+            assert sorted(map(str, (a for a, _ in holds))) == sorted(str(a) for a in actions if a.kind in COMM_KINDS)
+            assert [a for a, _ in waits] == [a for a in actions if a.kind.startswith("RECV")]
+            assert all(e >= s for _, s, e in computes) and all(t >= 0 for _, t in holds + waits)
+            # send_waits is all waits less the receives' (the same floats summed in another
+            # order): a few ulps of a few ms below 0 at worst
+            assert send_waits >= -1e-12
+            parts = sum(e - s for _, s, e in computes) + sum(t for _, t in holds + waits) + send_waits
+            assert parts <= wall, f"rank {rank}: the parts ({parts:.6f} s) overlap, more than the step ({wall:.6f} s)"
+            assert restored, f"rank {rank}: the executor's methods or comm.Work.wait were not restored"

@@ -24,7 +24,8 @@ arriving the per-message latency after its send (a ping-pong of one activation-s
 the same processes, half the median round trip). Its bubble is set beside that step's measured
 one. (One cost per (stage, kind) instead, the medians over steps, leaves out how the actions'
 times vary: in a balanced pipeline each wait follows the slower of two ranks, which the
-typical costs do not show; lessons/08 measures it.) Timing: tinyscale.bench. `--json PATH` writes pp_1f1b_vs_torch,
+typical costs do not show; lessons/08 measures it.) Timing: tinyscale.bench; the step timer and
+the replay: tinyscale.pipeline.replay. `--json PATH` writes pp_1f1b_vs_torch,
 pp_afab_vs_torch (the median paired ratios; their quartiles and interval under `ratio_stats`)
 and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points, the median over the
 timed steps; `gap_points_typical_costs` beside it from one cost per (stage, kind)). Each of ours runs
@@ -36,6 +37,7 @@ Lesson: lessons/08-pipeline-parallel.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -45,14 +47,15 @@ from rich.console import Console
 from rich.table import Table
 
 import tinyscale as ts
-from tinyscale.dist import comm
-from tinyscale.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F, Action
+from tinyscale.pipeline.replay import StepTimer, message_latency
+from tinyscale.pipeline.replay import bubbles as replay_bubbles
+from tinyscale.pipeline.schedules import RECV_B, RECV_F, SEND_B, SEND_F
 from tinyscale.bench import add_json_argument, ratio_interval, round_robin, slowest, write_json
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.pipeline import (
     GPTStage, PipelineExecutor, add_communication, afab, gpt_loss, interleaved_1f1b,
-    one_f_one_b, partition_gpt, simulate, stages_on_rank, zb_h1,
+    one_f_one_b, partition_gpt, stages_on_rank, zb_h1,
 )
 
 OURS = {"afab": (lambda p, m: afab(p, m), 1), "1f1b": (lambda p, m: one_f_one_b(p, m), 1),
@@ -70,43 +73,13 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
     p, rank = dist.get_world_size(), dist.get_rank()
     cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=n_layer, n_head=4, d_model=128, ffn_hidden=384)
     (inputs, targets), = synthetic_token_batches(num_batches=1, batch_size=2 * m, seq_len=32, vocab_size=128, seed=1)
-    runs, logs, executors, instrumented = {}, {name: [] for name in OURS}, {}, {}
-    held = {name: [] for name in OURS}  # this step's (send / receive, seconds it held its rank)
-    waited: list[float] = []  # seconds inside comm.Work.wait during the current receive
+    runs, timers = {}, {}
     for name, (make, v) in OURS.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
         stages = {s.stage: GPTStage(model, s) for s in stages_on_rank(partition_gpt(cfg, p, virtual_stages=v), rank)}
         executor = PipelineExecutor(add_communication(make(p, m)), rank, stages, loss_fn=gpt_loss)
-        wrappers = instrumented[name] = {}  # method name -> its timed stand-in, set on instrumented rounds only
-        for method in ("_forward", "_backward", "_weight_grad"):  # time each compute action
-            def timed(a, run=getattr(executor, method), log=logs[name]):
-                start = time.perf_counter()
-                run(a)
-                log.append((_fields(a), start, time.perf_counter()))
-            wrappers[method] = timed
-
-        # What each message holds its rank for. A send: its share of the time from the start of
-        # its run of messages to the run's first receive (frames built, isends issued), in every
-        # run, not only runs of sends alone (the last stage's SEND_B shares a run with a
-        # RECV_F). A receive: its time less what it spent waiting for the data to arrive, the
-        # wait the simulator derives from the schedule and `latency`.
-        def communicate(actions, run=executor._communicate, log=held[name], ex=executor):
-            start = time.perf_counter()
-            ex.first_receive = None
-            run(actions)
-            sends = [a for a in actions if a.kind in (SEND_F, SEND_B)]
-            end = ex.first_receive or time.perf_counter()
-            log += [(_fields(a), (end - start) / len(sends)) for a in sends]
-
-        def receive(a, run=executor._receive, log=held[name], ex=executor):
-            start = time.perf_counter()
-            ex.first_receive = ex.first_receive or start
-            waited.clear()
-            run(a)
-            log.append((_fields(a), time.perf_counter() - start - sum(waited)))
-        wrappers["_communicate"], wrappers["_receive"] = communicate, receive
+        timers[name] = StepTimer(executor)  # each compute action and message hold, on instrumented rounds
         runs[name] = (model, lambda ex=executor: ex.run(inputs.chunk(m), targets.chunk(m)))
-        executors[name] = executor
     for name, (cls, _) in TORCH.items():
         model = GPT(cfg, seed=0, dtype=torch.float32)
         spec, = stages_on_rank(partition_gpt(cfg, p), rank)
@@ -115,42 +88,24 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         kwargs = {"target": targets, "losses": []} if rank == p - 1 else {}
         runs[name] = (model, lambda s=schedule, kw=kwargs: s.step(inputs, **kw) if rank == 0 else s.step(**kw))
     actions, messages = {}, {}
-    wait = comm.Work.wait  # replaced by timed_wait (this rank process only) on instrumented rounds
-
-    def timed_wait(work):
-        start = time.perf_counter()
-        wait(work)
-        waited.append(time.perf_counter() - start)
 
     def step(name, i):
         model, run = runs[name]
         model.zero_grad()
-        timing = name in logs and is_instrumented(i)
-        if timing:  # this round times each action (instance attributes shadow the methods)
-            logs[name].clear()
-            held[name].clear()
-            vars(executors[name]).update(instrumented[name])
-            comm.Work.wait = timed_wait
-        run()
+        timing = name in timers and is_instrumented(i)
+        with timers[name].timing() if timing else contextlib.nullcontext():
+            run()
         dist.barrier()  # the step ends when both ranks are done
         if timing:
-            for method in instrumented[name]:
-                del vars(executors[name])[method]
-            comm.Work.wait = wait
-            actions.setdefault(name, []).append(list(logs[name]))
-            messages.setdefault(name, []).append(list(held[name]))
+            actions.setdefault(name, []).append(timers[name].computes)
+            messages.setdefault(name, []).append(timers[name].holds)
 
     # each of ours beside the torch schedule it is compared with, so a pair's two steps see the same load
     order = ["afab", "torch GPipe", "1f1b", "torch 1F1B", "zb_h1", "interleaved_1f1b"]
     times = round_robin({name: lambda i, name=name: step(name, i) for name in order}, steps, warmup=1,
                         before=dist.barrier)
     return {"times": times, "actions": actions, "messages": messages,
-            "latency": _latency(2 * cfg.max_seq_len * cfg.d_model + 1)}
-
-
-def _fields(a) -> tuple[int, str, int]:
-    """An action as plain data, to return from the rank processes (`Action(*fields)` again)."""
-    return a.stage, a.kind, a.microbatch
+            "latency": message_latency(2 * cfg.max_seq_len * cfg.d_model + 1)}
 
 
 def is_instrumented(i: int) -> bool:
@@ -168,56 +123,12 @@ def paired_ratio(ours: list[float], theirs: list[float], rounds: list[int]) -> d
             "n": len(r)}
 
 
-def _latency(numel: int, trips: int = 30) -> float:
-    """One-way seconds of a message of `numel` float32 between ranks 0 and 1: half the median
-    round trip of a blocking send and receive (what a frame of one activation costs)."""
-    rank, buffer, trip = dist.get_rank(), torch.zeros(numel), []
-    for _ in range(trips + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        elif rank == 1:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
-        trip.append(time.perf_counter() - start)
-    return statistics.median(trip[2:]) / 2
-
-
 def bubbles(per_rank: list[dict], name: str, m: int, latency: float = 0.0) -> dict:
-    """Schedule `name`'s bubble in each timed step, measured and simulated, as medians over steps:
-    `measured`; `replayed`, the simulator on each step's own costs (each compute action's time,
-    each send and receive's hold, each message arriving `latency` after its send) and `gap`,
-    the median of the steps' measured minus replayed (in points); `typical`, the simulator on one
-    cost per (stage, kind) (the median compute time over steps, the mean hold) and `free`, the
-    same costs with free messages."""
-    p = len(per_rank)
-    schedule = add_communication(OURS[name][0](p, m))
-    measured, replayed, durations, holds = [], [], {}, {}
-    for k in range(len(per_rank[0]["actions"][name])):
-        lines = [r["actions"][name][k] for r in per_rank]
-        start = min(s for line in lines for _, s, _ in line)
-        end = max(e for line in lines for _, _, e in line)
-        measured.append(1 - sum(e - s for line in lines for _, s, e in line) / (p * (end - start)))
-        cost = {Action(*a): e - s for line in lines for a, s, e in line}
-        hold = {Action(*a): t for r in per_rank for a, t in r["messages"][name][k]}
-        replayed.append(float(simulate(schedule, cost.__getitem__, latency=latency,
-                                       message_cost=lambda a, hold=hold: hold.get(a, 0.0)).bubble_fraction))
-        for a, t in cost.items():
-            durations.setdefault((a.stage, a.kind), []).append(t)
-        for a, t in hold.items():
-            holds.setdefault((a.stage, a.kind), []).append(t)
-    # one cost per (stage, kind); a hold's mean (a few receives hold their rank for milliseconds,
-    # most for 0.2 ms, and each rank must be charged the total)
-    cost = {key: statistics.median(d) for key, d in durations.items()}
-    held = {key: statistics.mean(d) for key, d in holds.items()}
-    typical = simulate(schedule, lambda a: cost[(a.stage, a.kind)], latency=latency,
-                       message_cost=lambda a: held.get((a.stage, a.kind), 0.0))
-    free = simulate(schedule, lambda a: cost[(a.stage, a.kind)])
-    return {"measured": statistics.median(measured), "replayed": statistics.median(replayed),
-            "gap": 100 * statistics.median(x - y for x, y in zip(measured, replayed)),
-            "typical": float(typical.bubble_fraction), "free": float(free.bubble_fraction), "holds": held}
+    """Schedule `name`'s bubble in each timed step, measured, replayed on the step's own costs
+    and on one cost per (stage, kind): `tinyscale.pipeline.replay.bubbles`."""
+    steps = [([r["actions"][name][k] for r in per_rank], [r["messages"][name][k] for r in per_rank])
+             for k in range(len(per_rank[0]["actions"][name]))]
+    return replay_bubbles(add_communication(OURS[name][0](len(per_rank), m)), steps, latency)
 
 
 def main() -> None:

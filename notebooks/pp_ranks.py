@@ -4,9 +4,11 @@
 importing it, so everything that runs on ranks lives here, at module level. The whole world is
 one pipeline (rank r holds stage r, and stage r + p for interleaving). What they measure:
 
-- `timed_step`: one step of a schedule on tinyscale.pipeline's executor, each compute action's
-  start and end on a clock shared by the ranks (`time.perf_counter`: CLOCK_MONOTONIC, one per
-  machine), after a warm-up step;
+- `timed_rounds`: steps of several schedules on tinyscale.pipeline's executor, taking turns, each
+  recorded by `tinyscale.pipeline.replay.StepTimer`: each compute action's start and end on a
+  clock shared by the ranks (`time.perf_counter`: CLOCK_MONOTONIC, one per machine) and what
+  each send and receive held its rank for, after a warm-up round;
+- `latency`: one activation-sized message's one-way time (half a ping-pong);
 - `peak_saved_bytes`: the peak bytes of activations kept for backward on this rank during one
   step (what 1F1B saves over AFAB).
 
@@ -15,7 +17,6 @@ one pipeline (rank r holds stage r, and stage r + p for interleaving). What they
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import torch
@@ -27,6 +28,7 @@ from tinyscale.pipeline import (
     GPTStage, PipelineExecutor, add_communication, afab, gpt_loss, interleaved_1f1b, one_f_one_b,
     partition_gpt, stages_on_rank, zb_h1,
 )
+from tinyscale.pipeline.replay import StepTimer, message_latency
 
 SCHEDULES = {
     "afab": lambda p, m, v: afab(p, m),
@@ -55,22 +57,28 @@ def make_executor(name: str, m: int, v: int = 1, n_layer: int = 4, dtype=torch.f
     return executor, model, inputs.chunk(m), targets.chunk(m)
 
 
-def timed_step(name: str, m: int, v: int = 1, n_layer: int = 4) -> list[tuple[str, float, float]]:
-    """(action, start, end) of every compute action of one step on this rank, in order."""
-    executor, model, inputs, targets = make_executor(name, m, v, n_layer)
-    log: list[tuple[str, float, float]] = []
-    for method in ("_forward", "_backward", "_weight_grad"):  # instance attributes shadow the methods
-        def timed(a, run=getattr(executor, method)):
-            start = time.perf_counter()
-            run(a)
-            log.append((str(a), start, time.perf_counter()))
-        setattr(executor, method, timed)
-    for _ in range(2):  # the first step warms up allocators and gloo's connections
-        log.clear()
-        model.zero_grad()
-        dist.barrier()
-        executor.run(inputs, targets)
-    return log
+def timed_rounds(configs: list[tuple[str, int, int]], rounds: int = 5, n_layer: int = 4) -> list[list[tuple]]:
+    """For each (schedule, m, v): this rank's `StepTimer` record (computes, holds, waits,
+    send_waits, wall) of each of `rounds` steps; the configurations take turns, one step each
+    per round (a change of load hits them alike), after a warm-up round (allocators, gloo's
+    connections)."""
+    runs = [make_executor(name, m, v, n_layer) for name, m, v in configs]
+    timers = [StepTimer(executor) for executor, *_ in runs]
+    records: list[list[tuple]] = [[] for _ in configs]
+    for k in range(rounds + 1):
+        for (executor, model, inputs, targets), timer, record in zip(runs, timers, records):
+            model.zero_grad()
+            dist.barrier()
+            with timer.timing():
+                executor.run(inputs, targets)
+            if k:
+                record.append((timer.computes, timer.holds, timer.waits, timer.send_waits, timer.wall))
+    return records
+
+
+def latency() -> float:
+    """One-way seconds of one activation-sized message (a frame: rows x T x C and its status element)."""
+    return message_latency(ROWS * T * config().d_model + 1)
 
 
 def peak_saved_bytes(name: str, m: int, v: int = 1, n_layer: int = 4) -> int:

@@ -6,6 +6,8 @@
 - `simulator.py`: runs any lowered schedule on unit or given costs; checks dependencies,
   detects deadlock, measures makespan, bubble fraction and peak in-flight micro-batches.
 - `render.py`: a schedule as a text table or a matplotlib Gantt chart.
+- `replay.py`: times an executor's steps (each action, each message's hold) and replays each
+  step in the simulator on its own costs, beside the measured bubble.
 - `partition.py`: which GPT layers go to which stage (and chunk).
 - `executor.py`: one executor running any lowered schedule on a rank's GPT stages.
 

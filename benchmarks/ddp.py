@@ -20,7 +20,8 @@ the comm ledger), and the fraction of communication time that overlap hides:
     hidden = (no-overlap step - overlapped step) / (no-overlap step - compute-only step)
 
 Timing: tinyscale.bench (round-robin steps, 2 warm-up rounds dropped, the slowest
-rank's step, median and spread). `--json PATH` writes ddp_bucketed_vs_torch_N per world size N
+rank's step, median and spread); torch DDP and BucketedDDP go first in each round and trade
+places every other round, so each follows the same steps as often. `--json PATH` writes ddp_bucketed_vs_torch_N per world size N
 (the ratio of the medians) and, under "intervals", its 95% confidence interval.
 
 How sure is a ratio? The steps' spread (min .. max) on 2 shared cores is often wider than the
@@ -57,8 +58,8 @@ def _variants(bucket_mb: float, first_mb: float, small_mb: float) -> dict:
     buckets = {"bucket_cap_mb": bucket_mb, "first_bucket_cap_mb": first_mb}
     return {
         "torch DDP": lambda m: torch.nn.parallel.DistributedDataParallel(m),
-        "NaiveDDP": lambda m: NaiveDDP(m),
         "BucketedDDP": lambda m: BucketedDDP(m, **buckets),
+        "NaiveDDP": lambda m: NaiveDDP(m),
         f"Bucketed, {small_mb:g} MB buckets": lambda m: BucketedDDP(m, bucket_cap_mb=small_mb),
         "Bucketed, no overlap": lambda m: BucketedDDP(m, **buckets, overlap=False),
         "no sync (compute only)": lambda m: BucketedDDP(m, **buckets),
@@ -89,8 +90,10 @@ def _bench_rank(model_name: str, steps: int, micro: int, bucket_mb: float, first
             run["opt"].zero_grad(set_to_none=True)
         run["calls"], run["bytes"] = ledger.calls("all_reduce"), ledger.bytes("all_reduce")
 
+    # the compared pair side by side, trading places every other round: what runs just before a
+    # step changes its time (after NaiveDDP's 39 blocking all-reduces about 1 ms of 70: lesson 02)
     times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=2,
-                        before=dist.barrier)
+                        before=dist.barrier, alternate=("torch DDP", "BucketedDDP"))
     out = {}
     for name, run in runs.items():
         calls, nbytes = run["calls"], run["bytes"]

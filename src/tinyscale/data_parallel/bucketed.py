@@ -114,7 +114,8 @@ class BucketedDDP(DataParallelBase):
         """`overlap=False` holds every launch until backward ends (to measure what overlap buys).
         `gradient_as_bucket_view`: each ``.grad`` is a view of its bucket slot after backward (torch's
         DDP option; a later backward accumulates into it, as into any .grad), else a copy.
-        `first_bucket_cap_mb`: the first bucket's cap (torch DDP's 1 MiB), else `bucket_cap_mb`.
+        `first_bucket_cap_mb`: the first bucket closes once it holds this much (torch DDP's 1 MiB;
+        `assign_buckets`), else it is capped by `bucket_cap_mb` as the others.
         `find_unused_parameters` is accepted for torch's signature and changes nothing: unused
         parameters are always found, by flags that ride in the last bucket's all-reduce."""
         super().__init__(module, process_group, find_unused_parameters)

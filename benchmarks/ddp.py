@@ -21,8 +21,9 @@ the comm ledger), and the fraction of communication time that overlap hides:
 
 Timing: tinyscale.bench (round-robin steps, 2 warm-up rounds dropped, the slowest
 rank's step, median and spread); torch DDP and BucketedDDP go first in each round and trade
-places every other round, so each follows the same steps as often. `--json PATH` writes ddp_bucketed_vs_torch_N per world size N
-(the ratio of the medians) and, under "intervals", its 95% confidence interval.
+places every other round, so each follows the same steps as often. `--json PATH` writes
+ddp_bucketed_vs_torch_N per world size N (the ratio of the medians) and, under "intervals", its
+95% confidence interval.
 
 How sure is a ratio? The steps' spread (min .. max) on 2 shared cores is often wider than the
 difference measured, so each ratio comes with a bootstrap interval: the rounds resampled with

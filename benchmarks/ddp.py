@@ -2,6 +2,7 @@
 
     python benchmarks/ddp.py [--world-sizes 2 4] [--steps 30] [--model small] [--bucket-mb 25]
                              [--first-bucket-mb 1] [--small-bucket-mb 0.5] [--json PATH]
+                             [--only naive small no-overlap no-sync]
 
 For each world size, on the same rank processes and the same batches, it times one
 training step (forward, backward with gradient synchronisation, AdamW step) of:
@@ -14,14 +15,17 @@ training step (forward, backward with gradient synchronisation, AdamW step) of:
     BucketedDDP, no overlap    BucketedDDP's buckets, launched only after backward
     no sync                    the same step inside no_sync(): compute alone
 
-and reports medians, ratios against torch DDP, all-reduce bytes and calls per step (from
-the comm ledger), and the fraction of communication time that overlap hides:
+(`--only`: torch DDP, BucketedDDP and the rows named, for a shorter A/B run) and reports
+medians, ratios against torch DDP, all-reduce bytes and calls per step (from the comm
+ledger), and the fraction of communication time that overlap hides:
 
     hidden = (no-overlap step - overlapped step) / (no-overlap step - compute-only step)
 
 Timing: tinyscale.bench (round-robin steps, 2 warm-up rounds dropped, the slowest
-rank's step, median and spread). `--json PATH` writes ddp_bucketed_vs_torch_N per world size N
-(the ratio of the medians) and, under "intervals", its 95% confidence interval.
+rank's step, median and spread); torch DDP and BucketedDDP go first in each round and trade
+places every other round, so each follows the same steps as often. `--json PATH` writes
+ddp_bucketed_vs_torch_N per world size N (the ratio of the medians) and, under "intervals", its
+95% confidence interval.
 
 How sure is a ratio? The steps' spread (min .. max) on 2 shared cores is often wider than the
 difference measured, so each ratio comes with a bootstrap interval: the rounds resampled with
@@ -53,26 +57,34 @@ from tinyscale.dist import comm
 from tinyscale.models import GPT, GPTConfig
 
 
-def _variants(bucket_mb: float, first_mb: float, small_mb: float) -> dict:
+# --only's names for the optional rows (torch DDP and BucketedDDP always run: the ratio's pair)
+OPTIONAL = {"naive": "NaiveDDP", "small": "Bucketed, {small_mb:g} MB buckets", "no-overlap": "Bucketed, no overlap",
+            "no-sync": "no sync (compute only)"}
+
+
+def _variants(bucket_mb: float, first_mb: float, small_mb: float, only: list[str] | None = None) -> dict:
     buckets = {"bucket_cap_mb": bucket_mb, "first_bucket_cap_mb": first_mb}
-    return {
+    every = {
         "torch DDP": lambda m: torch.nn.parallel.DistributedDataParallel(m),
-        "NaiveDDP": lambda m: NaiveDDP(m),
         "BucketedDDP": lambda m: BucketedDDP(m, **buckets),
+        "NaiveDDP": lambda m: NaiveDDP(m),
         f"Bucketed, {small_mb:g} MB buckets": lambda m: BucketedDDP(m, bucket_cap_mb=small_mb),
         "Bucketed, no overlap": lambda m: BucketedDDP(m, **buckets, overlap=False),
         "no sync (compute only)": lambda m: BucketedDDP(m, **buckets),
     }
+    dropped = {OPTIONAL[k].format(small_mb=small_mb) for k in OPTIONAL if only is not None and k not in only}
+    return {name: make for name, make in every.items() if name not in dropped}
 
 
-def _bench_rank(model_name: str, steps: int, micro: int, bucket_mb: float, first_mb: float, small_mb: float) -> dict:
+def _bench_rank(model_name: str, steps: int, micro: int, bucket_mb: float, first_mb: float, small_mb: float,
+                only: list[str] | None = None) -> dict:
     cfg = GPTConfig.preset(model_name)
     world, rank = dist.get_world_size(), dist.get_rank()
     batches = sample_batches(stdlib_corpus("train").tokens, num_batches=steps + 2, batch_size=micro * world,
                              seq_len=cfg.max_seq_len, seed=0)
     # Every variant gets its own model and optimizer.
     runs = {}
-    for name, make in _variants(bucket_mb, first_mb, small_mb).items():
+    for name, make in _variants(bucket_mb, first_mb, small_mb, only).items():
         model = GPT(cfg, seed=0)
         ddp = make(model)
         runs[name] = {"model": model, "ddp": ddp, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -89,8 +101,10 @@ def _bench_rank(model_name: str, steps: int, micro: int, bucket_mb: float, first
             run["opt"].zero_grad(set_to_none=True)
         run["calls"], run["bytes"] = ledger.calls("all_reduce"), ledger.bytes("all_reduce")
 
+    # the compared pair side by side, trading places every other round: what runs just before a
+    # step changes its time (after NaiveDDP's 39 blocking all-reduces about 1 ms of 70: lesson 02)
     times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=2,
-                        before=dist.barrier)
+                        before=dist.barrier, alternate=("torch DDP", "BucketedDDP"))
     out = {}
     for name, run in runs.items():
         calls, nbytes = run["calls"], run["bytes"]
@@ -111,6 +125,8 @@ def main() -> None:
     parser.add_argument("--first-bucket-mb", type=float, default=1.0,
                         help="BucketedDDP's first bucket (torch's 1 MiB: communication starts early)")
     parser.add_argument("--small-bucket-mb", type=float, default=0.5, help="the small-bucket variant's size")
+    parser.add_argument("--only", nargs="*", choices=sorted(OPTIONAL), default=None,
+                        help="besides torch DDP and BucketedDDP, only these rows (none: the pair alone)")
     add_json_argument(parser)
     args = parser.parse_args()
     console = Console()
@@ -118,7 +134,7 @@ def main() -> None:
     for world in args.world_sizes:
         with console.status(f"{world} ranks..."):
             per_rank = ts.dist.launch(_bench_rank, world, args.model, args.steps, args.micro, args.bucket_mb,
-                                      args.first_bucket_mb, args.small_bucket_mb, timeout_s=3600)
+                                      args.first_bucket_mb, args.small_bucket_mb, args.only, timeout_s=3600)
         r = per_rank[0]
         for name, v in r.items():
             v["steps"] = slowest([rank_result[name]["times"] for rank_result in per_rank])
@@ -147,6 +163,8 @@ def main() -> None:
         console.print(f"BucketedDDP / torch DDP: {ratios[key]:.3f}x, 95% interval {low:.3f} .. {high:.3f} "
                       f"(bootstrap over {args.steps} paired rounds): {verdict}; the median of each round's "
                       f"ratio {each:.3f}x ({each_low:.3f} .. {each_high:.3f})")
+        if "Bucketed, no overlap" not in r or "no sync (compute only)" not in r:
+            continue  # (--only left out a row the overlap figure needs)
         exposed = r["Bucketed, no overlap"]["s"].median - r["no sync (compute only)"]["s"].median
         saved = r["Bucketed, no overlap"]["s"].median - r["BucketedDDP"]["s"].median
         if exposed > 0 and 0 <= saved <= exposed:

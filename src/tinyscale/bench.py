@@ -41,12 +41,24 @@ from pathlib import Path
 
 
 def round_robin(variants: Mapping[str, Callable[[int], object]], steps: int, *, warmup: int = 1,
-                before: Callable[[], object] | None = None) -> dict[str, list[float]]:
+                before: Callable[[], object] | None = None,
+                alternate: tuple[str, str] | None = None) -> dict[str, list[float]]:
     """{name: [seconds of each timed step]}: `warmup` + `steps` rounds, each variant once a
-    round, called with the round's index (0 .. warmup + steps - 1: which batch to take)."""
+    round, called with the round's index (0 .. warmup + steps - 1: which batch to take).
+
+    `alternate`: two variants (the pair a ratio compares) that trade places every other round,
+    so each runs right after the same steps as often as the other: what ran just before a step
+    changes its time (benchmarks/ddp.py measured about 1 ms of 70 after a step of 39 blocking
+    all-reduces, lesson 02)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    swapped = order.copy()  # the odd rounds' order
+    if alternate is not None:
+        a, b = (order.index(name) for name in alternate)
+        swapped[a], swapped[b] = order[b], order[a]
     for i in range(warmup + steps):
-        for name, step in variants.items():
+        for name in swapped if i % 2 else order:
+            step = variants[name]
             if before is not None:
                 before()
             start = time.perf_counter()

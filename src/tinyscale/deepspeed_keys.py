@@ -138,7 +138,7 @@ KEYS: tuple[Key, ...] = (
     # --- ZeRO
     _h(ZO + "stage", "0, 1, 2, 3"),
     _h(ZO + "reduce_bucket_size", "elements per gradient reduction at stages 0-2 (stage 0 with overlap_comm: "
-       "the first bucket at most 1 MiB, torch DDP's layout; stage 3: one unit at a time, noted)"),
+       "the first bucket closing once it reaches 1 MiB, torch DDP's layout; stage 3: one unit at a time, noted)"),
     _h(ZO + "overlap_comm", "stages 0-2: reduce during (the last) backward; stage 3: prefetch the next unit"),
     _h(ZO + "allgather_bucket_size", "stages 1-2: no all-gather of the updated parameters moves more than this "
        "many elements (each rank's shard in pieces of size // dp); stages 0 and 3: noted"),

@@ -169,10 +169,14 @@ def test_ddp_bucketed_first_bucket_cap_packs_the_first_to_fill_small_and_the_res
 
     params = [p for p in TinyMLP().parameters() if p.requires_grad]  # bytes, last first: 128 2048 128 1024 64
     assert [len(b) for b in assign_buckets(params, 2**30)] == [5]
-    # torch's layout: the first bucket (first to fill in backward) capped small, the rest in one
-    assert [len(b) for b in assign_buckets(params, 2**30, first_cap_bytes=2200)] == [2, 3]
+    # torch's layout: the first bucket (first to fill in backward) small, the rest in one. It
+    # closes once it holds first_cap_bytes, as torch's: 128 + 2048 = 2176 < 2200, so the next 128
+    # still goes in (2304); at a cap of 2176 it closes on reaching it
+    assert [len(b) for b in assign_buckets(params, 2**30, first_cap_bytes=2200)] == [3, 2]
+    assert [len(b) for b in assign_buckets(params, 2**30, first_cap_bytes=2176)] == [2, 3]
     assert [len(b) for b in assign_buckets(params, 1200)] == [1, 1, 2, 1]
-    assert [len(b) for b in assign_buckets(params, 1200, first_cap_bytes=2200)] == [2, 2, 1]
+    # and never beyond cap_bytes: a first cap above it changes nothing
+    assert [len(b) for b in assign_buckets(params, 1200, first_cap_bytes=2200)] == [1, 1, 2, 1]
 
 
 def test_ddp_bucketed_first_bucket_cap_trains_like_one_process_and_overlaps():

@@ -84,9 +84,10 @@ def test_ddp_engine_first_bucket_is_torchs_1_mib_when_it_overlaps(overlap):
               "zero_optimization": {"stage": 0, "overlap_comm": overlap}}
     results = _check_against_reference("mlp-wide", 3, config, 2, 2)
     trainable = [p for p in TinyMLP(hidden=384).parameters() if p.requires_grad]
-    # float64, last registered first: out_bias (8 elements) and shared.bias (384) fit in 1 MiB
-    # (131,072 elements), shared.weight (147,456) does not; it, fc_in.bias and fc_in.weight go in
-    # the second bucket (5e8 elements). So 2 buckets with overlap_comm, 1 without.
+    # float64, last registered first (frozen.* excluded): shared.bias (384 elements) holds less
+    # than 1 MiB (131,072 elements), so shared.weight (147,456) goes in too and the first bucket
+    # closes (torch's rule: the parameter crossing the cap goes in); fc_in.bias, fc_in.weight and
+    # out_bias go in the second (5e8 elements). So 2 buckets with overlap_comm, 1 without.
     n_buckets = 2 if overlap else 1
     assert len(assign_buckets(trainable, 500_000_000 * 8, first_cap_bytes=2**20 if overlap else None)) == n_buckets
     assert results[0][2] == 2 * (n_buckets + 1)

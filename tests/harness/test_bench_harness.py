@@ -17,6 +17,15 @@ def test_bench_harness_round_robin_interleaves_and_drops_warmup():
     assert [len(t) for t in times.values()] == [3, 3]
 
 
+def test_bench_harness_round_robin_alternates_the_compared_pair_every_other_round():
+    calls = []
+    times = round_robin({name: lambda i, name=name: calls.append((name, i)) for name in "xabc"}, 3, warmup=1,
+                        alternate=("a", "c"))
+    # a and c trade places in odd rounds: each follows x and b as often; the others keep theirs
+    assert calls == [(name, i) for i in range(4) for name in ("xabc" if i % 2 == 0 else "xcba")]
+    assert {name: len(t) for name, t in times.items()} == dict.fromkeys("xabc", 3)
+
+
 def test_bench_harness_slowest_rank_and_summary():
     assert slowest([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == [3.0, 5.0, 2.5]
     s = summary([3.0, 5.0, 2.5])

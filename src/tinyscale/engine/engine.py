@@ -19,7 +19,7 @@ What a step does over `dp` data-parallel ranks:
    for each micro-batch, so the local gradient is that of the mean over this rank's rows;
 3. average the gradients over the dp ranks, by ``zero_optimization.stage``:
    0: `tinyscale.data_parallel.BucketedDDP` all-reduces buckets of
-   ``reduce_bucket_size`` elements, the first of at most 1 MiB (torch DDP's layout; not
+   ``reduce_bucket_size`` elements, the first closing at 1 MiB (torch DDP's layout; not
    without ``overlap_comm``), during the last micro-batch's backward (the others run
    under `no_sync()`); 1: `tinyscale.zero.ZeroStage1` reduce-scatters buckets the same way,
    during the last backward only (as DeepSpeed's stage 1); 2: `tinyscale.zero.ZeroStage2` reduce-scatters buckets during every

@@ -10,7 +10,9 @@ vendor table for a CUDA device (`tinyscale.mfu.peak_flops`), else none (a CPU ha
 peak: the CLI measures one with `measured_peak`). HFU adds what the activation-checkpointing
 policy recomputes, as its checkpoint reruns it (`early_stop_of`: whole regions re-entrantly, all
 but a region's unsaved last matmul with early stop; `explicit_core_of`: whether the attention
-core's P v is such a matmul). Both are over a window of steps
+core's P v is such a matmul), and what the layout runs besides (`tinyscale.mfu.layout_flops`:
+tp's padded vocabulary rows, cp's padded positions and attention blocks, a fused attention
+backward's Q K^T). Both are over a window of steps
 (`WindowedMFU`: tokens and seconds summed, not an average of per-step ratios), so they are right
 whenever they are read.
 """
@@ -70,7 +72,8 @@ class Throughput:
     the same wall time, so tokens are the global batch's and the devices are all ranks'."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, *,
-                 peak: float | None = None, num_devices: int = 1, window: int = 20, tp: int = 1):
+                 peak: float | None = None, num_devices: int = 1, window: int = 20, tp: int = 1, cp: int = 1,
+                 cp_algorithm: str = "ring", cp_sharding: str = "zigzag"):
         if peak is None and device.type == "cuda":
             try:
                 dtype = next(model.parameters()).dtype
@@ -83,6 +86,7 @@ class Throughput:
             raise ValueError(f"peak_flops={peak!r} must be a positive number of FLOP/s (e.g. measured_peak())")
         self.model, self.config, self.peak, self.num_devices, self.window = model, config, peak, num_devices, window
         self.tp = tp  # the plan's tensor-parallel degree
+        self._cp = {"cp": cp, "cp_algorithm": cp_algorithm, "cp_sharding": cp_sharding}  # the plan's context parallelism
         self.tracker: WindowedMFU | None = None
         self._seq_len: int | None = None
 
@@ -99,7 +103,8 @@ class Throughput:
                 flops = model_flops_per_token(gpt, self._seq_len)
                 hflops = hardware_flops_per_token(gpt, self._seq_len, recompute=recompute, recomputed_layers=layers,
                                                   early_stop=early_stop_of(self.config, gpt, tp=self.tp),
-                                                  explicit_core=explicit_core_of(self.config, gpt, tp=self.tp))
+                                                  explicit_core=explicit_core_of(self.config, gpt, tp=self.tp),
+                                                  tp=self.tp, **self._cp)
             self.tracker = WindowedMFU(flops, self.peak or 1.0, window=self.window, num_devices=self.num_devices,
                                        hardware_flops_per_token=hflops)
         self.tracker.update(tokens=int(tokens), seconds=seconds)

@@ -115,6 +115,8 @@ _CASES = {
                                                          "activation_checkpointing": {"policy": "selective"}}),
     "tp2-padded-vocab-selective": ({}, {"parallel": {"tensor": 2}, "activation_checkpointing": {"policy": "selective"}}),
     "dp2-fused-core": ({}, {}),
+    # stream dropout: the CPU's SDPA runs its math path (the fused kernel takes no dropout)
+    "dp2-sdpa-stream-dropout-selective": ({"dropout": 0.1}, {"activation_checkpointing": {"policy": "selective"}}),
 }
 
 
@@ -140,7 +142,8 @@ def _steps(names: list[str]) -> list[tuple[int, float, int]]:
         plan, ec = engine.plan, engine.config
         recompute, layers = recompute_of(ec, cfg.n_layer)
         job = layout_flops(cfg, _SEQ, tp=plan.tp, cp=plan.cp, cp_algorithm=plan.context_algorithm,
-                           cp_sharding=plan.context_sharding, explicit_core=explicit_core_of(ec, cfg, tp=plan.tp))
+                           cp_sharding=plan.context_sharding,
+                           explicit_core=explicit_core_of(ec, cfg, tp=plan.tp, device=engine.device))
         hardware = job.hardware(recompute, layers, early_stop_of(ec, cfg, tp=plan.tp))
         out.append((counter.get_total_flops(), engine.throughput.tracker.hardware_flops_per_token, hardware))
     return out

@@ -149,20 +149,31 @@ def _steps(names: list[str]) -> list[tuple[int, float, int]]:
     return out
 
 
+# tp 2 x cp 2 (4 ranks, --thorough): Ulysses splits each tensor-parallel shard's heads over cp
+_CASES_4 = {
+    "tp2-cp2-ring-selective": ({}, {"parallel": {"tensor": 2, "context": 2},
+                                    "activation_checkpointing": {"policy": "selective"}}),
+    "tp2-cp2-ulysses-counter-dropout": (_COUNTER, {"parallel": {"tensor": 2, "context": 2,
+                                                                "context_algorithm": "ulysses"}}),
+}
+_CASES.update(_CASES_4)
+
+
 @functools.cache
-def _layout_steps() -> dict[str, list[tuple[int, float, int]]]:
+def _layout_steps(world: int) -> dict[str, list[tuple[int, float, int]]]:
     from tinyscale.testing import run_on_ranks
 
-    names = list(_CASES)
-    per_rank = run_on_ranks(_steps, 2, names)
+    names = [name for name in _CASES if (name in _CASES_4) == (world == 4)]
+    per_rank = run_on_ranks(_steps, world, names)
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(names)}
 
 
-@pytest.mark.parametrize("case", _CASES)
+@pytest.mark.parametrize("case", [pytest.param(name, marks=pytest.mark.thorough if name in _CASES_4 else ())
+                                  for name in _CASES])
 def test_mfu_hfu_matches_flop_counter_under_context_and_tensor_parallelism(case):
-    """Summed over the 2 ranks, the step's FLOPs equal the rows' hardware FLOPs of the layout
+    """Summed over the ranks, the step's FLOPs equal the rows' hardware FLOPs of the layout
     exactly, and the engine's HFU counts those per real token (padding and blocks included)."""
-    per_rank = _layout_steps()[case]
+    per_rank = _layout_steps(4 if case in _CASES_4 else 2)[case]
     hardware = per_rank[0][2]
     assert all(h == hardware and per_token == hardware / _SEQ for _, per_token, h in per_rank)
     assert sum(flops for flops, _, _ in per_rank) == _ROWS * hardware

@@ -64,7 +64,8 @@ def hfu(tokens_per_second: float, config: GPTConfig, peak_flops: float, *, seq_l
         num_devices: int = 1, recompute: str = "none", recomputed_layers: int | None = None,
         early_stop: bool = True, explicit_core: bool | None = None, tp: int = 1, cp: int = 1,
         cp_algorithm: str = "ring", cp_sharding: str = "zigzag") -> float:
-    """Hardware FLOPs utilization: like `mfu`, counting recomputed forward FLOPs too.
+    """Hardware FLOPs utilization: like `mfu`, counting recomputed FLOPs too (the checkpoint's,
+    and the Q K^T a fused attention backward recomputes: `ForwardFlops.backward_rerun`).
     recompute: "none", "selective" (attention core) or "full" (whole blocks); early_stop: the
     checkpoint stops its rerun at the last saved tensor (non-re-entrant; False: re-entrant);
     explicit_core: the attention core runs as matmuls (None: from the config; `forward_flops`);

@@ -113,7 +113,8 @@ _CASES = {
                                    "activation_checkpointing": {"policy": "selective"}}),
     "cp2-ulysses-counter-dropout-selective": (_COUNTER, {"parallel": {"context": 2, "context_algorithm": "ulysses"},
                                                          "activation_checkpointing": {"policy": "selective"}}),
-    "tp2-padded-vocab-selective": ({}, {"parallel": {"tensor": 2}, "activation_checkpointing": {"policy": "selective"}}),
+    "tp2-padded-vocab-selective": ({}, {"parallel": {"tensor": 2},
+                                        "activation_checkpointing": {"policy": "selective"}}),
     "dp2-fused-core": ({}, {}),
     # stream dropout: the CPU's SDPA runs its math path (the fused kernel takes no dropout)
     "dp2-sdpa-stream-dropout-selective": ({"dropout": 0.1}, {"activation_checkpointing": {"policy": "selective"}}),

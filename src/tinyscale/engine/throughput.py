@@ -91,7 +91,7 @@ class Throughput:
         self.model, self.config, self.peak, self.num_devices, self.window = model, config, peak, num_devices, window
         self.device = device
         self.tp = tp  # the plan's tensor-parallel degree
-        self._cp = {"cp": cp, "cp_algorithm": cp_algorithm, "cp_sharding": cp_sharding}  # the plan's context parallelism
+        self._cp = {"cp": cp, "cp_algorithm": cp_algorithm, "cp_sharding": cp_sharding}  # the plan's cp
         self.tracker: WindowedMFU | None = None
         self._seq_len: int | None = None
 

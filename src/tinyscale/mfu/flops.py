@@ -81,7 +81,9 @@ class ForwardFlops:
     """Matmul FLOPs of one forward pass over one sequence of `seq_len` tokens, by part.
 
     Every field sums over all layers. `backward` is 2x `forward`; `model` (forward + backward)
-    is what MFU counts; `hardware(recompute)` adds what activation recomputation re-runs (HFU).
+    is what MFU counts; `hardware(recompute)` adds what activation recomputation re-runs and a
+    fused attention backward recomputes (HFU). From `layout_flops`, the fields are what a
+    layout's ranks run together (padding included), and `model` is no longer the model's.
     """
 
     seq_len: int

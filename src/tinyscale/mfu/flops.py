@@ -217,7 +217,9 @@ def layout_flops(config: GPTConfig, seq_len: int, *, tp: int = 1, cp: int = 1, c
     unless dropout runs merge.py's block under autograd, which keeps P. Under cp the algorithm
     decides `explicit_core` too: ring attention saves its output (a rerun runs it whole), and
     so does Ulysses' fused kernel; under dropout nothing saves Ulysses' P v (an early stop
-    skips it). `explicit_core` is read only at cp = 1 (`forward_flops`)."""
+    skips it). `explicit_core` is read only at cp = 1 (`forward_flops`). Every block of the plan
+    is counted, as the Triton kernel runs it; the CPU's flash path skips a block whose keys are
+    all padding, which happens only when a whole chunk is padding (seq_len <= P - P / chunks)."""
     _degree("tp", tp)
     _degree("cp", cp)
     if cp_algorithm not in CP_ALGORITHMS:

@@ -11,6 +11,15 @@ Two parts, 2 gloo ranks, the small GPT in float32, 4 rows per rank (benchmarks/z
    fixes switched on one by one (`comm.GLOO_VIA_ALL_TO_ALL`, the stage's `overlap` and
    `first_bucket_bytes`, `ShardedOptimizer.flat_params`, `agree_usage_early`), interleaved
    round robin, medians of each phase on rank 0 and of the slowest rank's step. Lesson 03 quotes it.
+
+What the variants are now: each fix that is still a switch, off ("before") or on. The last
+variant of each stage is today's default (both stages launch the usage-flag all-reduce at
+backward's end since ab6d29f; stage 2 blocked on it in step() before). With
+agree_usage_early=False a stage agrees the flags in step(), blocking, as both did before the
+fix. Code that is no longer a switch runs in every variant (ab6d29f: the flags a Python list,
+a unit's first reduce-scatter straight into the gradient shard), so "before" is the old
+switches on today's code, not the old code. The engine runs neither flag path: it turns
+agree_usage_early off and sends the flags with the loss all-reduce.
 """
 import os
 import statistics
@@ -31,16 +40,17 @@ def adamw(p):
 
 
 MB = 2**20
-VARIANTS = {  # name: (stage, kwargs, a2a, flat params, early flags)
-    "z1 before (reduce after backward, torch's gloo RS/AG)": (1, dict(overlap=False), False, False, False),
+VARIANTS = {  # name: (stage, kwargs, a2a, flat params, early flags: launched at backward's end, else agreed in step)
+    "z1 before (reduce after backward, gloo RS/AG, flags in step)": (1, dict(overlap=False), False, False, False),
     "z1 + gloo via all_to_all": (1, dict(overlap=False), True, False, False),
     "z1 + reduce in backward, 1 MiB first bucket": (1, dict(bucket_bytes=25 * MB, first_bucket_bytes=MB), True,
                                                      False, False),
-    "z1 + flat params + early flags (all)": (1, dict(bucket_bytes=25 * MB, first_bucket_bytes=MB), True, True, True),
-    "z2 before (25 MB buckets, torch's gloo RS/AG)": (2, dict(bucket_bytes=25 * MB), False, False, False),
+    "z1 + flat params + early flags (all: default)": (1, dict(bucket_bytes=25 * MB, first_bucket_bytes=MB), True,
+                                                      True, True),
+    "z2 before (25 MB buckets, gloo RS/AG, flags in step)": (2, dict(bucket_bytes=25 * MB), False, False, False),
     "z2 + gloo via all_to_all": (2, dict(bucket_bytes=25 * MB), True, False, False),
-    "z2 + 1 MiB first bucket + flat params (all)": (2, dict(bucket_bytes=25 * MB, first_bucket_bytes=MB), True,
-                                                    True, False),
+    "z2 + 1 MiB first bucket + flat params": (2, dict(bucket_bytes=25 * MB, first_bucket_bytes=MB), True, True, False),
+    "z2 + early flags (all: default)": (2, dict(bucket_bytes=25 * MB, first_bucket_bytes=MB), True, True, True),
 }
 
 
@@ -106,8 +116,8 @@ if __name__ == "__main__":
         print(f"{name:35s} {t * 1e3:6.2f} ms")
     per = ts.dist.launch(rank_fn, 2, steps)
     tot = {n: statistics.median([max(a, b) for a, b in zip(per[0][n]["total"], per[1][n]["total"])]) for n in per[0]}
-    print(f"{'variant':55s} {'fwd':>6s} {'bwd':>6s} {'step':>6s} {'total':>6s}  / DDP")
+    print(f"{'variant':62s} {'fwd':>6s} {'bwd':>6s} {'step':>6s} {'total':>6s}  / DDP")
     for n in per[0]:
         row = " ".join(f"{statistics.median(per[0][n][k]) * 1e3:6.1f}" for k in ("fwd", "bwd", "step"))
-        print(f"{n:55s} {row} {tot[n] * 1e3:6.1f}  {tot[n] / tot['torch DDP']:.3f}")
+        print(f"{n:62s} {row} {tot[n] * 1e3:6.1f}  {tot[n] / tot['torch DDP']:.3f}")
     print("load average", ", ".join(f"{v:.1f}" for v in os.getloadavg()), "(2 CPU cores, shared)")

@@ -89,11 +89,15 @@ def _utilization(spec, tokens_per_s: float, result: dict) -> dict:
     cfg, peak, devices = GPTConfig.preset(spec.model), result["peak_flops"], result["num_devices"]
     engine_config = EngineConfig.load(spec.config)
     recompute, layers = recompute_of(engine_config, cfg.n_layer)
+    par = engine_config.parallel
     source = "vendor table" if result["backend"] == "nccl" else "measured matmul peak of this CPU"
     return {"mfu": mfu(tokens_per_s, cfg, peak, num_devices=devices),
             "hfu": hfu(tokens_per_s, cfg, peak, num_devices=devices, recompute=recompute, recomputed_layers=layers,
                        early_stop=early_stop_of(engine_config, cfg, tp=engine_config.parallel.tensor),
-                       explicit_core=explicit_core_of(engine_config, cfg, tp=engine_config.parallel.tensor)),
+                       explicit_core=explicit_core_of(engine_config, cfg, tp=engine_config.parallel.tensor,
+                                                      device="cuda" if result["backend"] == "nccl" else "cpu"),
+                       tp=par.tensor, cp=par.context, cp_algorithm=par.context_algorithm,
+                       cp_sharding=par.context_sharding),
             "peak_flops": peak, "peak_source": source}
 
 

@@ -44,7 +44,8 @@ def test_engine_mfu_on_a_scripted_clock_equals_the_formula(ac, recompute, layers
     assert got["mfu"] == pytest.approx(mfu(tokens_per_s, cfg, PEAK, seq_len=12), rel=1e-12)
     assert got["hfu"] == pytest.approx(hfu(tokens_per_s, cfg, PEAK, seq_len=12, recompute=recompute,
                                            recomputed_layers=layers), rel=1e-12)
-    assert (got["hfu"] > got["mfu"]) == (recompute != "none")
+    assert got["hfu"] > got["mfu"]  # the SDPA core's backward recomputes Q K^T (tinyscale.mfu.flops)
+    assert (got["hfu"] > hfu(tokens_per_s, cfg, PEAK, seq_len=12)) == (recompute != "none")
 
 
 def test_engine_mfu_is_absent_without_a_peak_or_a_gpt():

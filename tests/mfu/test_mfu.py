@@ -47,10 +47,13 @@ def test_mfu_on_a_synthetic_timing_equals_counted_flops_over_time_and_peak(batch
 def test_mfu_hfu_counts_recomputation_and_mfu_does_not():
     cfg, T, peak = GPTConfig.preset("small"), 128, 1e12
     f = forward_flops(cfg, T)
+    fused = f.backward_rerun  # the preset's SDPA core: its backward recomputes Q K^T
+    assert fused == f.scores > 0
     full = hfu(1000.0, cfg, peak, seq_len=T, recompute="full", early_stop=False)  # re-entrant: whole blocks
-    assert full == pytest.approx(1000.0 * (f.model + f.qkvo + f.attention + f.mlp) / T / peak, rel=REL)
+    assert full == pytest.approx(1000.0 * (f.model + f.qkvo + f.attention + f.mlp + fused) / T / peak, rel=REL)
     stopped = hfu(1000.0, cfg, peak, seq_len=T, recompute="full")  # the default: each block's w_down not rerun
-    assert stopped == pytest.approx(1000.0 * (f.model + f.qkvo + f.attention + f.mlp - f.mlp_last) / T / peak, rel=REL)
+    assert stopped == pytest.approx(1000.0 * (f.model + f.qkvo + f.attention + f.mlp - f.mlp_last + fused) / T / peak,
+                                    rel=REL)
     assert full > stopped > mfu(1000.0, cfg, peak, seq_len=T)
     assert mfu(1000.0, cfg, peak) == mfu(1000.0, cfg, peak, seq_len=cfg.max_seq_len)  # the default T
 

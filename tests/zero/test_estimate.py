@@ -70,9 +70,28 @@ def test_zero1_estimate_keeps_params_and_grads_whole_and_shards_the_optimizer():
     b = model_state_bytes(1e9, 8, 1)
     assert (b.device.parameters, b.device.gradients) == (2e9, 2e9)
     assert (b.device.master_weights, b.device.optimizer_states) == (4e9 / 8, 8e9 / 8)
-    # Pure fp32 Adam, in fp32 elements: Psi + Psi + 2 Psi / N (m and v sharded).
-    fp32 = model_state_bytes(1e9, 8, 1, param_bytes=4, grad_bytes=4, optimizer_bytes=8, master_bytes=0)
-    assert fp32.device.total / 4 == pytest.approx(1e9 + 1e9 + 2e9 / 8)
+    # Pure fp32 Adam as the engine (and DeepSpeed) runs it, in fp32 elements: Psi + Psi + 3 Psi / N
+    # (m, v and the fp32 master copy of the shard).
+    fp32 = model_state_bytes(1e9, 8, 1, param_bytes=4, grad_bytes=4, optimizer_bytes=12, master_bytes=4)
+    assert fp32.device.total / 4 == pytest.approx(1e9 + 1e9 + 3e9 / 8)
+
+
+def test_zero1_estimate_pure_fp32_counts_the_master_shard_the_engine_keeps():
+    """fp32 ZeRO 1: the docstring's pure-fp32 arguments give the master weights and parameters
+    the engine holds (`layout_memory.rank_model_state_bytes`, equal to engine.memory_report():
+    tests/engine -k layout_memory); with master_bytes=0 they would miss 4 Psi / N."""
+    from tinyscale.config import ZeroConfig
+    from tinyscale.engine.layout_memory import rank_model_state_bytes
+    from tinyscale.engine.plan import LayoutPlan
+    from tinyscale.models import GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=4, d_model=16, ffn_hidden=24)
+    psi = cfg.num_params()  # 6480: even, so one unit shards over 2 ranks without padding
+    for n in (1, 2):
+        got = rank_model_state_bytes(cfg, LayoutPlan(n, n, 1, 1, 1, zero=ZeroConfig(stage=1)), dtype_bytes=4)
+        fp32 = model_state_bytes(psi, n, 1, param_bytes=4, grad_bytes=4, optimizer_bytes=12, master_bytes=4)
+        assert sum(r["master_weights"] for r in got.values()) == n * fp32.device.master_weights == 4 * psi
+        assert all(r["parameters"] == fp32.device.parameters == 4 * psi for r in got.values())
 
 
 @given(params, dps, dps, stages)

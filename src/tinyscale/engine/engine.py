@@ -288,7 +288,8 @@ class Engine:
         # On a GPU each rank is a device; CPU ranks share one machine, whose peak is measured whole.
         self.throughput = Throughput(self.model, config, self.device, peak=peak_flops,
                                      num_devices=self.reduce_size * self.tp_size * self.plan.pp
-                                     if self.device.type == "cuda" else 1, tp=self.tp_size)
+                                     if self.device.type == "cuda" else 1, tp=self.tp_size, cp=self.cp_size,
+                                     cp_algorithm=self.plan.context_algorithm, cp_sharding=self.plan.context_sharding)
         self.last_step: dict = {}
         self._clock = time.perf_counter  # tests script it
         # wall_clock_breakdown (DeepSpeed's name): forward / backward / optimizer / exposed

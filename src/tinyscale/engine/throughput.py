@@ -10,7 +10,9 @@ vendor table for a CUDA device (`tinyscale.mfu.peak_flops`), else none (a CPU ha
 peak: the CLI measures one with `measured_peak`). HFU adds what the activation-checkpointing
 policy recomputes, as its checkpoint reruns it (`early_stop_of`: whole regions re-entrantly, all
 but a region's unsaved last matmul with early stop; `explicit_core_of`: whether the attention
-core's P v is such a matmul). Both are over a window of steps
+core's P v is such a matmul), and what the layout runs besides (`tinyscale.mfu.layout_flops`:
+tp's padded vocabulary rows, cp's padded positions and attention blocks, a fused attention
+backward's Q K^T). Both are over a window of steps
 (`WindowedMFU`: tokens and seconds summed, not an average of per-step ratios), so they are right
 whenever they are read.
 """
@@ -57,12 +59,16 @@ def early_stop_of(config: EngineConfig, model_config: GPTConfig | None = None, *
     return not config.activation_checkpointing.use_reentrant
 
 
-def explicit_core_of(config: EngineConfig, model_config: GPTConfig, *, tp: int) -> bool | None:
+def explicit_core_of(config: EngineConfig, model_config: GPTConfig, *, tp: int,
+                     device: str | torch.device | None = None) -> bool | None:
     """`explicit_core` for `tinyscale.mfu.hfu`: True under tensor parallelism with dropout (its
     attention core drops each rank's heads through a function, tensor_parallel/random.py, so it
-    runs as matmuls, and an early stop skips its P v, whatever attn_impl says); else None, the
-    config's own answer. `tp` as in `early_stop_of`."""
-    return True if tp > 1 and model_config.dropout > 0 else None
+    runs as matmuls, and an early stop skips its P v, whatever attn_impl says), and on a CPU
+    `device` with dropout (the CPU's fused SDPA kernel takes no dropout: SDPA runs its math
+    path, matmuls whose backward keeps P); else None, the config's own answer. `tp` as in
+    `early_stop_of`."""
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    return True if model_config.dropout > 0 and (tp > 1 or on_cpu) else None
 
 
 class Throughput:
@@ -70,7 +76,8 @@ class Throughput:
     the same wall time, so tokens are the global batch's and the devices are all ranks'."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device, *,
-                 peak: float | None = None, num_devices: int = 1, window: int = 20, tp: int = 1):
+                 peak: float | None = None, num_devices: int = 1, window: int = 20, tp: int = 1, cp: int = 1,
+                 cp_algorithm: str = "ring", cp_sharding: str = "zigzag"):
         if peak is None and device.type == "cuda":
             try:
                 dtype = next(model.parameters()).dtype
@@ -82,7 +89,9 @@ class Throughput:
         if peak is not None and not peak > 0:
             raise ValueError(f"peak_flops={peak!r} must be a positive number of FLOP/s (e.g. measured_peak())")
         self.model, self.config, self.peak, self.num_devices, self.window = model, config, peak, num_devices, window
+        self.device = device
         self.tp = tp  # the plan's tensor-parallel degree
+        self._cp = {"cp": cp, "cp_algorithm": cp_algorithm, "cp_sharding": cp_sharding}  # the plan's cp
         self.tracker: WindowedMFU | None = None
         self._seq_len: int | None = None
 
@@ -97,9 +106,11 @@ class Throughput:
                 self._seq_len = batch[0].shape[1]
                 recompute, layers = recompute_of(self.config, gpt.n_layer)
                 flops = model_flops_per_token(gpt, self._seq_len)
+                core = explicit_core_of(self.config, gpt, tp=self.tp, device=self.device)
                 hflops = hardware_flops_per_token(gpt, self._seq_len, recompute=recompute, recomputed_layers=layers,
                                                   early_stop=early_stop_of(self.config, gpt, tp=self.tp),
-                                                  explicit_core=explicit_core_of(self.config, gpt, tp=self.tp))
+                                                  explicit_core=core,
+                                                  tp=self.tp, **self._cp)
             self.tracker = WindowedMFU(flops, self.peak or 1.0, window=self.window, num_devices=self.num_devices,
                                        hardware_flops_per_token=hflops)
         self.tracker.update(tokens=int(tokens), seconds=seconds)

@@ -6,7 +6,8 @@
     prof = StepProfiler(); with prof.step(): with prof.phase("forward"): ...
 
 - `flops.py`: exact matmul FLOPs of the GPT's forward, backward and recomputation from its
-  config; 6N, 6N + 12LHQT (PaLM, appendix B) beside them.
+  config, and on a tp x cp layout (`layout_flops`: what HFU counts); 6N, 6N + 12LHQT (PaLM,
+  appendix B) beside them.
 - `peak.py`: vendors' dense peak FLOP/s by device and dtype; `measured_peak` from a matmul.
 - `mfu.py`: `mfu`, `hfu`, `WindowedMFU` (sums over a window), and nanoGPT's running MFU
   replayed as the anti-example.
@@ -25,6 +26,7 @@ from tinyscale.mfu.flops import (
     attention_share,
     forward_flops,
     hardware_flops_per_token,
+    layout_flops,
     matmul_params,
     model_flops_per_token,
 )
@@ -62,6 +64,7 @@ __all__ = [
     "forward_flops",
     "hardware_flops_per_token",
     "hfu",
+    "layout_flops",
     "matmul_params",
     "measured_peak",
     "merge_chrome_traces",

@@ -23,7 +23,20 @@ embedding is trainable). The token-embedding lookup is an index, not a matmul: 0
 Attention is counted over the full T x T square, because that is what the explicit ("math")
 attention computes (it masks after multiplying) and what PaLM's formula assumes. A causal
 kernel (flash attention) skips the masked half: pass causal=True to count only the
-T(T+1)/2 query-key pairs it needs.
+T(T+1)/2 query-key pairs it needs. A fused attention kernel's backward (flash attention's,
+SDPA's) does not keep P: it recomputes Q K^T from the saved log-sum-exp, one more 2T^2C per
+layer (`ForwardFlops.backward_rerun`): hardware FLOPs, not model FLOPs (torch's
+FlopCounterMode counts SDPA's backward so: 5 matmuls to the forward's 2).
+
+Layouts (`layout_flops`): summed over the ranks of a tensor-parallel group the matmuls are the
+model's, except the LM head's padded vocabulary rows (the vocab is padded to a multiple of tp:
+the head runs Vp = ceil(V/tp) tp rows); under context parallelism each sequence is padded to
+a multiple of the chunk count (every padded position runs every matmul), ring attention runs
+the blocks of `context_parallel.block_plan` (a whole block for each, the diagonal's masked
+half included: the same convention as the full square above; blocks wholly in the future are
+skipped) and recomputes each block's Q K^T in its backward, and Ulysses runs each rank's H/cp
+heads over the whole padded sequence (a fused kernel, or merge.py's block differentiated by
+autograd under dropout, which keeps P).
 
 With N_matmul = the weights used in matmuls (all Linear weights, the LM head included, tied or
 not), the model FLOPs per token are exactly PaLM's 6 N_matmul + 12 L H Q T (Chowdhery et al.,
@@ -68,7 +81,9 @@ class ForwardFlops:
     """Matmul FLOPs of one forward pass over one sequence of `seq_len` tokens, by part.
 
     Every field sums over all layers. `backward` is 2x `forward`; `model` (forward + backward)
-    is what MFU counts; `hardware(recompute)` adds what activation recomputation re-runs (HFU).
+    is what MFU counts; `hardware(recompute)` adds what activation recomputation re-runs and a
+    fused attention backward recomputes (HFU). From `layout_flops`, the fields are what a
+    layout's ranks run together (padding included), and `model` is no longer the model's.
     """
 
     seq_len: int
@@ -83,6 +98,9 @@ class ForwardFlops:
     mlp_last: int = 0
     residual_dropout: bool = False  # dropout after w_down saves a mask drawn from its output: a rerun reaches it
     explicit_core: bool = True  # P v is a matmul of its own (attn_impl "math" or counter masks), not SDPA's
+    # Q K^T that the attention core's own backward recomputes (a fused kernel's, or ring attention's
+    # blocks'): from the saved log-sum-exp, as flash attention does. Hardware FLOPs only.
+    backward_rerun: int = 0
 
     @property
     def attention(self) -> int:
@@ -135,8 +153,9 @@ class ForwardFlops:
 
     def hardware(self, recompute: str = "none", recomputed_layers: int | None = None,
                  early_stop: bool = True) -> int:
-        """FLOPs the hardware executes in one step: model FLOPs plus recomputation (HFU)."""
-        return self.model + self.recomputed(recompute, recomputed_layers, early_stop)
+        """FLOPs the hardware executes in one step: model FLOPs plus recomputation (HFU), that of
+        the checkpoint (`recomputed`) and that of a fused attention backward (`backward_rerun`)."""
+        return self.model + self.recomputed(recompute, recomputed_layers, early_stop) + self.backward_rerun
 
 
 def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False,
@@ -148,7 +167,7 @@ def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False,
     causal=True only the T(T+1)/2 pairs a causal kernel must compute. explicit_core: whether
     the attention core runs as matmuls of its own (what an early stop can skip P v of); None
     reads it from the config, True where the layout makes it so (tensor parallelism with
-    dropout). It changes only `recomputed`, not the forward's count."""
+    dropout). It changes only the hardware count (`recomputed`, `backward_rerun`), not the model FLOPs."""
     _check(config, seq_len)
     if explicit_core is None:
         explicit_core = config.attn_impl == "math" or (config.dropout > 0 and config.dropout_masks == "counter")
@@ -157,11 +176,12 @@ def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False,
                          "False (a fused SDPA kernel) or None (from the config)")
     T, C, L = seq_len, config.d_model, config.n_layer
     pairs = T * (T + 1) // 2 if causal else T * T  # query-key pairs per head
+    scores = L * 2 * pairs * C  # per head (T, D) @ (D, T): 2 T^2 D; H heads: H D = C
     return ForwardFlops(
         seq_len=T,
         n_layer=L,
         qkvo=L * 2 * T * C * (2 * C + 2 * config.kv_dim),  # (T, C) @ (C, C | K*D), four of them
-        scores=L * 2 * pairs * C,  # per head (T, D) @ (D, T): 2 T^2 D; H heads: H D = C
+        scores=scores,
         values=L * 2 * pairs * C,  # per head (T, T) @ (T, D)
         mlp=T * mlp_flops_per_token(config),  # dense: (T, C) @ (C, F) twice, (T, F) @ (F, C) once
         head=2 * T * C * config.vocab_size,  # (T, C) @ (C, V)
@@ -169,8 +189,66 @@ def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False,
                                   else config.ffn_dim) for i in range(L)),  # (T, F) @ (F, C)
         residual_dropout=config.dropout > 0,
         explicit_core=explicit_core,
+        backward_rerun=0 if explicit_core else scores,  # a fused kernel's backward recomputes Q K^T
     )
 # --8<-- [end:forward-flops]
+
+
+CP_ALGORITHMS = ("ring", "ulysses")
+
+
+def _degree(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a positive int (the layout's degree)")
+
+
+# --8<-- [start:layout-flops]
+def layout_flops(config: GPTConfig, seq_len: int, *, tp: int = 1, cp: int = 1, cp_algorithm: str = "ring",
+                 cp_sharding: str = "zigzag", causal: bool = False,
+                 explicit_core: bool | None = None) -> ForwardFlops:
+    """The matmul FLOPs one sequence of `seq_len` tokens costs on a tp x cp layout, summed over
+    its ranks: what the hardware runs (HFU's count; MFU keeps `forward_flops`, the model's).
+
+    tp: the LM head runs the padded vocabulary, Vp = ceil(V / tp) tp rows. cp: every matmul runs
+    on the padded length P (`context_parallel.Layout`); attention as `cp_algorithm` runs it.
+    Ring: the blocks of `context_parallel.block_plan`, each its whole rectangle (causal=True:
+    a diagonal block's lower triangle only), and its backward recomputes every block's Q K^T.
+    Ulysses: the H heads over P x P (causal=True: the triangle), its backward recomputing Q K^T
+    unless dropout runs merge.py's block under autograd, which keeps P. Under cp the algorithm
+    decides `explicit_core` too: ring attention saves its output (a rerun runs it whole), and
+    so does Ulysses' fused kernel; under dropout nothing saves Ulysses' P v (an early stop
+    skips it). `explicit_core` is read only at cp = 1 (`forward_flops`). Every block of the plan
+    is counted, as the Triton kernel runs it; the CPU's flash path skips a block whose keys are
+    all padding, which happens only when a whole chunk is padding (seq_len <= P - P / chunks)."""
+    _degree("tp", tp)
+    _degree("cp", cp)
+    if cp_algorithm not in CP_ALGORITHMS:
+        raise ValueError(f"cp_algorithm={cp_algorithm!r} is unknown: use one of {CP_ALGORITHMS}")
+    vocab = -(-config.vocab_size // tp) * tp  # tensor_parallel.padded_size: Megatron's padded vocab
+    if cp == 1:
+        flops = forward_flops(config, seq_len, causal=causal, explicit_core=explicit_core)
+        return dataclasses.replace(flops, head=2 * seq_len * config.d_model * vocab)
+    from tinyscale.context_parallel.sharding import Layout, block_plan
+
+    _check(config, seq_len)
+    layout = Layout(cp, cp_sharding, seq_len)
+    P, C = layout.padded_len, config.d_model
+    if cp_algorithm == "ulysses":
+        pairs = P * (P + 1) // 2 if causal else P * P  # per head, every head once over the cp ranks
+    else:
+        pairs = 0
+        for rank in range(cp):
+            for src in range(cp):
+                for rows, cols, kind in block_plan(layout, rank, src, causal=True):
+                    n = rows.stop - rows.start
+                    pairs += n * (n + 1) // 2 if causal and kind == "causal" else n * (cols.stop - cols.start)
+    dropout = config.dropout > 0  # counter masks: cp refuses stream masks
+    explicit = cp_algorithm == "ulysses" and dropout
+    scores = config.n_layer * 2 * pairs * C  # Q K^T; P V alike
+    padded = forward_flops(config, P, explicit_core=explicit)  # every matmul on the padded length
+    return dataclasses.replace(padded, seq_len=seq_len, scores=scores, values=scores, head=2 * P * C * vocab,
+                               backward_rerun=0 if explicit else scores)
+# --8<-- [end:layout-flops]
 
 
 def mlp_flops_per_token(config: GPTConfig) -> int:
@@ -195,11 +273,13 @@ def model_flops_per_token(config: GPTConfig, seq_len: int, *, causal: bool = Fal
 
 def hardware_flops_per_token(config: GPTConfig, seq_len: int, *, recompute: str = "none",
                              recomputed_layers: int | None = None, causal: bool = False,
-                             early_stop: bool = True, explicit_core: bool | None = None) -> float:
-    """Executed matmul FLOPs per token, recomputation included: the numerator of HFU.
+                             early_stop: bool = True, explicit_core: bool | None = None, tp: int = 1,
+                             cp: int = 1, cp_algorithm: str = "ring", cp_sharding: str = "zigzag") -> float:
+    """Executed matmul FLOPs per (real) token, recomputation included: the numerator of HFU.
     early_stop: as `ForwardFlops.recomputed` (False for a re-entrant checkpoint); explicit_core:
-    as `forward_flops`."""
-    flops = forward_flops(config, seq_len, causal=causal, explicit_core=explicit_core)
+    as `forward_flops`; tp, cp, cp_algorithm, cp_sharding: the layout (`layout_flops`)."""
+    flops = layout_flops(config, seq_len, tp=tp, cp=cp, cp_algorithm=cp_algorithm, cp_sharding=cp_sharding,
+                         causal=causal, explicit_core=explicit_core)
     return flops.hardware(recompute, recomputed_layers, early_stop) / seq_len
 
 

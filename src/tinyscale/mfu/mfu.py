@@ -62,17 +62,22 @@ def mfu(tokens_per_second: float, config: GPTConfig, peak_flops: float, *, seq_l
 
 def hfu(tokens_per_second: float, config: GPTConfig, peak_flops: float, *, seq_len: int | None = None,
         num_devices: int = 1, recompute: str = "none", recomputed_layers: int | None = None,
-        early_stop: bool = True, explicit_core: bool | None = None) -> float:
-    """Hardware FLOPs utilization: like `mfu`, counting recomputed forward FLOPs too.
+        early_stop: bool = True, explicit_core: bool | None = None, tp: int = 1, cp: int = 1,
+        cp_algorithm: str = "ring", cp_sharding: str = "zigzag") -> float:
+    """Hardware FLOPs utilization: like `mfu`, counting recomputed FLOPs too (the checkpoint's,
+    and the Q K^T a fused attention backward recomputes: `ForwardFlops.backward_rerun`).
     recompute: "none", "selective" (attention core) or "full" (whole blocks); early_stop: the
     checkpoint stops its rerun at the last saved tensor (non-re-entrant; False: re-entrant);
-    explicit_core: the attention core runs as matmuls (None: from the config; `forward_flops`)."""
+    explicit_core: the attention core runs as matmuls (None: from the config; `forward_flops`);
+    tp, cp, cp_algorithm, cp_sharding: the layout, whose padding and attention blocks run too
+    (`flops.layout_flops`)."""
     _rate(tokens_per_second)
     _positive("peak_flops", peak_flops)
     _devices(num_devices)
     seq_len = config.max_seq_len if seq_len is None else seq_len
     flops = hardware_flops_per_token(config, seq_len, recompute=recompute, recomputed_layers=recomputed_layers,
-                                     early_stop=early_stop, explicit_core=explicit_core)
+                                     early_stop=early_stop, explicit_core=explicit_core, tp=tp, cp=cp,
+                                     cp_algorithm=cp_algorithm, cp_sharding=cp_sharding)
     return tokens_per_second * flops / (num_devices * peak_flops)
 # --8<-- [end:mfu]
 

@@ -20,7 +20,9 @@ Per-device model states (P_os, P_os+g, P_os+g+p are the paper's names):
     stage 3, P_os+g+p   (2 + 2 + K) Psi / N_d           = 16 Psi / N_d
 Correction to the source documents: stage 1 is NOT "2Psi + Psi/N_d". Only the optimizer
 states (and master weights) shrink; fp16 parameters and gradients stay whole. Counted in
-fp32 elements (pure-fp32 Adam, nothing but m and v sharded) it is Psi + Psi + 2 Psi / N_d.
+fp32 elements (pure-fp32 Adam) it is Psi + Psi + 3 Psi / N_d: m, v and an fp32 master copy of
+the shard, which tinyscale's engine, like DeepSpeed, keeps at stage >= 1 even when the
+parameters are fp32 (2 Psi / N_d for an optimizer that steps the parameters themselves).
 
 Not counted (they are not model states): activations and their checkpoints, temporary
 buffers (stage 2's gradient buckets in flight, stage 3's gathered full parameters of the
@@ -161,8 +163,11 @@ def model_state_bytes(num_params: float, dp: int, stage: int, *, offload: str = 
                       offload_params: str = "none", param_bytes: float = 2, grad_bytes: float = 2,
                       optimizer_bytes: float = 12, master_bytes: float = 4) -> Breakdown:
     """Model-state bytes per rank for `stage` at data-parallel degree `dp` (see the module doc).
-    Defaults: mixed-precision Adam (2 + 2 + 12 bytes per parameter, 4 of the 12 master weights);
-    pure-fp32 Adam is ``param_bytes=4, grad_bytes=4, optimizer_bytes=8, master_bytes=0``."""
+    Defaults: mixed-precision Adam (2 + 2 + 12 bytes per parameter, 4 of the 12 master weights).
+    Pure-fp32 Adam as the engine runs it (`engine.memory_report()`): at stage 0
+    ``param_bytes=4, grad_bytes=4, optimizer_bytes=8, master_bytes=0``; at stage >= 1 the shard
+    has an fp32 master copy besides the fp32 parameters, as in DeepSpeed:
+    ``param_bytes=4, grad_bytes=4, optimizer_bytes=12, master_bytes=4``."""
     _check(num_params, dp, stage, offload, offload_params, param_bytes=param_bytes,
            grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, master_bytes=master_bytes)
     places: dict[str, dict[str, float]] = {loc: {} for loc in LOCATIONS}

@@ -4,7 +4,7 @@ The schedule (`schedules.py`, lowered by `add_communication`) decides the order;
 only knows what each action means:
 
 - F: run the stage on its input (micro-batch ids on stage 0, a received activation
-  elsewhere); the last stage applies `loss_fn` and keeps loss / m for its backward.
+  elsewhere); the last stage applies `loss_fn`, keeps loss / m, and starts its backward from 1 / m.
 - BW: backward of the stage's output (or scaled loss) into its input and its parameters.
 - B and W (zero-bubble's split, `split_backward.py`): B computes the input gradient (what the
   previous stage waits for) and keeps the gradients that reach the nodes holding a parameter's
@@ -165,6 +165,7 @@ class PipelineExecutor:
         # the sends posted so far, when the schedule cannot deadlock so (`_can_wait_sends`).
         self.wait_sends = group_backend(group) == "gloo" and _can_wait_sends(schedule)
         self.loss_scale = 1.0  # fp16's loss scale S, set by the caller before each run
+        self._seeds: dict = {}  # `_seed`'s S / m, kept while (shape, dtype, device, S) stay
         # (before, after): called with every compute action, also on a rank whose compute raised
         # (a caller's collectives, e.g. ZeRO 3's all-gathers over dp, stay matched across ranks)
         self.hooks: tuple[Callable[[Action], None], Callable[[Action], None]] | None = None
@@ -230,11 +231,9 @@ class PipelineExecutor:
         else:
             x = self.inbox.pop((F, s, i)).requires_grad_()  # a leaf: its .grad is what B sends back
         out = self.stages[s](x)
-        if s == self.num_stages - 1:  # scaled so the m backwards sum to the mean's gradient
-            out = self.loss_fn(out, self.targets[i]) / self.num_microbatches
-            self.losses.append(out.detach())
-            if self.loss_scale != 1.0:  # fp16: backward of loss x S; the loss kept above is the true one
-                out = out * self.loss_scale
+        if s == self.num_stages - 1:  # the loss; its backward starts from S / m (`_seed`)
+            out = self.loss_fn(out, self.targets[i])
+            self.losses.append(out.detach() / self.num_microbatches)  # the true loss / m
         elif self.where[s + 1] == self.where[s]:  # the next stage is on this rank: no message
             self.inbox[(F, s + 1, i)] = out.detach()
         self.saved[(s, i)] = (x, out)
@@ -243,7 +242,7 @@ class PipelineExecutor:
         """BW: input and parameter gradients; B: the input gradient only (W comes later)."""
         s, i = a.stage, a.microbatch
         x, out = self.saved[(s, i)]
-        grad_out = None if s == self.num_stages - 1 else self.inbox.pop((B, s, i))
+        grad_out = self._seed(out) if s == self.num_stages - 1 else self.inbox.pop((B, s, i))
         if a.kind == BW:
             self.saved.pop((s, i))
             torch.autograd.backward(out, grad_out)
@@ -265,6 +264,19 @@ class PipelineExecutor:
         else:  # stage 0: (out, grad_out), B did nothing
             (out, grad_out), params = kept, self._trained(a.stage)
             accumulate(params, torch.autograd.grad(out, params, grad_out, allow_unused=True))
+
+    def _seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's output gradient, S / m (1 / m without fp16's loss scale S), so the m
+        backwards sum to the gradient of the mean loss (times S). The same two ops autograd
+        would run if the loss were divided by m (and multiplied by S) in the forward, on a seed
+        of ones: the same bits, without an autograd node per micro-batch."""
+        key = (loss.shape, loss.dtype, loss.device, self.loss_scale)
+        if self._seeds.get("key") != key:
+            seed = torch.ones_like(loss)
+            if self.loss_scale != 1.0:
+                seed = seed * self.loss_scale
+            self._seeds = {"key": key, "seed": seed / self.num_microbatches}
+        return self._seeds["seed"]
 
     def _trained(self, s: int) -> list[nn.Parameter]:
         return [p for p in self.stages[s].parameters() if p.requires_grad]

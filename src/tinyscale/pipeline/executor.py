@@ -23,8 +23,10 @@ only knows what each action means:
   then the header and the new frame. Receives wait in schedule order. A receive is posted
   where the schedule takes it, after its run's sends, as torch's pipelining does, except on
   gloo when the rank sends its peer nothing between the previous receive from that peer and
-  this one (AFAB's runs of forwards and of backwards): then it is posted as soon as that
-  previous one has arrived, so the bytes land while the rank computes. Measured both ways on
+  this one (AFAB's runs of forwards and of backwards), and the simulator (unit costs) has its
+  send issued by the time the rank reaches it: then it is posted as soon as that previous one
+  has arrived, so the bytes land while the rank computes. (Where the rank would wait for the
+  send anyway, as at 1F1B's last receive, the ready notice travels while it waits.) Measured both ways on
   gloo (lessons/08): a receive posted early while the rank then sends to the same peer (1F1B)
   made each rank's gloo thread spend 4.5 to 7 ms more CPU per step (m = 8), taken from the
   compute on shared cores; with no send in between (AFAB) posting early took CPU off that
@@ -65,7 +67,7 @@ from tinyscale.pipeline.partition import StageLayers
 from tinyscale.pipeline.schedules import (
     B, BW, COMM_KINDS, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, stage_ranks,
 )
-from tinyscale.pipeline.simulator import simulate
+from tinyscale.pipeline.simulator import _matching_send, simulate
 from tinyscale.pipeline.split_backward import Kept, accumulate, backward_input, backward_weight
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
@@ -134,7 +136,7 @@ class PipelineExecutor:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  ranks: Sequence[int] | None = None, group=None) -> None:
-        simulate(schedule)  # refuse a broken or deadlocking schedule before any message is sent
+        plan = simulate(schedule)  # refuse a broken or deadlocking schedule before any message is sent
         self.where = stage_ranks(schedule)
         if set(stages) != {s for s, r in self.where.items() if r == rank}:
             raise ValueError(f"rank {rank} was given stages {sorted(stages)} but the schedule runs "
@@ -151,14 +153,17 @@ class PipelineExecutor:
         self.recv_shapes: dict[tuple, tuple] = {}
         # On gloo: a receive -> the next receive from the same peer, posted as soon as the first
         # has arrived, where the rank sends that peer nothing in between (see the docstring).
+        # Only where the simulator (unit costs) has the data sent by the time the rank reaches the
+        # receive: where the rank waits for the send anyway, the ready notice travels meanwhile.
         self.early: dict[Action, Action] = {}
         if group_backend(group) == "gloo":
+            slack = _receive_slack(plan, rank)
             last: dict[int, Action | None] = {}  # peer -> its latest receive, None after a send to it
             for a in self.actions:
                 if a.kind in (SEND_F, SEND_B):
                     last[self._peer(a)] = None
                 elif a.kind in (RECV_F, RECV_B):
-                    if last.get(self._peer(a)) is not None:
+                    if last.get(self._peer(a)) is not None and slack[a] <= 0:
                         self.early[last[self._peer(a)]] = a
                     last[self._peer(a)] = a
         # On gloo, as torch's Schedule1F1B: a run that receives waits, after its receives, for
@@ -387,6 +392,19 @@ class PipelineExecutor:
         if self._run_device is None:
             self._run_device = next(p for m in self.stages.values() for p in m.parameters()).device
         return self._run_device
+
+
+def _receive_slack(plan, rank: int) -> dict[Action, float]:
+    """Each receive of `rank` -> when its matching send is issued less when the rank reaches the
+    receive (the end of its previous action), in the simulation `plan`: > 0, the rank waits."""
+    issued = {t.action: t.start for line in plan.timelines for t in line if t.action.kind in (SEND_F, SEND_B)}
+    slack, reached = {}, 0
+    for t in plan.timelines[rank]:
+        a = t.action
+        if a.kind in (RECV_F, RECV_B):
+            slack[a] = issued[_matching_send(a)] - reached
+        reached = t.end
+    return slack
 
 
 def _can_wait_sends(schedule: Schedule) -> bool:

@@ -14,7 +14,8 @@ from tinyscale.models import GPT, GPTConfig
 from tinyscale.pipeline.executor import GPTStage, PipelineExecutor, exchange_tied_grads, gpt_loss
 from tinyscale.pipeline.partition import partition_gpt, stages_on_rank
 from tinyscale.pipeline.schedules import (
-    F, RECV_B, RECV_F, SEND_B, SEND_F, Action, add_communication, afab, interleaved_1f1b, one_f_one_b, zb_h1,
+    F, RECV_B, RECV_F, SEND_B, SEND_F, Action, add_communication, afab, interleaved_1f1b, one_f_one_b, stage_ranks,
+    zb_h1,
 )
 from tinyscale.pipeline.simulator import ScheduleError
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
@@ -247,6 +248,24 @@ def test_pp_executor_posts_a_receive_early_only_when_no_send_to_its_peer_comes_f
         crossed = [(s, e) for s, e in in_flight if any(s < t < e for t in sends)]
         assert not crossed, f"rank {rank}: {len(crossed)} receives were in flight while this rank sent to their peer"
         assert fewest <= len(in_flight) <= most, f"rank {rank}: {len(in_flight)} receives in flight during compute"
+
+
+def test_pp_executor_posts_a_receive_early_only_where_its_send_comes_before_the_rank_reaches_it():
+    """Of the receives with no send to their peer before them, the executor posts early (on
+    gloo) only those whose send the simulator (unit costs) issues by the time the rank reaches
+    them: where the rank waits for the send anyway, posting early saves no round trip. 1F1B's
+    last receive on rank 0 (rank 1 still runs F and BW for it while rank 0 runs one BW) is
+    posted where the schedule takes it; AFAB's streams of receives stay early (lessons/08)."""
+    from torch import nn
+
+    def early(schedule):
+        where = stage_ranks(schedule)
+        return [len(PipelineExecutor(schedule, r, {s: nn.Identity() for s, q in where.items() if q == r},
+                                     loss_fn=gpt_loss).early) for r in range(len(schedule))]
+    assert early(add_communication(one_f_one_b(2, 8))) == [0, 0]  # the rule alone: [1, 0]
+    assert early(add_communication(one_f_one_b(4, 8))) == [0, 2, 1, 0]  # the rule alone: [3, 4, 2, 0]
+    assert early(add_communication(afab(2, 8))) == [7, 7]
+    assert early(add_communication(afab(4, 8))) == [7, 14, 14, 7]
 
 
 def test_pp_executor_waits_sends_after_a_run_s_receives_only_where_that_cannot_deadlock():

@@ -4,7 +4,7 @@ The schedule (`schedules.py`, lowered by `add_communication`) decides the order;
 only knows what each action means:
 
 - F: run the stage on its input (micro-batch ids on stage 0, a received activation
-  elsewhere); the last stage applies `loss_fn` and keeps loss / m for its backward.
+  elsewhere); the last stage applies `loss_fn`, keeps loss / m, and starts its backward from 1 / m.
 - BW: backward of the stage's output (or scaled loss) into its input and its parameters.
 - B and W (zero-bubble's split, `split_backward.py`): B computes the input gradient (what the
   previous stage waits for) and keeps the gradients that reach the nodes holding a parameter's
@@ -23,8 +23,10 @@ only knows what each action means:
   then the header and the new frame. Receives wait in schedule order. A receive is posted
   where the schedule takes it, after its run's sends, as torch's pipelining does, except on
   gloo when the rank sends its peer nothing between the previous receive from that peer and
-  this one (AFAB's runs of forwards and of backwards): then it is posted as soon as that
-  previous one has arrived, so the bytes land while the rank computes. Measured both ways on
+  this one (AFAB's runs of forwards and of backwards), and the simulator (unit costs) has its
+  send issued by the time the rank reaches it: then it is posted as soon as that previous one
+  has arrived, so the bytes land while the rank computes. (Where the rank would wait for the
+  send anyway, as at 1F1B's last receive, the ready notice travels while it waits.) Measured both ways on
   gloo (lessons/08): a receive posted early while the rank then sends to the same peer (1F1B)
   made each rank's gloo thread spend 4.5 to 7 ms more CPU per step (m = 8), taken from the
   compute on shared cores; with no send in between (AFAB) posting early took CPU off that
@@ -65,7 +67,7 @@ from tinyscale.pipeline.partition import StageLayers
 from tinyscale.pipeline.schedules import (
     B, BW, COMM_KINDS, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, stage_ranks,
 )
-from tinyscale.pipeline.simulator import simulate
+from tinyscale.pipeline.simulator import _matching_send, simulate
 from tinyscale.pipeline.split_backward import Kept, accumulate, backward_input, backward_weight
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
@@ -134,7 +136,7 @@ class PipelineExecutor:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, nn.Module], *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  ranks: Sequence[int] | None = None, group=None) -> None:
-        simulate(schedule)  # refuse a broken or deadlocking schedule before any message is sent
+        plan = simulate(schedule)  # refuse a broken or deadlocking schedule before any message is sent
         self.where = stage_ranks(schedule)
         if set(stages) != {s for s, r in self.where.items() if r == rank}:
             raise ValueError(f"rank {rank} was given stages {sorted(stages)} but the schedule runs "
@@ -151,20 +153,24 @@ class PipelineExecutor:
         self.recv_shapes: dict[tuple, tuple] = {}
         # On gloo: a receive -> the next receive from the same peer, posted as soon as the first
         # has arrived, where the rank sends that peer nothing in between (see the docstring).
+        # Only where the simulator (unit costs) has the data sent by the time the rank reaches the
+        # receive: where the rank waits for the send anyway, the ready notice travels meanwhile.
         self.early: dict[Action, Action] = {}
         if group_backend(group) == "gloo":
+            slack = _receive_slack(plan, rank)
             last: dict[int, Action | None] = {}  # peer -> its latest receive, None after a send to it
             for a in self.actions:
                 if a.kind in (SEND_F, SEND_B):
                     last[self._peer(a)] = None
                 elif a.kind in (RECV_F, RECV_B):
-                    if last.get(self._peer(a)) is not None:
+                    if last.get(self._peer(a)) is not None and slack[a] <= 0:
                         self.early[last[self._peer(a)]] = a
                     last[self._peer(a)] = a
         # On gloo, as torch's Schedule1F1B: a run that receives waits, after its receives, for
         # the sends posted so far, when the schedule cannot deadlock so (`_can_wait_sends`).
         self.wait_sends = group_backend(group) == "gloo" and _can_wait_sends(schedule)
         self.loss_scale = 1.0  # fp16's loss scale S, set by the caller before each run
+        self._seeds: dict = {}  # `_seed`'s S / m, kept while (shape, dtype, device, S) stay
         # (before, after): called with every compute action, also on a rank whose compute raised
         # (a caller's collectives, e.g. ZeRO 3's all-gathers over dp, stay matched across ranks)
         self.hooks: tuple[Callable[[Action], None], Callable[[Action], None]] | None = None
@@ -230,11 +236,9 @@ class PipelineExecutor:
         else:
             x = self.inbox.pop((F, s, i)).requires_grad_()  # a leaf: its .grad is what B sends back
         out = self.stages[s](x)
-        if s == self.num_stages - 1:  # scaled so the m backwards sum to the mean's gradient
-            out = self.loss_fn(out, self.targets[i]) / self.num_microbatches
-            self.losses.append(out.detach())
-            if self.loss_scale != 1.0:  # fp16: backward of loss x S; the loss kept above is the true one
-                out = out * self.loss_scale
+        if s == self.num_stages - 1:  # the loss; its backward starts from S / m (`_seed`)
+            out = self.loss_fn(out, self.targets[i])
+            self.losses.append(out.detach() / self.num_microbatches)  # the true loss / m
         elif self.where[s + 1] == self.where[s]:  # the next stage is on this rank: no message
             self.inbox[(F, s + 1, i)] = out.detach()
         self.saved[(s, i)] = (x, out)
@@ -243,7 +247,7 @@ class PipelineExecutor:
         """BW: input and parameter gradients; B: the input gradient only (W comes later)."""
         s, i = a.stage, a.microbatch
         x, out = self.saved[(s, i)]
-        grad_out = None if s == self.num_stages - 1 else self.inbox.pop((B, s, i))
+        grad_out = self._seed(out) if s == self.num_stages - 1 else self.inbox.pop((B, s, i))
         if a.kind == BW:
             self.saved.pop((s, i))
             torch.autograd.backward(out, grad_out)
@@ -265,6 +269,19 @@ class PipelineExecutor:
         else:  # stage 0: (out, grad_out), B did nothing
             (out, grad_out), params = kept, self._trained(a.stage)
             accumulate(params, torch.autograd.grad(out, params, grad_out, allow_unused=True))
+
+    def _seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last stage's output gradient, S / m (1 / m without fp16's loss scale S), so the m
+        backwards sum to the gradient of the mean loss (times S). The same two ops autograd
+        would run if the loss were divided by m (and multiplied by S) in the forward, on a seed
+        of ones: the same bits, without an autograd node per micro-batch."""
+        key = (loss.shape, loss.dtype, loss.device, self.loss_scale)
+        if self._seeds.get("key") != key:
+            seed = torch.ones_like(loss)
+            if self.loss_scale != 1.0:
+                seed = seed * self.loss_scale
+            self._seeds = {"key": key, "seed": seed / self.num_microbatches}
+        return self._seeds["seed"]
 
     def _trained(self, s: int) -> list[nn.Parameter]:
         return [p for p in self.stages[s].parameters() if p.requires_grad]
@@ -375,6 +392,19 @@ class PipelineExecutor:
         if self._run_device is None:
             self._run_device = next(p for m in self.stages.values() for p in m.parameters()).device
         return self._run_device
+
+
+def _receive_slack(plan, rank: int) -> dict[Action, float]:
+    """Each receive of `rank` -> when its matching send is issued less when the rank reaches the
+    receive (the end of its previous action), in the simulation `plan`: > 0, the rank waits."""
+    issued = {t.action: t.start for line in plan.timelines for t in line if t.action.kind in (SEND_F, SEND_B)}
+    slack, reached = {}, 0
+    for t in plan.timelines[rank]:
+        a = t.action
+        if a.kind in (RECV_F, RECV_B):
+            slack[a] = issued[_matching_send(a)] - reached
+        reached = t.end
+    return slack
 
 
 def _can_wait_sends(schedule: Schedule) -> bool:

@@ -80,12 +80,14 @@ class ZeroStage1(ZeroStage2):
         return self._flat[u][unit.offsets[i]: unit.offsets[i] + unit.shapes[i].numel()].view(unit.shapes[i])
 
     # --8<-- [start:reduce]
-    @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
         """p got a gradient: the first one of a step (autograd's own tensor) moves into p's slot
         and .grad becomes that view, so the next micro-batches' gradients are added into the flat
         buffer in place. Under no_sync that is all; in the step's last backward, each unit goes
         on the wire as soon as all its gradients are in (ZeroStage2._on_grad)."""
+        if torch.is_grad_enabled():  # backward(create_graph=True): keep the copies out of the graph
+            with torch.no_grad():
+                return self._on_grad(p)
         if self._deferred:
             self.sharded.mark_used(p)
             self._keep_in_slot(p)
@@ -99,8 +101,13 @@ class ZeroStage1(ZeroStage2):
             p.grad = slot
 
     def _fill(self, u: int, i: int, param: torch.Tensor) -> None:
-        """The last backward: the gradient stays in (or moves into) its slot; the launch frees .grad."""
-        self._keep_in_slot(param)
+        """The last backward: a gradient that the no_sync backwards accumulated in its slot stays
+        there (the launch frees .grad); autograd's own moves into its slot and is freed (ZeroStage2._fill)."""
+        flat = self._flat[u]
+        if flat is not None and param.grad.data_ptr() == \
+                flat.data_ptr() + self.sharded.units[u].offsets[i] * flat.element_size():
+            return
+        ZeroStage2._fill(self, u, i, param)
 
     def _launch(self, u: int) -> None:
         """Send unit u's flat buffer; a parameter without a gradient in it counts as zero."""

@@ -6,7 +6,9 @@
 On the same rank processes and the same batches, it times one training step (forward,
 backward, AdamW step, gradients zeroed) of each of these, every one on its own float32
 copy of the GPT, steps interleaved round-robin so that changes in the machine's load hit
-all of them alike; the first two steps of each are warm-up and dropped:
+all of them alike, each round in an order of its own (seeded, the same on every rank) so that
+no variant always runs right after the same one; the first two steps of each are warm-up and
+dropped:
 
     torch DDP                      replicas, bucketed all-reduce during backward
     torch DDP + ZeroRedundancyOpt  torch's own stage 1
@@ -145,8 +147,10 @@ def _bench_rank(model_name: str, steps: int, micro: int, only: tuple[str, ...] =
         run["step_times"].append(time.perf_counter() - backward_done)
         run["bus_bytes"] = ledger.bus_bytes() if ledger.rows else None
 
+    # each round in its own order (the same on every rank): what ran just before a step changes
+    # its time (lesson 02 measured about 1 ms of 70), so no variant always follows the same one
     times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=2,
-                        before=dist.barrier)
+                        before=dist.barrier, shuffle=0)
     psi = sum(p.numel() for p in GPT(cfg).parameters())
     return {"psi": psi, "world": world,
             "variants": {name: {"times": times[name], "step_times": run["step_times"][2:],

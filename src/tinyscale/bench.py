@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -42,14 +43,21 @@ from pathlib import Path
 
 def round_robin(variants: Mapping[str, Callable[[int], object]], steps: int, *, warmup: int = 1,
                 before: Callable[[], object] | None = None,
-                alternate: tuple[str, str] | None = None) -> dict[str, list[float]]:
+                alternate: tuple[str, str] | None = None, shuffle: int | None = None) -> dict[str, list[float]]:
     """{name: [seconds of each timed step]}: `warmup` + `steps` rounds, each variant once a
     round, called with the round's index (0 .. warmup + steps - 1: which batch to take).
 
     `alternate`: two variants (the pair a ratio compares) that trade places every other round,
     so each runs right after the same steps as often as the other: what ran just before a step
     changes its time (benchmarks/ddp.py measured about 1 ms of 70 after a step of 39 blocking
-    all-reduces, lesson 02)."""
+    all-reduces, lesson 02).
+
+    `shuffle`: a seed; each round then runs the variants in an order drawn from it and the
+    round's index, the same on every rank (they must issue the same collectives), so that with
+    many variants each follows every other about equally often (what a pair's `alternate` does
+    for two)."""
+    if shuffle is not None and alternate is not None:
+        raise ValueError("round_robin: give `alternate` (one pair) or `shuffle` (all variants), not both")
     times: dict[str, list[float]] = {name: [] for name in variants}
     order = list(variants)
     swapped = order.copy()  # the odd rounds' order
@@ -57,7 +65,9 @@ def round_robin(variants: Mapping[str, Callable[[int], object]], steps: int, *, 
         a, b = (order.index(name) for name in alternate)
         swapped[a], swapped[b] = order[b], order[a]
     for i in range(warmup + steps):
-        for name in swapped if i % 2 else order:
+        if shuffle is not None:
+            swapped = random.Random(shuffle * 1_000_003 + i).sample(order, len(order))
+        for name in swapped if i % 2 or shuffle is not None else order:
             step = variants[name]
             if before is not None:
                 before()

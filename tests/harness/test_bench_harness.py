@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tinyscale.bench import merge, ratio_interval, round_robin, slowest, summary, write_json
 
 
@@ -24,6 +26,22 @@ def test_bench_harness_round_robin_alternates_the_compared_pair_every_other_roun
     # a and c trade places in odd rounds: each follows x and b as often; the others keep theirs
     assert calls == [(name, i) for i in range(4) for name in ("xabc" if i % 2 == 0 else "xcba")]
     assert {name: len(t) for name, t in times.items()} == dict.fromkeys("xabc", 3)
+
+
+def test_bench_harness_round_robin_shuffled_rounds_repeat_on_every_rank_and_vary_the_predecessor():
+    def run(seed):
+        calls = []
+        round_robin({name: lambda i, name=name: calls.append(name) for name in "abcd"}, 40, warmup=0,
+                    shuffle=seed)
+        return [calls[4 * i:4 * i + 4] for i in range(40)]
+    rounds = run(7)
+    assert rounds == run(7)  # the same seed gives every rank the same order, round by round
+    assert all(sorted(r) == list("abcd") for r in rounds)  # each variant once a round
+    before_a = {r[r.index("a") - 1] for r in rounds if r[0] != "a"}
+    assert before_a == set("bcd")  # "a" follows each of the others in some round
+    assert rounds != run(8)
+    with pytest.raises(ValueError, match="not both"):
+        round_robin({"a": lambda i: None, "b": lambda i: None}, 1, alternate=("a", "b"), shuffle=0)
 
 
 def test_bench_harness_slowest_rank_and_summary():

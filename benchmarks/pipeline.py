@@ -100,10 +100,12 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
             actions.setdefault(name, []).append(timers[name].computes)
             messages.setdefault(name, []).append(timers[name].holds)
 
-    # each of ours beside the torch schedule it is compared with, so a pair's two steps see the same load
+    # each of ours beside the torch schedule it is compared with, so a pair's two steps see the same
+    # load; the 1F1B pair trades places every other round, so each follows torch GPipe as often
+    # (what ran just before a step changes its time: lesson 02)
     order = ["afab", "torch GPipe", "1f1b", "torch 1F1B", "zb_h1", "interleaved_1f1b"]
     times = round_robin({name: lambda i, name=name: step(name, i) for name in order}, steps, warmup=1,
-                        before=dist.barrier)
+                        before=dist.barrier, alternate=("1f1b", "torch 1F1B"))
     return {"times": times, "actions": actions, "messages": messages,
             "latency": message_latency(2 * cfg.max_seq_len * cfg.d_model + 1)}
 

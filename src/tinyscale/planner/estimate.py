@@ -141,7 +141,8 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
     the norms' insides (input, normalised input, 1/rms) over tp only under SP (Korthikanti et al.
     2022, sec. 4.2.2); the norms' outputs stay whole: they are the all-gathered inputs the
     column-parallel wq/wk/wv and w_gate/w_up save (Megatron gathers them again in backward
-    instead). cp splits the tokens. ("sdpa" attention, no dropout.) Each in its dtype: p bytes,
+    instead). cp splits the tokens; ring attention (cp > 1) keeps k and v before the GQA repeat and
+    its own output, accumulated in u, beside wo's input. ("sdpa" attention, no dropout.) Each in its dtype: p bytes,
     but the norms' upcast input and 1/rms and the log-sum-exp in at least float32 (u = 4 under
     bf16 / fp16: `checkpointing.formula.upcast_bytes`). `moe`: an MoE block, whose
     feed-forward keeps `moe_activation_bytes` instead of the SwiGLU's four (whole on every tp rank)."""
@@ -156,6 +157,8 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
         return 0.0
     if policy == "selective":  # q and wo's input, k and v before the GQA repeat, the MLP's four
         split = p * (2 * s * b * h + 2 * s * b * kv + 4 * s * b * F)
+    elif policy == "none" and cp > 1:  # ring attention: q, k and v unrepeated, its output in u, wo's input
+        split = p * (2 * s * b * h + 2 * s * b * kv + 4 * s * b * F) + u * (s * b * h + a * s * b)
     elif policy == "none":  # q, repeated k and v, wo's input, the MLP's four, the log-sum-exp
         split = p * (4 * s * b * h + 4 * s * b * F) + u * a * s * b
     else:

@@ -64,7 +64,8 @@ def _saved(cases):
         engine = ts.initialize(GPT(CFG, seed=3), {
             "train_batch_size": B * dp, "train_micro_batch_size_per_gpu": B,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, dtype: {"enabled": True},
-            "activation_checkpointing": {"policy": policy}, "parallel": {"tensor": tp, "sequence_parallel": sp, "context": cp}})
+            "activation_checkpointing": {"policy": policy},
+            "parallel": {"tensor": tp, "sequence_parallel": sp, "context": cp}})
         regions = _Regions(engine.model)
         batch = synthetic_token_batches(num_batches=1, batch_size=B * dp, seq_len=T, vocab_size=CFG.vocab_size,
                                         seed=1)[0]

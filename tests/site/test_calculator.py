@@ -62,8 +62,9 @@ def test_calculator_without_tp_pp_cp_is_zero_and_checkpointing_formulas():
     assert out["device"]["activations"] == cfg.n_layer * kept + (full - kept)
     # bf16: half the float32 bytes, but each RMSNorm's upcast input and 1/rms and sdpa's log-sum-exp
     # stay float32 (tests/memory/test_calculator_measured.py measures a bf16 block's saved tensors)
-    assert full == block_saved_bytes(cfg, b, s, torch.float32, "none") // 2 + 2 * (2 * s * b * h + 2 * s * b + a * s * b)
-    assert kept == block_saved_bytes(cfg, b, s, torch.float32, "selective") // 2 + 2 * (2 * s * b * h + 2 * s * b)
+    float32 = 2 * (2 * s * b * h + 2 * s * b)  # the norms' inputs and 1/rms: 2 more bytes an element
+    assert full == block_saved_bytes(cfg, b, s, torch.float32, "none") // 2 + float32 + 2 * a * s * b
+    assert kept == block_saved_bytes(cfg, b, s, torch.float32, "selective") // 2 + float32
     assert out["comm"]["dp"] == comm_bytes_per_rank(cfg.num_params(), 2, 16, 2, num_microbatches=4)
     assert out["comm"]["tp"] == out["comm"]["pp"] == out["comm"]["cp"] == 0
 

@@ -141,11 +141,12 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
     the norms' insides (input, normalised input, 1/rms) over tp only under SP (Korthikanti et al.
     2022, sec. 4.2.2); the norms' outputs stay whole: they are the all-gathered inputs the
     column-parallel wq/wk/wv and w_gate/w_up save (Megatron gathers them again in backward
-    instead). cp splits the tokens; ring attention (cp > 1) keeps k and v before the GQA repeat and
-    its own output, accumulated in u, beside wo's input. ("sdpa" attention, no dropout.) Each in its dtype: p bytes,
-    but the norms' upcast input and 1/rms and the log-sum-exp in at least float32 (u = 4 under
-    bf16 / fp16: `checkpointing.formula.upcast_bytes`). `moe`: an MoE block, whose
-    feed-forward keeps `moe_activation_bytes` instead of the SwiGLU's four (whole on every tp rank)."""
+    instead). cp splits the tokens; ring attention (cp > 1) keeps k and v before the GQA repeat
+    and its own output, accumulated in u, beside wo's input. ("sdpa" attention, no dropout.) Each
+    in its dtype: p bytes, but the norms' upcast input and 1/rms, the log-sum-exp and ring's output
+    in at least float32 (u = 4 under bf16 / fp16: `checkpointing.formula.upcast_bytes`). `moe`: an
+    MoE block, whose feed-forward keeps `moe_activation_bytes` instead of the SwiGLU's four (whole
+    on every tp rank)."""
     mlp_saved = moe_activation_bytes(cfg, b, s, p, ep) if moe and policy in ("none", "selective") else 0.0
     s, h, F, kv, a, u = s / cp, cfg.d_model, cfg.ffn_dim, cfg.kv_dim, cfg.n_head, upcast_bytes(p)
     F = 0 if moe else F  # an MoE block has no dense SwiGLU

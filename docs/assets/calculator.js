@@ -67,20 +67,23 @@
     return total + V * C;
   }
 
-  // tinyscale.checkpointing.formula.block_saved_bytes
+  // tinyscale.checkpointing.formula.block_saved_bytes (u: upcast_bytes, the float32-at-least dtype)
   function blockSavedBytes(c, batch, seq, p, policy) {
     const s = seq, b = batch, h = c.d_model, a = c.n_head, F = c.ffn_dim, kv = c.kv_dim;
     const d = c.dropout > 0 ? 1 : 0;
-    const norms = 4 * s * b * h + 2 * s * b;
-    const mlp = 4 * s * b * F;
+    const u = Math.max(p, 4);
+    const norms = u * (2 * s * b * h + 2 * s * b) + p * 2 * s * b * h;
+    const mlp = p * 4 * s * b * F;
     if (policy === "full") return p * s * b * h;
     if (policy === "offload") return 0;
-    if (policy === "selective") return p * (norms + (4 + 2 * d) * s * b * h + 2 * s * b * kv + mlp);
-    const linearInputs = (6 + 2 * d) * s * b * h;
-    if (c.attn_impl === "sdpa" && d === 0) return p * (norms + linearInputs + mlp + a * s * b);
-    const core = p * (1 + 2 * d) * a * s * s * b;
-    const causalMask = c.attn_impl === "math" ? s * s : 0;
-    return p * (norms + linearInputs + mlp) + core + causalMask;
+    if (policy === "selective") return norms + p * ((4 + 2 * d) * s * b * h + 2 * s * b * kv) + mlp;
+    const outs = p * (3 + 2 * d) * s * b * h;
+    const qkv = 3 * s * b * h;
+    if (c.attn_impl === "sdpa" && d === 0) return norms + outs + p * qkv + mlp + u * a * s * b;
+    if (c.attn_impl === "sdpa") return norms + outs + u * (qkv + 3 * a * s * s * b) + mlp;
+    const probs = d ? 2 * d : (p < u ? 1 : 0);
+    const core = (u + p * probs) * a * s * s * b;
+    return norms + outs + p * qkv + mlp + core + s * s;
   }
 
   // tinyscale.zero.estimate: _placement, model_state_bytes, comm_volume, comm_bytes_per_rank
@@ -125,13 +128,6 @@
     return {param_bytes: 2, grad_bytes: 2, optimizer_bytes: 4 + states, master_bytes: 4};
   }
 
-  // tinyscale.calculator._fp32_saved: float32 tensors of a block under bf16 / fp16
-  function fp32Saved(c, b, s, p, policy) {
-    if (!["none", "selective"].includes(policy)) return 0;
-    const lse = policy === "none" && c.attn_impl === "sdpa" && !(c.dropout > 0) ? c.n_head * s * b : 0;
-    return (Math.max(p, 4) - p) * (2 * s * b * c.d_model + 2 * s * b + lse);
-  }
-
   const add = (values) => values.reduce((total, v) => total + v, 0.0);
 
   // tinyscale.calculator.estimate
@@ -164,9 +160,8 @@
     const policy = x.checkpointing, p = DTYPE_BYTES[x.dtype];
     const gathered = 2 * s * b * c.d_model * p;  // the norms' outputs: saved all-gathered, whole on each tp rank
     const splitNorms = ["none", "selective"].includes(policy);  // the policies that save the norms' outputs
-    const kept = (blockSavedBytes(c, b, s, p, policy) + (tp - 1) * (splitNorms ? gathered : 0)
-                  + fp32Saved(c, b, s, p, policy));
-    const full = blockSavedBytes(c, b, s, p, "none") + (tp - 1) * gathered + fp32Saved(c, b, s, p, "none");
+    const kept = blockSavedBytes(c, b, s, p, policy) + (tp - 1) * (splitNorms ? gathered : 0);
+    const full = blockSavedBytes(c, b, s, p, "none") + (tp - 1) * gathered;
     const layers = Math.ceil(c.n_layer / pp);
     const inFlight = pp === 1 ? 1 : Math.min(pp, m);
     const activations = (layers * inFlight * kept + (full - kept)) / (tp * cp);

@@ -26,9 +26,8 @@ except the activations' growth with pp (its layers and in-flight micro-batches),
         outputs, which the column-parallel layers save all-gathered (policies none, selective;
         measured: a block's saved tensors under tp 3 + SP; before, A / tp left them out);
         cp splits the tokens (measured, cp 3, under --thorough). Under bf16 / fp16 our block keeps
-        each norm's upcast input, 1/rms and sdpa's log-sum-exp in float32, which
-        block_saved_bytes counts at p: `_fp32_saved` adds (4 - p) of each (measured: dp 3, bf16);
-        in-flight micro-batches
+        each norm's upcast input, 1/rms and the softmax (sdpa: its log-sum-exp) in float32, as
+        block_saved_bytes counts them (measured: dp 3, bf16); in-flight micro-batches
         are 1 without pp, min(pp, m) on 1F1B's first stage. Backward of one block brings its
         full activations back (recomputed or fetched from the host): + (A'_none - A') / (tp cp).
     tp comm   per block, per micro-batch: 4 all-reduces of (s/cp) b h elements (6 when "full"
@@ -109,16 +108,6 @@ def _bytes_per_element(dtype: str, optimizer: str, stage: int) -> dict[str, floa
     return dict(param_bytes=2, grad_bytes=2, optimizer_bytes=4 + states, master_bytes=4)
 
 
-def _fp32_saved(cfg: GPTConfig, b: int, s: int, p: int, policy: str) -> int:
-    """What `block_saved_bytes` counts at p bytes but our block keeps in float32 under bf16 / fp16
-    (`RMSNorm` computes in float32; sdpa's log-sum-exp is float32): each norm's upcast input and
-    1/rms, and the log-sum-exp where the policy keeps it. Measured: a bf16 block's saved tensors."""
-    if policy not in ("none", "selective"):
-        return 0
-    lse = cfg.n_head * s * b if policy == "none" and cfg.attn_impl == "sdpa" and not cfg.dropout > 0 else 0
-    return (max(p, 4) - p) * (2 * s * b * cfg.d_model + 2 * s * b + lse)
-
-
 def _add(values) -> float:
     """Left to right, as JavaScript adds (Python 3.12's sum() compensates rounding; JS does not)."""
     total = 0.0
@@ -149,9 +138,8 @@ def estimate(inputs: dict) -> dict:
     dtype, policy, p = DTYPES[x["dtype"]], x["checkpointing"], 2 if x["dtype"] != "fp32" else 4
     gathered = 2 * s * b * cfg.d_model * p  # the norms' outputs: saved all-gathered, whole on each tp rank
     split_norms = policy in ("none", "selective")  # the policies that save the norms' outputs
-    kept = (block_saved_bytes(cfg, b, s, dtype, policy) + (tp - 1) * (gathered if split_norms else 0)
-            + _fp32_saved(cfg, b, s, p, policy))
-    full = block_saved_bytes(cfg, b, s, dtype, "none") + (tp - 1) * gathered + _fp32_saved(cfg, b, s, p, "none")
+    kept = block_saved_bytes(cfg, b, s, dtype, policy) + (tp - 1) * (gathered if split_norms else 0)
+    full = block_saved_bytes(cfg, b, s, dtype, "none") + (tp - 1) * gathered
     layers = math.ceil(cfg.n_layer / pp)
     in_flight = 1 if pp == 1 else min(pp, m)
     activations = (layers * in_flight * kept + (full - kept)) / (tp * cp)

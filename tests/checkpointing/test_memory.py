@@ -6,8 +6,13 @@ Korthikanti et al.'s sbh(34 + 5as/h), adapted to our Llama-style block in formul
 
 p = 4 (float32) or 8 (float64) bytes, d = 1 with dropout; "sdpa" drops the s^2 causal mask,
 and without dropout its fused kernel keeps a s b log-sum-exp elements instead of the s^2
-terms. The margin is **zero bytes**: the formula names every tensor autograd saves, so a
-torch upgrade that changes what an op saves fails here (and the lesson's table with it).
+terms. Under bf16 and fp16 (p = 2) the block computes its norms and softmax in float32, so
+those tensors are 4 bytes (u = 4 in formula.py): the norms' inputs and 1/rms, the softmax or
+log-sum-exp, and with "sdpa" and dropout torch's CPU fallback's q, k, v and core. A GPT built in
+bf16 saves what the engine's bf16 does (it casts the parameters, keeps the float32 RoPE tables;
+tests/planner/test_planner_bf16.py measures the engine itself). The margin is **zero bytes**:
+the formula names every tensor autograd saves, so a torch upgrade that changes what an op saves
+fails here (and the lesson's table with it).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from tinyscale.checkpointing import (
 )
 from tinyscale.models import GPT, GPTConfig
 
-DTYPES = [torch.float32, torch.float64]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 @st.composite
@@ -47,12 +52,31 @@ def tokens(cfg, batch, seq, seed=0):
             torch.randint(0, cfg.vocab_size, (batch, seq), generator=g))
 
 
-@given(cfg=configs(), batch=st.integers(1, 4), seq=st.integers(1, 24), dtype=st.sampled_from(DTYPES))
-def test_activation_checkpoint_block_saved_bytes_equal_formula(cfg, batch, seq, dtype):
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(cfg=configs(), batch=st.integers(1, 4), seq=st.integers(1, 24))
+def test_activation_checkpoint_block_saved_bytes_equal_formula(dtype, cfg, batch, seq):
     model = GPT(cfg, dtype=dtype).train()
     x = torch.randn(batch, seq, cfg.d_model, dtype=dtype, requires_grad=True)
     measured = saved_bytes(model.blocks[0], x, model.rope_cos[:seq], model.rope_sin[:seq], exclude_state_of=model)
     assert measured == block_saved_bytes(cfg, batch, seq, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("attn", "dropout"), [("sdpa", 0.0), ("sdpa", 0.1), ("math", 0.0), ("math", 0.1)])
+def test_activation_checkpoint_block_saved_bytes_16_bit_keep_float32_norms_and_softmax(dtype, attn, dropout):
+    """Every branch of the formula at p = 2, each run (the property test above draws them): the
+    norms' float32 inputs and 1/rms, and the float32 log-sum-exp ("sdpa"), softmax ("math"; its
+    bf16 copy for P V without dropout) or whole core and q, k, v ("sdpa" with dropout, torch's
+    CPU fallback). Counting them at 2 bytes, as the formula did, is 10-34 % short here."""
+    cfg = GPTConfig(vocab_size=64, max_seq_len=24, n_layer=1, n_head=4, n_kv_head=2, d_model=16,
+                    dropout=dropout, attn_impl=attn)
+    model = GPT(cfg, dtype=dtype).train()
+    x = torch.randn(3, 20, cfg.d_model, dtype=dtype, requires_grad=True)
+    rows = saved_tensors(model.blocks[0], x, model.rope_cos[:20], model.rope_sin[:20], exclude_state_of=model)
+    measured = sum({row.storage_key: row.storage_bytes for row in rows}.values())
+    assert measured == block_saved_bytes(cfg, 3, 20, dtype)
+    assert any(row.dtype == torch.float32 for row in rows)  # p = 2 alone would not be the count
+    assert measured > block_saved_bytes(cfg, 3, 20, torch.float32) // 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

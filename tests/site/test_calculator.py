@@ -57,12 +57,14 @@ def test_calculator_without_tp_pp_cp_is_zero_and_checkpointing_formulas():
     states = model_state_bytes(cfg.num_params(), 16, 2)
     assert out["device"]["parameters"] == states.device.parameters
     assert out["device"]["optimizer_states"] + out["device"]["master_weights"] == 12 * cfg.num_params() / 16
-    # bf16: our block keeps each RMSNorm's upcast input and 1/rms, and sdpa's log-sum-exp, in float32;
-    # block_saved_bytes counts them at 2 bytes (tests/memory/test_calculator_measured.py measures it)
     s, b, h, a = 512, 2, cfg.d_model, cfg.n_head
-    kept = block_saved_bytes(cfg, b, s, torch.bfloat16, "selective") + 2 * (2 * s * b * h + 2 * s * b)
-    full = block_saved_bytes(cfg, b, s, torch.bfloat16, "none") + 2 * (2 * s * b * h + 2 * s * b + a * s * b)
+    kept, full = (block_saved_bytes(cfg, b, s, torch.bfloat16, policy) for policy in ("selective", "none"))
     assert out["device"]["activations"] == cfg.n_layer * kept + (full - kept)
+    # bf16: half the float32 bytes, but each RMSNorm's upcast input and 1/rms and sdpa's log-sum-exp
+    # stay float32 (tests/memory/test_calculator_measured.py measures a bf16 block's saved tensors)
+    float32 = 2 * (2 * s * b * h + 2 * s * b)  # the norms' inputs and 1/rms: 2 more bytes an element
+    assert full == block_saved_bytes(cfg, b, s, torch.float32, "none") // 2 + float32 + 2 * a * s * b
+    assert kept == block_saved_bytes(cfg, b, s, torch.float32, "selective") // 2 + float32
     assert out["comm"]["dp"] == comm_bytes_per_rank(cfg.num_params(), 2, 16, 2, num_microbatches=4)
     assert out["comm"]["tp"] == out["comm"]["pp"] == out["comm"]["cp"] == 0
 

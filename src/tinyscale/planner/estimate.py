@@ -55,6 +55,7 @@ import functools
 
 from tinyscale.config import ConfigError, EngineConfig, ZeroConfig
 from tinyscale.dist.mesh import MeshLayout
+from tinyscale.checkpointing.formula import upcast_bytes
 from tinyscale.engine import expert
 from tinyscale.engine.layout_memory import _partition, rank_model_state_bytes, rank_tensors
 from tinyscale.engine.plan import LayoutPlan
@@ -140,24 +141,30 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
     the norms' insides (input, normalised input, 1/rms) over tp only under SP (Korthikanti et al.
     2022, sec. 4.2.2); the norms' outputs stay whole: they are the all-gathered inputs the
     column-parallel wq/wk/wv and w_gate/w_up save (Megatron gathers them again in backward
-    instead). cp splits the tokens. ("sdpa" attention, no dropout.) `moe`: an MoE block, whose
-    feed-forward keeps `moe_activation_bytes` instead of the SwiGLU's four (whole on every tp rank)."""
+    instead). cp splits the tokens; ring attention (cp > 1) keeps k and v before the GQA repeat
+    and its own output, accumulated in u, beside wo's input. ("sdpa" attention, no dropout.) Each
+    in its dtype: p bytes, but the norms' upcast input and 1/rms, the log-sum-exp and ring's output
+    in at least float32 (u = 4 under bf16 / fp16: `checkpointing.formula.upcast_bytes`). `moe`: an
+    MoE block, whose feed-forward keeps `moe_activation_bytes` instead of the SwiGLU's four (whole
+    on every tp rank)."""
     mlp_saved = moe_activation_bytes(cfg, b, s, p, ep) if moe and policy in ("none", "selective") else 0.0
-    s, h, F, kv, a = s / cp, cfg.d_model, cfg.ffn_dim, cfg.kv_dim, cfg.n_head
+    s, h, F, kv, a, u = s / cp, cfg.d_model, cfg.ffn_dim, cfg.kv_dim, cfg.n_head, upcast_bytes(p)
     F = 0 if moe else F  # an MoE block has no dense SwiGLU
-    norms = 4 * s * b * h + 2 * s * b  # two RMSNorms: input, normalised input, 1/rms
-    gathered = 2 * s * b * h  # their outputs, as the column-parallel layers save them
+    norms = u * (2 * s * b * h + 2 * s * b) + p * 2 * s * b * h  # two RMSNorms: input, 1/rms; normalised input
+    gathered = p * 2 * s * b * h  # their outputs, as the column-parallel layers save them
     if policy == "full":
         return p * s * b * h / (tp if sp else 1)  # the block's input
     if policy == "offload":
         return 0.0
     if policy == "selective":  # q and wo's input, k and v before the GQA repeat, the MLP's four
-        split = 2 * s * b * h + 2 * s * b * kv + 4 * s * b * F
+        split = p * (2 * s * b * h + 2 * s * b * kv + 4 * s * b * F)
+    elif policy == "none" and cp > 1:  # ring attention: q, k and v unrepeated, its output in u, wo's input
+        split = p * (2 * s * b * h + 2 * s * b * kv + 4 * s * b * F) + u * (s * b * h + a * s * b)
     elif policy == "none":  # q, repeated k and v, wo's input, the MLP's four, the log-sum-exp
-        split = 4 * s * b * h + 4 * s * b * F + a * s * b
+        split = p * (4 * s * b * h + 4 * s * b * F) + u * a * s * b
     else:
         raise ValueError(f"policy {policy!r}: the planner knows none, selective, full, offload")
-    return p * (norms / (tp if sp else 1) + gathered + split / tp) + mlp_saved
+    return norms / (tp if sp else 1) + gathered + split / tp + mlp_saved
 # --8<-- [end:layer-activations]
 
 
@@ -194,13 +201,18 @@ def moe_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, ep: int = 1) ->
 
 def extra_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, *, tp: int = 1, sp: bool = False,
                            cp: int = 1, first: bool, last: bool) -> float:
-    """What the embedding (its int64 token ids) and the head keep per micro-batch: the final
-    norm (input, normalised input, 1/rms, output) and the softmax over this rank's vocab shard."""
-    s = s / cp
-    out = 8 * s * b if first else 0.0
+    """What the embedding and the head keep per micro-batch, to the byte (measured in bf16 and
+    float64 at tp 1, 2, 2 + SP): the token ids (int64) and, under tp, the vocab-parallel
+    embedding's bool mask of ids outside the rank's rows; the final norm (upcast input and 1/rms
+    in u = `upcast_bytes(p)`, normalised input), its output (gathered under SP) as the head saves
+    it, the softmax over this rank's vocab shard (u: the loss runs in at least float32) and the
+    loss's targets: int64 (and 4 bytes of weight, tp 1) or, under tp, an int64 index and a bool."""
+    s, h, u = s / cp, cfg.d_model, upcast_bytes(p)
+    out = (8 * s * b + (s * b if tp > 1 else 0)) if first else 0.0
     if last:
-        out += p * ((2 * s * b * cfg.d_model + s * b) / (tp if sp else 1) + s * b * cfg.d_model)  # its output: gathered
-        out += p * s * b * -(-cfg.vocab_size // tp)  # the softmax over this rank's vocab rows
+        out += (u * (s * b * h + s * b) + p * s * b * h) / (tp if sp else 1) + p * s * b * h  # norm; its output
+        out += u * s * b * -(-cfg.vocab_size // tp)  # the softmax over this rank's vocab rows
+        out += 9 * s * b if tp > 1 else 8 * s * b + u  # the loss's targets
     return out
 
 

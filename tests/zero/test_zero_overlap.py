@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from tests.zero.test_unused import UnusedMLP
+from tinyscale.models import TinyMLP
 from tinyscale.precision.scaler import DynamicLossScaler
 from tinyscale.testing import assert_state_dicts_close, run_on_ranks, state_dict_cpu
+from tinyscale.zero import split_into_units
 
 WORLD, MICRO, ACCUM, STEPS = 3, 2, 3, 4
 CLIP, FAIL_STEP, OVERFLOW_STEP = 0.05, 1, 2
@@ -176,3 +178,17 @@ def test_zero1_zero2_flat_buffer_parameters_are_the_all_gather_output(stage):
     for state, inside in run_on_ranks(_flat_params_run, 2, stage):
         assert_state_dicts_close(state, state_dict_cpu(model), what=f"zero{stage} flat parameters vs one process")
         assert inside == [True] * STEPS
+
+
+def test_zero1_zero2_first_unit_closes_as_torch_ddps_first_bucket():
+    """`first_bucket_bytes` cuts ZeRO's units as torch DDP cuts its buckets: the first closes once
+    it holds that many bytes (the parameter that crosses it goes in), the rest up to the cap, so
+    the last unit, reduced after backward ends, is as large as torch's last bucket (lesson 02)."""
+    params = [p for p in TinyMLP().parameters() if p.requires_grad]  # bytes, last first: 128 2048 128 1024 64
+
+    def sizes(cap, first):
+        return [len(u.params) for u in split_into_units(params, cap, 2, 0, reverse=True, first_cap_bytes=first)]
+    assert sizes(2**30, 2200) == [3, 2]  # 128 + 2048 = 2176 < 2200: the next 128 still goes in
+    assert sizes(2**30, 2176) == [2, 3]  # reached: closed
+    assert sizes(1200, 2200) == [1, 1, 2, 1]  # never beyond the cap
+    assert sizes(None, 2200) == [3, 2]

@@ -99,8 +99,10 @@ def split_into_units(params: Sequence[torch.Tensor], cap_bytes: int | None, worl
     """Cut `params` into FlatUnits of at most `cap_bytes` (None: one unit per dtype/device run).
 
     `reverse=True` packs the last registered parameters first (the order backward produces
-    their gradients), as a gradient bucket should. `first_cap_bytes`: the first unit's cap, if
-    smaller (torch DDP's layout: a small first bucket, whose reduction starts early in backward).
+    their gradients), as a gradient bucket should. `first_cap_bytes`: the first unit closes
+    once it holds that many bytes (torch DDP's layout: a small first bucket, whose reduction
+    starts early in backward; as torch's, the parameter that crosses it still goes in, within
+    `cap_bytes`, so the last unit, reduced after backward ends, holds what torch's last bucket does).
     """
     order = list(reversed(params)) if reverse else list(params)
     groups: list[list[torch.Tensor]] = []
@@ -108,8 +110,8 @@ def split_into_units(params: Sequence[torch.Tensor], cap_bytes: int | None, worl
     for p in order:
         nbytes = p.numel() * p.element_size()
         current = groups[-1] if groups else None
-        cap = first_cap_bytes if len(groups) == 1 and first_cap_bytes is not None else cap_bytes
-        if (current is None or (cap is not None and size + nbytes > cap)
+        first_full = first_cap_bytes is not None and len(groups) == 1 and size >= first_cap_bytes
+        if (current is None or first_full or (cap_bytes is not None and size + nbytes > cap_bytes)
                 or p.dtype != current[0].dtype or p.device != current[0].device):
             groups.append([])
             size = 0

@@ -1,5 +1,6 @@
 // The memory calculator's arithmetic: a line-by-line port of src/tinyscale/calculator.py
-// (which composes tinyscale.zero.estimate and tinyscale.checkpointing.formula). Pure: no DOM.
+// (which composes tinyscale.zero.estimate, tinyscale.checkpointing.formula and, under cp, the
+// planner's layer_activation_bytes). Pure: no DOM.
 // `pytest -k calculator` checks that estimate(inputs) here equals the Python one for a grid
 // of inputs, in node and in the built page. Change both files together.
 //
@@ -86,6 +87,23 @@
     return norms + outs + p * qkv + mlp + core + s * s;
   }
 
+  // tinyscale.planner.estimate.layer_activation_bytes (dense, sp): one block per rank under cp > 1
+  function layerActivationBytes(c, batch, seq, p, policy, tp, cp) {
+    const s = seq / cp, b = batch, h = c.d_model, F = c.ffn_dim, kv = c.kv_dim, a = c.n_head;
+    const u = Math.max(p, 4);
+    const norms = u * (2 * s * b * h + 2 * s * b) + p * 2 * s * b * h;
+    const gathered = p * 2 * s * b * h;
+    if (policy === "full") return p * s * b * h / tp;
+    if (policy === "offload") return 0.0;
+    let split;
+    if (policy === "selective") split = p * (2 * s * b * h + 2 * s * b * kv + 4 * s * b * F);
+    else if (cp > 1) {  // ring attention: q, k and v unrepeated, its output in u, wo's input
+      split = p * (2 * s * b * h + 2 * s * b * kv + 4 * s * b * F) + u * (s * b * h + a * s * b);
+    }
+    else split = p * (4 * s * b * h + 4 * s * b * F) + u * a * s * b;
+    return norms / tp + gathered + split / tp;
+  }
+
   // tinyscale.zero.estimate: _placement, model_state_bytes, comm_volume, comm_bytes_per_rank
   function modelStateBytes(numParams, dp, stage, offload, offloadParams, nb) {
     if (![0, 1, 2, 3].includes(stage)) fail(`zero_stage=${stage}: ZeRO stages are 0 (DDP), 1, 2 and 3`);
@@ -164,7 +182,14 @@
     const full = blockSavedBytes(c, b, s, p, "none") + (tp - 1) * gathered;
     const layers = Math.ceil(c.n_layer / pp);
     const inFlight = pp === 1 ? 1 : Math.min(pp, m);
-    const activations = (layers * inFlight * kept + (full - kept)) / (tp * cp);
+    let activations;
+    if (cp === 1) {
+      activations = (layers * inFlight * kept + (full - kept)) / (tp * cp);
+    } else {  // ring attention's block, per rank (k, v unrepeated, its float32 output): the planner's count
+      const keptRank = layerActivationBytes(c, b, s, p, policy, tp, cp);
+      const fullRank = layerActivationBytes(c, b, s, p, "none", tp, cp);
+      activations = layers * inFlight * keptRank + (fullRank - keptRank);
+    }
     const out = {num_params: nParams, params_per_rank: nParams / (tp * pp)};
     for (const loc of LOCATIONS) {
       const row = Object.assign({}, states[loc], {activations: loc === "device" ? activations : 0.0});

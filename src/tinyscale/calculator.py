@@ -25,7 +25,12 @@ except the activations' growth with pp (its layers and in-flight micro-batches),
         every activation over tp (Korthikanti et al. 2022, section 4.2.2) but the two norms'
         outputs, which the column-parallel layers save all-gathered (policies none, selective;
         measured: a block's saved tensors under tp 3 + SP; before, A / tp left them out);
-        cp splits the tokens (measured, cp 3, under --thorough). Under bf16 / fp16 our block keeps
+        cp splits the tokens, and ring attention changes the block (cp > 1): it keeps k and v
+        before the GQA repeat (kv, not h, wide) and its own output in at least float32 beside wo's
+        input, as tinyscale.planner.estimate.layer_activation_bytes counts it (called here, with
+        sp: per rank; "sdpa" without dropout, whatever attn_impl says; measured: cp 3 at 6 heads
+        on 3, 4 on 1 and 4 on 4 K/V heads; before, A / cp, right only at 2 heads per K/V head).
+        Ulysses is not offered: the cp numbers are ring's. Under bf16 / fp16 our block keeps
         each norm's upcast input, 1/rms and the softmax (sdpa: its log-sum-exp) in float32, as
         block_saved_bytes counts them (measured: dp 3, bf16); in-flight micro-batches
         are 1 without pp, min(pp, m) on 1F1B's first stage. Backward of one block brings its
@@ -42,7 +47,9 @@ except the activations' growth with pp (its layers and in-flight micro-batches),
     cp comm   ring attention, per layer, per micro-batch: K and V chunks passed cp-1 times
               forward and backward (and again when "full" recomputes), at p; dK, dV passed cp-1
               times in float32 (DKV_BYTES): ((4 [+ 2]) p + 2 x 4) (cp-1) (s/cp) b (kv/tp)
-Not counted: the embedding, final norm, logits and loss activations, temporary buffers
+Not counted: the embedding, final norm, logits and loss activations (under cp also the first
+block's float32 RoPE rows for the rank, 2 (s/cp) D 4 bytes, and the loss's bool per token and
+8 bytes: once per micro-batch, not per block), dropout under cp, temporary buffers
 (gradient buckets, stage 3's gathered parameters), allocator fragmentation.
 
 Exact model states per rank, for the layouts the engine runs: not this calculator's Psi/(tp pp)
@@ -66,6 +73,7 @@ import torch
 
 from tinyscale.checkpointing.formula import block_saved_bytes
 from tinyscale.models.config import GPTConfig
+from tinyscale.planner.estimate import layer_activation_bytes
 from tinyscale.zero.estimate import comm_bytes_per_rank, model_state_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -142,7 +150,11 @@ def estimate(inputs: dict) -> dict:
     full = block_saved_bytes(cfg, b, s, dtype, "none") + (tp - 1) * gathered
     layers = math.ceil(cfg.n_layer / pp)
     in_flight = 1 if pp == 1 else min(pp, m)
-    activations = (layers * in_flight * kept + (full - kept)) / (tp * cp)
+    if cp == 1:
+        activations = (layers * in_flight * kept + (full - kept)) / (tp * cp)
+    else:  # ring attention's block, per rank (k, v unrepeated, its float32 output): the planner's count
+        kept, full = (layer_activation_bytes(cfg, b, s, p, k, tp=tp, sp=True, cp=cp) for k in (policy, "none"))
+        activations = layers * in_flight * kept + (full - kept)
     places = {}
     for loc in ("device", "host", "disk"):
         row = {k: getattr(getattr(states, loc), k)

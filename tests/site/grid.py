@@ -40,8 +40,9 @@ def calculator_grid(n: int, seed: int = 0) -> list[dict]:
     grid = [{k: rng.choice(v) for k, v in CHOICES.items()} for _ in range(n)]
     for i, custom in enumerate(CUSTOM):
         for policy in ("none", "full", "selective", "offload"):
-            grid.append({**grid[i], **custom, "checkpointing": policy, "tp": 1, "pp": 1,
-                         "offload": "none", "offload_params": "none"})
+            for cp in (1, 2):  # cp 2: ring attention's block (the planner's count)
+                grid.append({**grid[i], **custom, "checkpointing": policy, "tp": 1, "pp": 1, "cp": cp,
+                             "offload": "none", "offload_params": "none"})
     return grid
 
 

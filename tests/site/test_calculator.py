@@ -1,7 +1,8 @@
 """The site's memory calculator (docs/assets/calculator.js) computes what Python computes.
 
 `tinyscale.calculator.estimate` composes ZeRO's model-state and communication formulas
-(tinyscale.zero.estimate) and the activation formula (tinyscale.checkpointing.formula);
+(tinyscale.zero.estimate) and the activation formula (tinyscale.checkpointing.formula; under
+cp, ring attention's block from tinyscale.planner.estimate.layer_activation_bytes);
 the page's JavaScript is a port of it. Here both run on the same grid of inputs in node and
 must give the same bytes exactly (the port does the same float operations in the same
 order) and refuse the same impossible layouts. The page itself is checked in Chromium by

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+_engine = torch.autograd.Variable._execution_engine  # what torch.autograd.grad calls
+
 
 def _node(t: torch.Tensor) -> Node | None:
     """t's grad_fn, or for a leaf its AccumulateGrad node (made through a view if not yet made)."""
@@ -132,18 +134,32 @@ def backward_weight(kept: Kept) -> None:
             continue
         # a node that another of the group's intermediates feeds in W takes what B saw, not that plus its seed
         clamp = [n.register_prehook(lambda _, ds=ds: ds) for n, ds in fed] if len(g.nodes) > 1 else []
-        try:
-            grads = torch.autograd.grad([e for e, _ in edges], g.params, [d for _, d in edges],
-                                        retain_graph=True, allow_unused=True)
+        try:  # the engine itself: autograd.grad's checks and wrapping cost ~20 us a call, a call a group
+            grads = _engine.run_backward(tuple(e for e, _ in edges), tuple(d for _, d in edges), True, False,
+                                         tuple(g.params), True, False)
         finally:
             for h in clamp:
                 h.remove()
-        accumulate(g.params, grads)
+        accumulate(g.params, grads, [d for _, d in edges])
+
+
 # --8<-- [end:split]
 
 
-def accumulate(params, grads) -> None:
-    """p.grad += each gradient (set where None); a None gradient (an unused parameter) leaves p alone."""
+def accumulate(params, grads, fed=()) -> None:
+    """p.grad += each gradient, in place as autograd's AccumulateGrad does (`p.grad + d` allocates a
+    new gradient per parameter per micro-batch: 0.6 of W's 2.8 ms on stage 1 of notebook 08's GPT).
+    Where .grad is None it takes the gradient itself, or a copy if its storage is also one of `fed`
+    (the gradients this backward was seeded with, which autograd may pass through unchanged) or an
+    earlier parameter's: a later in-place add must not change another tensor. A None gradient (an
+    unused parameter) leaves p alone."""
+    taken = {t.untyped_storage().data_ptr() for t in fed}
     for p, d in zip(params, grads):
-        if d is not None:
-            p.grad = d if p.grad is None else p.grad + d
+        if d is None:
+            continue
+        if p.grad is not None:
+            p.grad.add_(d)
+            continue
+        ptr = d.untyped_storage().data_ptr()
+        p.grad = d.clone() if ptr in taken else d
+        taken.add(ptr)

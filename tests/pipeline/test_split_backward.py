@@ -87,7 +87,8 @@ class PassThrough(nn.Module):
 
     def __init__(self, c: int = 6) -> None:
         super().__init__()
-        self.a, self.b = nn.Parameter(torch.zeros(c, dtype=torch.float64)), nn.Parameter(torch.ones(c, dtype=torch.float64))
+        self.a = nn.Parameter(torch.zeros(c, dtype=torch.float64))
+        self.b = nn.Parameter(torch.ones(c, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.a + self.b

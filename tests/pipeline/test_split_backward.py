@@ -81,6 +81,28 @@ def test_pp_split_backward_tied_shared_frozen_unused_equal_plain_backward_float6
     assert set(grads) == {"w", "scale", "a.weight", "a.bias", "b.weight", "b.bias"}  # not frozen, not unused
 
 
+class PassThrough(nn.Module):
+    """Two biases added as they are: autograd hands each the gradient it received, one tensor for
+    both and for the input (no copy), so W's first gradient of a is b's and B's input gradient."""
+
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(c, dtype=torch.float64))
+        self.b = nn.Parameter(torch.ones(c, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.a + self.b
+
+
+def test_pp_split_backward_accumulates_in_place_without_changing_an_aliased_gradient():
+    """W adds in place from the second micro-batch on (as AccumulateGrad does); where autograd passes
+    one tensor to two parameters and the input, .grad takes a copy, so the later add changes
+    neither the other parameter's gradient nor B's input gradient (equal a plain backward's)."""
+    g = torch.Generator().manual_seed(4)
+    inputs, weights = torch.randn(2, 6, generator=g, dtype=torch.float64), torch.randn(2, 6, generator=g)
+    _check(PassThrough(), inputs, weights, lambda out, w: (out * w).sum(), "pass-through")
+
+
 def test_pp_split_backward_gpt_later_stage_equal_plain_backward_float64():
     for tied in (False, True):  # tied: the head's weight is the embedding's (stage 0's)
         stage = _later_gpt_stage(tied)

@@ -268,7 +268,7 @@ class PipelineExecutor:
             backward_weight(kept)
         else:  # stage 0: (out, grad_out), B did nothing
             (out, grad_out), params = kept, self._trained(a.stage)
-            accumulate(params, torch.autograd.grad(out, params, grad_out, allow_unused=True))
+            accumulate(params, torch.autograd.grad(out, params, grad_out, allow_unused=True), [grad_out])
 
     def _seed(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's output gradient, S / m (1 / m without fp16's loss scale S), so the m

@@ -8,18 +8,22 @@ B walks the graph from `out` to `x`. Every node on that walk that also has an ed
 parameter (a matmul's backward with the weight as an input, a norm's scale) is an *intermediate*:
 B records the gradient arriving at it (a pre-hook), and autograd computes there only the input
 side (the engine asks each node for the outputs its walk needs). W starts at those nodes
-(`torch.autograd.grad` from their `GradientEdge`s with the recorded gradients) and walks only
+(the autograd engine run from their `GradientEdge`s with the recorded gradients) and walks only
 towards the parameters, so each intermediate computes its weight side only, and nothing between
 `out` and the intermediates (an attention's backward, an MoE layer's all-to-alls) runs again.
 The same cut torch's zero-bubble stage makes (torch/distributed/pipelining/_backward.py).
 
 Parameters are grouped by the intermediates they share (a weight used twice has two; so does a
-weight used by two nodes); W runs one `autograd.grad` per group, groups in parameter order (the
+weight used by two nodes); W runs the engine once per group, groups in parameter order (the
 same on every rank: a collective on a parameter's side, ZeRO 3 style, stays matched). A group whose
 intermediates lie on one path (a weight used at the stage's top and its bottom) walks that path
 again in W, each intermediate fed its recorded gradient (a pre-hook replaces what arrives), so the
 result is exact; only such a stage pays. Frozen parameters are not passed; an unused one gets no
 gradient (as `allow_unused`).
+
+Time: no operator runs in both B and W; what they cost beyond one backward (1.49 times it on
+stage 1 of notebook 08's GPT, one micro-batch, 1.74 before W accumulated in place) is host work:
+B's walk of the graph and W's engine call per group, about 50 us each on that CPU (lesson 08).
 
 Memory between B and W: `Kept` holds the intermediates, and through their next_functions the
 graph below the topmost of them, with its saved tensors (what only B needed among them too: the
@@ -40,6 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+_engine = torch.autograd.Variable._execution_engine  # what torch.autograd.grad calls
 
 
 def _node(t: torch.Tensor) -> Node | None:
@@ -132,18 +138,32 @@ def backward_weight(kept: Kept) -> None:
             continue
         # a node that another of the group's intermediates feeds in W takes what B saw, not that plus its seed
         clamp = [n.register_prehook(lambda _, ds=ds: ds) for n, ds in fed] if len(g.nodes) > 1 else []
-        try:
-            grads = torch.autograd.grad([e for e, _ in edges], g.params, [d for _, d in edges],
-                                        retain_graph=True, allow_unused=True)
+        try:  # the engine itself: autograd.grad's checks and wrapping cost ~20 us a call, a call a group
+            grads = _engine.run_backward(tuple(e for e, _ in edges), tuple(d for _, d in edges), True, False,
+                                         tuple(g.params), True, False)
         finally:
             for h in clamp:
                 h.remove()
-        accumulate(g.params, grads)
+        accumulate(g.params, grads, [d for _, d in edges])
+
+
 # --8<-- [end:split]
 
 
-def accumulate(params, grads) -> None:
-    """p.grad += each gradient (set where None); a None gradient (an unused parameter) leaves p alone."""
+def accumulate(params, grads, fed=()) -> None:
+    """p.grad += each gradient, in place as autograd's AccumulateGrad does (`p.grad + d` allocates a
+    new gradient per parameter per micro-batch: 0.6 of W's 2.8 ms on stage 1 of notebook 08's GPT).
+    Where .grad is None it takes the gradient itself, or a copy if its storage is also one of `fed`
+    (the gradients this backward was seeded with, which autograd may pass through unchanged) or an
+    earlier parameter's: a later in-place add must not change another tensor. A None gradient (an
+    unused parameter) leaves p alone."""
+    taken = {t.untyped_storage().data_ptr() for t in fed}
     for p, d in zip(params, grads):
-        if d is not None:
-            p.grad = d if p.grad is None else p.grad + d
+        if d is None:
+            continue
+        if p.grad is not None:
+            p.grad.add_(d)
+            continue
+        ptr = d.untyped_storage().data_ptr()
+        p.grad = d.clone() if ptr in taken else d
+        taken.add(ptr)

@@ -45,7 +45,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-_engine = torch.autograd.Variable._execution_engine  # what torch.autograd.grad calls
+# What torch.autograd.grad calls, private but unchanged across torch 2.x: W makes one call per
+# parameter group, and autograd.grad's argument handling around it cost ~50 us a call here
+# (stage 1 of notebook 08's GPT, 20 groups: W 3.20 ms this way, 4.27 through autograd.grad,
+# taking turns in one process, 2026-11-27 06:26 UTC, load 1.1). tests/pipeline checks the result.
+_engine = torch.autograd.Variable._execution_engine
 
 
 def _node(t: torch.Tensor) -> Node | None:
@@ -138,7 +142,7 @@ def backward_weight(kept: Kept) -> None:
             continue
         # a node that another of the group's intermediates feeds in W takes what B saw, not that plus its seed
         clamp = [n.register_prehook(lambda _, ds=ds: ds) for n, ds in fed] if len(g.nodes) > 1 else []
-        try:  # the engine itself: autograd.grad's checks and wrapping cost ~20 us a call, a call a group
+        try:  # autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True), unwrapped
             grads = _engine.run_backward(tuple(e for e, _ in edges), tuple(d for _, d in edges), True, False,
                                          tuple(g.params), True, False)
         finally:

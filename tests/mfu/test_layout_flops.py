@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from tinyscale.context_parallel.sharding import Layout, plan_work
 from tinyscale.mfu import forward_flops, layout_flops, model_flops_per_token
 from tinyscale.models import GPTConfig
 
@@ -57,6 +58,15 @@ def test_mfu_hfu_context_parallel_ring_blocks_add_up_to_the_hand_formula():
             padded = forward_flops(cfg, P)
             assert (zig.qkvo, zig.mlp, zig.head) == (padded.qkvo, padded.mlp, padded.head)
             assert zig.backward_rerun == zig.scores and not zig.explicit_core
+    # the closed form against the plan the ring runs (context_parallel.plan_work sums block_plan's
+    # blocks, a diagonal one's triangle): causal=True is that sum, on lengths no chunk count divides
+    for cp in (2, 3, 5):
+        for sharding in ("zigzag", "contiguous"):
+            for T in range(1, 40):
+                plan = sum(plan_work(Layout(cp, sharding, T), r, causal=True) for r in range(cp))
+                assert layout_flops(cfg, T, cp=cp, cp_sharding=sharding, causal=True).scores == per_pair * plan
+    with pytest.raises(ValueError, match="cp_sharding"):
+        layout_flops(cfg, 16, cp=2, cp_sharding="stripes")
     # MFU is the model's, whatever the layout
     assert model_flops_per_token(cfg, 23) == forward_flops(cfg, 23).model / 23
 

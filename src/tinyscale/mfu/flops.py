@@ -195,6 +195,7 @@ def forward_flops(config: GPTConfig, seq_len: int, *, causal: bool = False,
 
 
 CP_ALGORITHMS = ("ring", "ulysses")
+CP_SHARDINGS = ("zigzag", "contiguous")  # context_parallel.SHARDINGS: 2 cp chunks or cp
 
 
 def _degree(name: str, value: int) -> None:
@@ -210,9 +211,12 @@ def layout_flops(config: GPTConfig, seq_len: int, *, tp: int = 1, cp: int = 1, c
     its ranks: what the hardware runs (HFU's count; MFU keeps `forward_flops`, the model's).
 
     tp: the LM head runs the padded vocabulary, Vp = ceil(V / tp) tp rows. cp: every matmul runs
-    on the padded length P (`context_parallel.Layout`); attention as `cp_algorithm` runs it.
-    Ring: the blocks of `context_parallel.block_plan`, each its whole rectangle (causal=True:
-    a diagonal block's lower triangle only), and its backward recomputes every block's Q K^T.
+    on the padded length P, a multiple of the chunk count N (2 cp zigzag, cp contiguous:
+    `context_parallel.Layout`); attention as `cp_algorithm` runs it. Ring: the blocks of
+    `context_parallel.block_plan`, whichever rank holds which chunk, are every pair of chunks
+    (query chunk, key chunk) but those wholly in the future, each its whole L x L rectangle
+    (causal=True: a diagonal block's lower triangle only), and its backward recomputes every
+    block's Q K^T (tests/mfu check the sum against the plan and against FlopCounterMode).
     Ulysses: the H heads over P x P (causal=True: the triangle), its backward recomputing Q K^T
     unless dropout runs merge.py's block under autograd, which keeps P. Under cp the algorithm
     decides `explicit_core` too: ring attention saves its output (a rerun runs it whole), and
@@ -224,24 +228,20 @@ def layout_flops(config: GPTConfig, seq_len: int, *, tp: int = 1, cp: int = 1, c
     _degree("cp", cp)
     if cp_algorithm not in CP_ALGORITHMS:
         raise ValueError(f"cp_algorithm={cp_algorithm!r} is unknown: use one of {CP_ALGORITHMS}")
+    if cp_sharding not in CP_SHARDINGS:
+        raise ValueError(f"cp_sharding={cp_sharding!r} is unknown: use one of {CP_SHARDINGS}")
     vocab = -(-config.vocab_size // tp) * tp  # tensor_parallel.padded_size: Megatron's padded vocab
     if cp == 1:
         flops = forward_flops(config, seq_len, causal=causal, explicit_core=explicit_core)
         return dataclasses.replace(flops, head=2 * seq_len * config.d_model * vocab)
-    from tinyscale.context_parallel.sharding import Layout, block_plan
-
     _check(config, seq_len)
-    layout = Layout(cp, cp_sharding, seq_len)
-    P, C = layout.padded_len, config.d_model
+    N = 2 * cp if cp_sharding == "zigzag" else cp  # chunks
+    L = -(-seq_len // N)  # a chunk's length
+    P, C = N * L, config.d_model
     if cp_algorithm == "ulysses":
         pairs = P * (P + 1) // 2 if causal else P * P  # per head, every head once over the cp ranks
-    else:
-        pairs = 0
-        for rank in range(cp):
-            for src in range(cp):
-                for rows, cols, kind in block_plan(layout, rank, src, causal=True):
-                    n = rows.stop - rows.start
-                    pairs += n * (n + 1) // 2 if causal and kind == "causal" else n * (cols.stop - cols.start)
+    else:  # N (N - 1) / 2 chunk pairs in the past, N on the diagonal
+        pairs = N * (N - 1) // 2 * L * L + N * (L * (L + 1) // 2 if causal else L * L)
     dropout = config.dropout > 0  # counter masks: cp refuses stream masks
     explicit = cp_algorithm == "ulysses" and dropout
     scores = config.n_layer * 2 * pairs * C  # Q K^T; P V alike

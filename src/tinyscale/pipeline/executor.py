@@ -67,7 +67,7 @@ from tinyscale.pipeline.partition import StageLayers
 from tinyscale.pipeline.schedules import (
     B, BW, COMM_KINDS, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, stage_ranks,
 )
-from tinyscale.pipeline.simulator import _matching_send, simulate
+from tinyscale.pipeline.simulator import matching_send, simulate
 from tinyscale.pipeline.split_backward import Kept, accumulate, backward_input, backward_weight
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
@@ -402,7 +402,7 @@ def _receive_slack(plan, rank: int) -> dict[Action, float]:
     for t in plan.timelines[rank]:
         a = t.action
         if a.kind in (RECV_F, RECV_B):
-            slack[a] = issued[_matching_send(a)] - reached
+            slack[a] = issued[matching_send(a)] - reached
         reached = t.end
     return slack
 

@@ -74,12 +74,12 @@ class Simulation:
     # --8<-- [end:bubble]
 
 
-def _matching_send(a: Action) -> Action:
+def matching_send(a: Action) -> Action:
     """The send a receive waits for: stage s's RECV_F comes from s-1, its RECV_B from s+1."""
     return Action(a.stage - 1, SEND_F, a.microbatch) if a.kind == RECV_F else Action(a.stage + 1, SEND_B, a.microbatch)
 
 
-def _matching_receive(a: Action) -> Action:
+def matching_receive(a: Action) -> Action:
     """The receive a send feeds: stage s's SEND_F goes to s+1, its SEND_B to s-1."""
     return Action(a.stage + 1, RECV_F, a.microbatch) if a.kind == SEND_F else Action(a.stage - 1, RECV_B, a.microbatch)
 
@@ -115,15 +115,15 @@ def _check_message_order(schedule: Schedule, where: dict[int, int]) -> None:
     for rank, actions in enumerate(schedule):
         for a in actions:
             if a.kind in (SEND_F, SEND_B):
-                sent.setdefault((rank, where[_matching_receive(a).stage]), []).append(a)
+                sent.setdefault((rank, where[matching_receive(a).stage]), []).append(a)
     position: dict[tuple[int, int], int] = {}
     for rank, actions in enumerate(schedule):
         for a in actions:
             if a.kind in (RECV_F, RECV_B):
-                pair = (where[_matching_send(a).stage], rank)
+                pair = (where[matching_send(a).stage], rank)
                 k = position.get(pair, 0)
                 expected = sent[pair][k]
-                if expected != _matching_send(a):
+                if expected != matching_send(a):
                     raise ScheduleError(f"rank {rank} receives {a} from rank {pair[0]}, whose next message "
                                         f"to it is {expected}: messages between two ranks are matched in "
                                         "the order sent, so receive in that order")
@@ -165,7 +165,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
         if a.kind in (RECV_F, RECV_B):
             if (a.kind == RECV_F and s == 0) or (a.kind == RECV_B and s == num_stages - 1):
                 raise ScheduleError(f"rank {rank}: {a} has no neighbouring stage to receive from")
-            send = _matching_send(a)
+            send = matching_send(a)
             if send not in all_actions:
                 raise ScheduleError(f"rank {rank}: {a} waits for {send}, which no rank sends")
             return sent.get(send)
@@ -221,11 +221,11 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | Callable[[Action],
 
     blocked = [(r, schedule[r][pc[r]]) for r in range(num_ranks) if pc[r] < len(schedule[r])]
     if blocked:
-        waits = "; ".join(f"rank {r} waits at {a} for {_matching_send(a)}" for r, a in blocked)
+        waits = "; ".join(f"rank {r} waits at {a} for {matching_send(a)}" for r, a in blocked)
         raise ScheduleError(f"deadlock: {waits}")
     for a in (a for actions in schedule for a in actions):
         if a.kind in (SEND_F, SEND_B):
-            recv = _matching_receive(a)
+            recv = matching_receive(a)
             if recv not in done:
                 raise ScheduleError(f"{a} is never received: no rank runs {recv}")
     _check_message_order(schedule, where)

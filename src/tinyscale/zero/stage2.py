@@ -62,8 +62,6 @@ class ZeroStage2:
         self.overlap = overlap
         self.sharded.flat_params = True  # the step's all-gather writes into the parameters (params_flat)
         self._where = {p: (u, i) for u, unit in enumerate(self.sharded.units) for i, p in enumerate(unit.params)}
-        # the hook's lookups, one dict read a gradient: (unit, index in unit, index in the usage flags)
-        self._hook_where = {p: (u, i, self.sharded._index[id(p)]) for p, (u, i) in self._where.items()}
         self._sizes = [len(unit.params) for unit in self.sharded.units]
         self._ready: list[set[int]] = [set() for _ in self.sharded.units]
         self._pending: list = []
@@ -93,7 +91,7 @@ class ZeroStage2:
     def _on_grad(self, param: torch.Tensor) -> None:
         # Kept lean: it runs once per gradient in Python, where torch DDP's hook is C++. Small GPT
         # (39 gradients), one process, 2026-11-27: 2.2 ms of CPU a step, copies and launches
-        # included, before (a no_grad decorator per call, a mark_used call, the ready loop walked
+        # included, before (a no_grad decorator per call, the ready loop walked
         # per gradient, stage 1 keeping .grad as a view until the launch), 1.4 to 1.6 after.
         if torch.is_grad_enabled():  # backward(create_graph=True): keep the bookkeeping out of the graph
             with torch.no_grad():
@@ -105,8 +103,8 @@ class ZeroStage2:
             self._queued = True
             self.events = []
             Variable._execution_engine.queue_callback(self._on_backward_end)
-        u, i, k = self._hook_where[param]
-        self.sharded._used_here[k] = True  # (mark_used, inline)
+        u, i = self._where[param]
+        self.sharded.mark_used(param)
         if u >= self._next:  # (a bucket already launched: its gradient waits in .grad for the next)
             self._fill(u, i, param)
         ready = self._ready[u]

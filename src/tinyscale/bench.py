@@ -66,8 +66,10 @@ def round_robin(variants: Mapping[str, Callable[[int], object]], steps: int, *, 
         swapped[a], swapped[b] = order[b], order[a]
     for i in range(warmup + steps):
         if shuffle is not None:
-            swapped = random.Random(shuffle * 1_000_003 + i).sample(order, len(order))
-        for name in swapped if i % 2 or shuffle is not None else order:
+            names = random.Random(shuffle * 1_000_003 + i).sample(order, len(order))
+        else:
+            names = swapped if i % 2 else order
+        for name in names:
             step = variants[name]
             if before is not None:
                 before()

@@ -184,7 +184,7 @@
     const inFlight = pp === 1 ? 1 : Math.min(pp, m);
     let activations;
     if (cp === 1) {
-      activations = (layers * inFlight * kept + (full - kept)) / (tp * cp);
+      activations = (layers * inFlight * kept + (full - kept)) / tp;
     } else {  // ring attention's block, per rank (k, v unrepeated, its float32 output): the planner's count
       const keptRank = layerActivationBytes(c, b, s, p, policy, tp, cp);
       const fullRank = layerActivationBytes(c, b, s, p, "none", tp, cp);

@@ -151,7 +151,7 @@ def estimate(inputs: dict) -> dict:
     layers = math.ceil(cfg.n_layer / pp)
     in_flight = 1 if pp == 1 else min(pp, m)
     if cp == 1:
-        activations = (layers * in_flight * kept + (full - kept)) / (tp * cp)
+        activations = (layers * in_flight * kept + (full - kept)) / tp
     else:  # ring attention's block, per rank (k, v unrepeated, its float32 output): the planner's count
         kept, full = (layer_activation_bytes(cfg, b, s, p, k, tp=tp, sp=True, cp=cp) for k in (policy, "none"))
         activations = layers * in_flight * kept + (full - kept)

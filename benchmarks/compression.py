@@ -5,7 +5,9 @@
 (`--markdown lessons/figures/10-benchmark.txt` also writes the table that lesson 10 includes.)
 
 On the same rank processes and the same batches it times one training step (forward,
-backward with gradient communication, AdamW step) of:
+backward with gradient communication, AdamW step) of each of these, round robin in a shuffled
+order each round (`tinyscale.bench.round_robin(shuffle=0)`: each follows every other about
+equally often, since a step placed right after a slow one reads slower):
 
     torch DDP                      no hook: the uncompressed all-reduce
     torch DDP + torch PowerSGD     torch's own `powerSGD_hook`, rank --rank
@@ -116,7 +118,7 @@ def _bench_rank(model_name: str, steps: int, micro: int, rank: int) -> dict:
         run["bytes"] = sum(r.bytes for r in ledger.rows)
 
     times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=2,
-                        before=dist.barrier)
+                        before=dist.barrier, shuffle=0)
     out = {}
     for name, run in runs.items():
         nbytes = run["bytes"]

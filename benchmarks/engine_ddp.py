@@ -2,8 +2,9 @@
 
     python benchmarks/engine_ddp.py [--world-sizes 2 4] [--steps 20] [--model small] [--json PATH]
 
-On the same rank processes and the same batches, steps interleaved round robin
-(tinyscale.bench: 2 warm-up rounds dropped, the slowest rank's step, median and spread):
+On the same rank processes and the same batches, steps interleaved round robin in a shuffled
+order each round (tinyscale.bench, `shuffle=0`: each variant follows each other about equally
+often; 2 warm-up rounds dropped, the slowest rank's step, median and spread):
 
     engine                  ts.initialize(...).train_batch: ZeRO 0's buckets in torch DDP's
                             layout (a first bucket of 1 MiB, the rest of reduce_bucket_size)
@@ -57,7 +58,7 @@ def _bench_rank(model_name: str, steps: int, micro: int) -> dict:
 
     times = round_robin({"engine": lambda i: engine.train_batch(batches[i]),
                          "engine, one bucket": lambda i: one_bucket.train_batch(batches[i]),
-                         "torch DDP": torch_step}, steps, warmup=2, before=dist.barrier)
+                         "torch DDP": torch_step}, steps, warmup=2, before=dist.barrier, shuffle=0)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buckets = {"engine": len(engine.ddp.buckets), "engine, one bucket": len(one_bucket.ddp.buckets),
                "torch DDP": ddp._get_ddp_logging_data().get("num_buckets_reduced")}  # (after its rebuild)

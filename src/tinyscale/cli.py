@@ -93,8 +93,8 @@ def _utilization(spec, tokens_per_s: float, result: dict) -> dict:
     source = "vendor table" if result["backend"] == "nccl" else "measured matmul peak of this CPU"
     return {"mfu": mfu(tokens_per_s, cfg, peak, num_devices=devices),
             "hfu": hfu(tokens_per_s, cfg, peak, num_devices=devices, recompute=recompute, recomputed_layers=layers,
-                       early_stop=early_stop_of(engine_config, cfg, tp=engine_config.parallel.tensor),
-                       explicit_core=explicit_core_of(engine_config, cfg, tp=engine_config.parallel.tensor,
+                       early_stop=early_stop_of(engine_config, cfg, tp=par.tensor),
+                       explicit_core=explicit_core_of(engine_config, cfg, tp=par.tensor,
                                                       device="cuda" if result["backend"] == "nccl" else "cpu"),
                        tp=par.tensor, cp=par.context, cp_algorithm=par.context_algorithm,
                        cp_sharding=par.context_sharding),

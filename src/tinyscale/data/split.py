@@ -17,7 +17,10 @@ and rows == train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp_si
 exactly (DeepSpeed's identity for train_batch_size); anything else is a ValueError. Ranks
 holding tensor/pipeline/context shards of one model share a dp_rank and get the same rows.
 
-All results are views of the global batch (no copies): do not modify them in place.
+All results are views of the global batch (no copies): do not modify them in place. A view
+kept keeps the whole global batch's storage alive; no engine path keeps one past its step
+(`tests/engine/test_batch_views_freed.py`; the pipeline executor drops its run's ids and targets
+when the run ends).
 
 Shape legend: N global rows, R = N // dp_size rows per rank, M = micro_batch_size.
 """

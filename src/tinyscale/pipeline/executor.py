@@ -221,6 +221,7 @@ class PipelineExecutor:
             work.wait()
         self.sent_tensors = []
         self.inbox, self.saved, self.losses = {}, {}, self.losses if self.failed is None else []
+        self.inputs = self.targets = None  # views of the caller's batch: not kept past the step
         if self.failed is not None:
             rank, error = self.failed
             raise error if error is not None else StageFailed(rank)

@@ -22,8 +22,12 @@ paired steps (`tinyscale.bench.ratio_interval`: a step of each engine is one rou
 median of each round's ratio, and checks that the losses agree: both
 train in float32 and reduce in different orders, and Adam can turn rounding-level gradients
 into updates of either sign, so the check is 1e-3 relative (a wrong gradient scale or a lost
-micro-batch moves the loss by far more within a few steps). --json writes the ratios under
-`zero0_vs_deepspeed` .. `zero3_vs_deepspeed`, their intervals and each step's milliseconds.
+micro-batch moves the loss by far more within a few steps). It also prints what each step cost
+in CPU time, both ranks' processes summed (every thread, gloo's too), and that ratio with its
+interval: with 2 ranks on 2 cores a step's wall time is about its CPU work, and the CPU time is
+what the machine's other load moves least (lesson 12). --json writes the ratios under
+`zero0_vs_deepspeed` .. `zero3_vs_deepspeed`, their intervals and each step's milliseconds
+(wall, and CPU under `cpu_step_ms` with `cpu_intervals`).
 `--stages 0,1` times those stages only. Tests: `pytest -k deepspeed_agreement`.
 """
 
@@ -81,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     result = deepspeed_peer.run("train", payload, timeout_s=3600)
 
     table = Table(title="one training step (its slowest rank), median (fastest .. slowest)")
-    for col in ("ZeRO stage", "tinyscale ms", "DeepSpeed ms", "tinyscale / DeepSpeed", "loss max rel. diff"):
+    for col in ("ZeRO stage", "tinyscale ms", "DeepSpeed ms", "tinyscale / DeepSpeed", "CPU ratio",
+                "loss max rel. diff"):
         table.add_column(col, justify="right")
     ratios, intervals, step_ms, verdicts, ok = {}, {}, {}, [], True
+    cpu_intervals, cpu_step_ms = {}, {}
     for stage in stages:
         runs = result[str(stage)]
         ours, theirs = (runs[side]["seconds"][WARMUP:] for side in ("tinyscale", "deepspeed"))
@@ -99,13 +105,22 @@ def main(argv: list[str] | None = None) -> int:
                         for side, times in (("tinyscale", ours), ("deepspeed", theirs))}
         verdicts.append(f"{key}: {ratio:.3f}x, 95% interval {low:.3f} .. {high:.3f} over {len(ours)} paired steps: "
                         f"{interval_verdict(low, high, 'tinyscale')}; the median of each step's ratio {each:.3f}x")
+        cpu_ours, cpu_theirs = (runs[side]["cpu_seconds"][WARMUP:] for side in ("tinyscale", "deepspeed"))
+        cpu_ratio = statistics.median(cpu_ours) / statistics.median(cpu_theirs)
+        cpu_intervals[key] = (cpu_ratio, *ratio_interval(cpu_ours, cpu_theirs))
+        cpu_step_ms[key] = {side: [round(1e3 * t, 3) for t in times]
+                            for side, times in (("tinyscale", cpu_ours), ("deepspeed", cpu_theirs))}
+        verdicts.append(f"  CPU time a step, both ranks summed: {1e3 * statistics.median(cpu_ours):.1f} against "
+                        f"{1e3 * statistics.median(cpu_theirs):.1f} ms, {cpu_ratio:.3f}x, 95% interval "
+                        f"{cpu_intervals[key][1]:.3f} .. {cpu_intervals[key][2]:.3f}")
         table.add_row(str(stage), *(f"{1e3 * statistics.median(t):.1f} ({1e3 * min(t):.1f} .. {1e3 * max(t):.1f})"
-                                    for t in (ours, theirs)), f"{ratio:.2f}x", f"{diff:.1e}")
+                                    for t in (ours, theirs)), f"{ratio:.2f}x", f"{cpu_ratio:.2f}x", f"{diff:.1e}")
     console.print(table)
     for line in verdicts:
         console.print(line)
     write_json(args.json, ratios, world_size=args.world_size, model=args.model, steps=args.steps,
-               intervals={k: [round(v, 4) for v in iv] for k, iv in intervals.items()}, step_ms=step_ms)
+               intervals={k: [round(v, 4) for v in iv] for k, iv in intervals.items()}, step_ms=step_ms,
+               cpu_intervals={k: [round(v, 4) for v in iv] for k, iv in cpu_intervals.items()}, cpu_step_ms=cpu_step_ms)
     if not ok:
         console.print(f"[red]the losses differ by more than {LOSS_REL:g} relative[/red]")
         return 1

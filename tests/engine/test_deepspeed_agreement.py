@@ -242,6 +242,9 @@ def _check_zero_agreement(payload: dict, param_gap: float = 2e-6) -> dict:
         assert gap < param_gap, (stage, gap, _max_rel(ds["parameters"], ref_params),
                                  _max_rel(ours["parameters"], ref_params))
         seen[stage] = gap
+        for side in (ds, ours):  # benchmarks/deepspeed.py's CPU column: every step's, both ranks summed
+            assert len(side["cpu_seconds"]) == len(side["seconds"]) == len(payload["batches"])
+            assert all(t > 0 for t in side["cpu_seconds"]), side["cpu_seconds"]
     return seen
 
 

@@ -5,8 +5,11 @@ Runs inside `tinyscale.testing.deepspeed_peer` (``train`` task), never in a test
 from the same seed, and for each ZeRO stage asked for trains it once through
 ``deepspeed.initialize`` (``engine(x, y)``, ``engine.backward(loss)``, ``engine.step()`` per
 micro-batch) and once through ``tinyscale.initialize`` (``train_batch``), optionally alternating
-step by step (``interleave``, for timing), and returns the losses, the final full parameters and
-the seconds of every step (its slowest rank's).
+step by step (``interleave``, for timing), and returns the losses, the final full parameters,
+the seconds of every step (its slowest rank's) and the CPU seconds every step cost, summed over
+the ranks (each rank process's user + system time, all its threads: gloo's included). On a
+machine with fewer free cores than threads a step's wall time is about its CPU work, and the CPU
+seconds are the load-robust part of it.
 
 Rows as tinyscale's engine splits them (`tinyscale.data.local_micro_batches`): rank r takes
 the r-th contiguous block of each global batch, cut into contiguous micro-batches. DeepSpeed's
@@ -19,6 +22,7 @@ The optimizer is the config's: ``SGD`` (given to DeepSpeed as a torch optimizer,
 from __future__ import annotations
 
 import copy
+import resource
 import time
 
 import torch
@@ -94,7 +98,7 @@ def _rank(payload: dict) -> dict:
         for side in payload.get("sides", ["deepspeed", "tinyscale"]):
             model = GPT(cfg, seed=payload["seed"], dtype=dtype)
             engines[side] = _deepspeed_engine(model, config) if side == "deepspeed" else ts.initialize(model, config)
-            runs[side] = {"losses": [], "seconds": []}
+            runs[side] = {"losses": [], "seconds": [], "cpu_seconds": []}
         order = list(engines)
         if payload.get("interleave"):  # for timing: step by step, alternating who goes first
             for step, batch in enumerate(batches):
@@ -109,9 +113,10 @@ def _rank(payload: dict) -> dict:
         # a step ends when every rank's does: each step's slowest rank (rank 0 alone would leave
         # out tinyscale's optimizer step on the other ranks, which DeepSpeed's loss all-reduce waits for)
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, {side: runs[side]["seconds"] for side in runs})
+        dist.all_gather_object(per_rank, {side: (runs[side]["seconds"], runs[side]["cpu_seconds"]) for side in runs})
         for side in runs:
-            runs[side]["seconds"] = slowest([r[side] for r in per_rank])
+            runs[side]["seconds"] = slowest([r[side][0] for r in per_rank])
+            runs[side]["cpu_seconds"] = [sum(step) for step in zip(*(r[side][1] for r in per_rank))]
         for side, engine in engines.items():
             full = _full_parameters(engine, stage) if side == "deepspeed" else {
                 k: v.tolist() for k, v in engine.full_state_dict().items()}
@@ -133,10 +138,17 @@ def _one(engine, side, batch, rank, world, gas, run, resize: bool = False) -> fl
             gas if side == "deepspeed" else engine.batch.gradient_accumulation_steps)
 
     dist.barrier()
-    start = time.perf_counter()
+    cpu, start = _cpu_seconds(), time.perf_counter()
     loss = _deepspeed_step(engine, batch, rank, world, gas) if side == "deepspeed" else engine.train_batch(batch)
     run["seconds"].append(time.perf_counter() - start)
+    run["cpu_seconds"].append(_cpu_seconds() - cpu)
     return float(loss)
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time so far, every thread (the main one and gloo's), user + system."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 def train(payload: dict) -> dict:

@@ -16,6 +16,7 @@ slowest rank's step) with its 95% bootstrap interval.
 """
 import argparse
 import os
+import resource
 import statistics
 import time
 
@@ -29,7 +30,8 @@ from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.models import GPTConfig
 from zero import _build  # benchmarks/zero.py, beside this script
 
-PHASES = ("step ms", "fwd cpu", "bwd cpu", "tail ms", "opt ms", "opt cpu", "main cpu", "gloo cpu")
+PHASES = ("step ms", "fwd cpu", "bwd cpu", "tail ms", "opt ms", "opt cpu", "main cpu", "gloo cpu", "faults",
+          "vol csw", "invol csw")
 VARIANTS = ("torch DDP", "ZeroStage1", "ZeroStage2")
 WARMUP = 3
 
@@ -43,6 +45,7 @@ def _rank(steps: int, micro: int = 4) -> dict:
 
     def phases(name, impl, last, i):
         (local,) = local_micro_batches(batches[i], dp_rank=rank, dp_size=world, micro_batch_size=micro)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         p0, t0, c0 = time.process_time(), time.perf_counter(), time.thread_time()
         loss = impl.forward(*local)
         c1 = time.thread_time()
@@ -50,9 +53,11 @@ def _rank(steps: int, micro: int = 4) -> dict:
         t2, c2 = time.perf_counter(), time.thread_time()
         impl.step()
         t3, c3, p3 = time.perf_counter(), time.thread_time(), time.process_time()
-        if i >= WARMUP:
+        r3 = resource.getrusage(resource.RUSAGE_SELF)
+        if i >= WARMUP:  # (the counts are scaled by 1e-3 so that the table's "* 1e3" prints them as they are)
             rows[name].append((t3 - t0, c1 - c0, c2 - c1, t2 - last[0], t3 - t2, c3 - c2, c3 - c0,
-                               (p3 - p0) - (c3 - c0)))
+                               (p3 - p0) - (c3 - c0), (r3.ru_minflt - r0.ru_minflt) * 1e-3,
+                               (r3.ru_nvcsw - r0.ru_nvcsw) * 1e-3, (r3.ru_nivcsw - r0.ru_nivcsw) * 1e-3))
 
     variants = {}
     for name in VARIANTS:

@@ -9,13 +9,15 @@ on each rank: the main thread's CPU (`time.thread_time`) in forward, backward (t
 hooks and the wait for the reductions included) and the step; the rest of the process's CPU
 (gloo's threads: `time.process_time` minus the main thread's); the "tail", from the last
 gradient's arrival (a post-accumulate-grad hook on every parameter) to backward's return, which
-is the reduction left exposed; and the step's wall time (the sharded AdamW and, for the stages,
-the all-gather). CPU times are what the machine's load distorts least: a busy core stretches
+is the reduction left exposed; the step's wall time (the sharded AdamW and, for the stages,
+the all-gather); and the process's minor page faults and voluntary and involuntary context
+switches (`getrusage`: what fresh buffers and waits on gloo's threads cost besides CPU time). CPU times are what the machine's load distorts least: a busy core stretches
 wall time, not the CPU a thread uses. Prints rank 0's medians and each stage's ratio to DDP (the
 slowest rank's step) with its 95% bootstrap interval.
 """
 import argparse
 import os
+import resource
 import statistics
 import time
 
@@ -29,7 +31,8 @@ from tinyscale.data import local_micro_batches, sample_batches, stdlib_corpus
 from tinyscale.models import GPTConfig
 from zero import _build  # benchmarks/zero.py, beside this script
 
-PHASES = ("step ms", "fwd cpu", "bwd cpu", "tail ms", "opt ms", "opt cpu", "main cpu", "gloo cpu")
+PHASES = ("step ms", "fwd cpu", "bwd cpu", "tail ms", "opt ms", "opt cpu", "main cpu", "gloo cpu", "faults",
+          "vol csw", "invol csw")
 VARIANTS = ("torch DDP", "ZeroStage1", "ZeroStage2")
 WARMUP = 3
 
@@ -43,6 +46,7 @@ def _rank(steps: int, micro: int = 4) -> dict:
 
     def phases(name, impl, last, i):
         (local,) = local_micro_batches(batches[i], dp_rank=rank, dp_size=world, micro_batch_size=micro)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         p0, t0, c0 = time.process_time(), time.perf_counter(), time.thread_time()
         loss = impl.forward(*local)
         c1 = time.thread_time()
@@ -50,9 +54,11 @@ def _rank(steps: int, micro: int = 4) -> dict:
         t2, c2 = time.perf_counter(), time.thread_time()
         impl.step()
         t3, c3, p3 = time.perf_counter(), time.thread_time(), time.process_time()
-        if i >= WARMUP:
+        r3 = resource.getrusage(resource.RUSAGE_SELF)
+        if i >= WARMUP:  # (the counts are scaled by 1e-3 so that the table's "* 1e3" prints them as they are)
             rows[name].append((t3 - t0, c1 - c0, c2 - c1, t2 - last[0], t3 - t2, c3 - c2, c3 - c0,
-                               (p3 - p0) - (c3 - c0)))
+                               (p3 - p0) - (c3 - c0), (r3.ru_minflt - r0.ru_minflt) * 1e-3,
+                               (r3.ru_nvcsw - r0.ru_nvcsw) * 1e-3, (r3.ru_nivcsw - r0.ru_nivcsw) * 1e-3))
 
     variants = {}
     for name in VARIANTS:

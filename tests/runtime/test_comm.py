@@ -25,7 +25,9 @@ def _every_op(numel, dtype_name):
         gathered = torch.empty(n * numel, dtype=dtype)
         comm.all_gather(gathered, torch.full((numel,), rank, dtype=dtype))
         out = torch.empty(numel, dtype=dtype)
-        comm.reduce_scatter(out, torch.ones(n * numel, dtype=dtype))
+        # chunk c of rank r's input holds (r + 1)(c + 1): a sum that mixes up ranks or chunks shows
+        chunk = torch.arange(1, n + 1, dtype=dtype).repeat_interleave(numel)
+        comm.reduce_scatter(out, chunk * (rank + 1))
         a2a = torch.empty(n * numel, dtype=dtype)
         comm.all_to_all(a2a, torch.full((n * numel,), rank, dtype=dtype))
         right, left = (rank + 1) % n, (rank - 1) % n
@@ -65,7 +67,7 @@ def test_comm_ledger_bytes_equal_tensor_sizes(numel, dtype_name, world_size):
         total = n * (n + 1) // 2
         assert values["all_reduce"] == [float(total)] * numel
         assert values["gathered"] == [float(r) for r in range(n) for _ in range(numel)]
-        assert values["reduce_scatter"] == [float(n)] * numel
+        assert values["reduce_scatter"] == [float(total * (rank + 1))] * numel  # (1 + .. + n)(rank + 1)
         assert values["a2a"] == [float(r) for r in range(n) for _ in range(numel)]
 
 

@@ -314,3 +314,59 @@ def test_zero_gradients_live_in_the_flat_buffer_no_flattening_copy(stage):
         assert all(all(v) for v in views[0::2]) and not any(any(v) for v in views[1::2])
     else:
         assert not any(any(v) for v in views)  # stage 2: no .grad kept after backward
+
+
+
+def _two_layers():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4, dtype=torch.float64), torch.nn.Linear(4, 4, dtype=torch.float64)
+
+
+def _grad_set_outside_backward_run():
+    """Rank 1's backward reaches only the second layer, whose unit goes first; the first layer's
+    unit (bias first, then weight, backward's order) gets no gradient from a hook there, and its
+    weight a .grad set before backward. torch.empty's memory is arbitrary: here it is NaN."""
+    from tinyscale.zero import ZeroStage1
+
+    rank = dist.get_rank()
+    a, b = _two_layers()
+    params = [*a.parameters(), *b.parameters()]
+    zero = ZeroStage1(params, lambda groups: torch.optim.SGD(groups, lr=1.0), bucket_bytes=160)
+    assert [u.params for u in zero.sharded.units] == [[b.bias, b.weight], [a.bias, a.weight]]
+    x = torch.arange(8, dtype=torch.float64).view(2, 4) / 8 + rank
+    empty = torch.empty
+    torch.empty = lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan"))
+    try:
+        if rank == 0:
+            b(a(x)).sum().backward()
+        else:
+            a.weight.grad = torch.ones(4, 4, dtype=torch.float64)
+            b(x).sum().backward()
+    finally:
+        torch.empty = empty
+    zero.step()
+    return [p.detach().clone() for p in params]
+
+
+def test_zero1_unit_without_hook_gradients_sends_zeros_and_the_grad_set_outside_backward():
+    """ZeroStage1: a unit none of whose gradients came through a hook in the reducing backward
+    is sent as zeros plus whatever .grad holds (set outside backward): no slot of its flat
+    buffer left as torch.empty made it (rank 1 here, its first layer's bias: rank 0's gradient
+    for it must be averaged with zero, not with garbage)."""
+    results = run_on_ranks(_grad_set_outside_backward_run, 2)
+    a, b = _two_layers()
+    params = [*a.parameters(), *b.parameters()]
+    grads = [torch.zeros_like(p) for p in params]
+    for rank in range(2):
+        x = torch.arange(8, dtype=torch.float64).view(2, 4) / 8 + rank
+        (b(a(x)) if rank == 0 else b(x)).sum().backward()
+        if rank == 1:
+            a.weight.grad = torch.ones(4, 4, dtype=torch.float64)  # what rank 1 sets (its backward skips a)
+        for g, p in zip(grads, params):
+            g += 0 if p.grad is None else p.grad
+            p.grad = None
+    expected = [p.detach() - g / 2 for p, g in zip(params, grads)]  # SGD, lr 1, the mean over 2 ranks
+    for ours in results:
+        for got, want in zip(ours, expected):
+            # exact: the same two float64 terms, halved (exact in binary) before or after their sum
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -412,11 +412,21 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, gro
     n = _group_size(group)
     received = torch.empty_like(input)  # row i: rank i's chunk of this rank's slice
     work = _Then(dist.all_to_all_single(received, input, group=group, async_op=True),
-                 lambda: torch.sum(received.view(n, -1), dim=0, out=output.view(-1)))
+                 lambda: _sum_rows(received.view(n, -1), output.view(-1)))
     if async_op:
         return work
     work.wait()
     return None
+
+
+def _sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """out = the sum of rows' rows, in rank order. Two rows: one add (torch.sum over a dimension
+    of 2 took about 3x as long: 0.12 and 0.16 ms of CPU against 0.044 and 0.047 for 2 x 295,552
+    float32, two runs, 2026-11-27; the same sums)."""
+    if rows.shape[0] == 2:
+        torch.add(rows[0], rows[1], out=out)
+    else:
+        torch.sum(rows, dim=0, out=out)
 
 
 def _all_gather_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):

@@ -112,17 +112,16 @@ class ZeroStage1(ZeroStage2):
     def _launch(self, u: int) -> None:
         """Send unit u's flat buffer; a parameter without a gradient in it counts as zero."""
         unit, filled = self.sharded.units[u], self._ready[u]
+        if self._flat[u] is None:  # no gradient in its slots yet: zeros first, then what .grad holds
+            self._slot(u, 0)  # (a slot left as torch.empty made it would send garbage)
+            self._flat[u][:unit.numel].zero_()
         for i, p in enumerate(unit.params):
             if i in filled:  # its hook in this backward just put it in its slot
                 continue
             if p.grad is None:
-                if self._flat[u] is not None:
-                    self._slot(u, i).zero_()
+                self._slot(u, i).zero_()
             else:  # set or replaced outside backward's hook: copy it in
                 self._keep_in_slot(p)
-        if self._flat[u] is None:  # no gradient in the whole unit: zeros
-            self._slot(u, 0)
-            self._flat[u][:unit.numel].zero_()
         self._ready[u].update(range(len(unit.params)))  # every slot is filled: ZeroStage2 copies nothing
         self._held = False
         ZeroStage2._launch(self, u)

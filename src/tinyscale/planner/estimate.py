@@ -145,7 +145,11 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
     2022, sec. 4.2.2); the norms' outputs stay whole: they are the all-gathered inputs the
     column-parallel wq/wk/wv and w_gate/w_up save (Megatron gathers them again in backward
     instead). cp splits the tokens; ring attention (cp > 1) keeps k and v before the GQA repeat
-    and its own output, accumulated in u, beside wo's input. ("sdpa" attention, no dropout.) Each
+    and its own output, accumulated in u, beside wo's input. ("sdpa" attention; dropout only under
+    cp.) Dropout under cp (counter masks): both residual branches keep their p-byte mask (s b h
+    each, split over tp under SP, as the residual stream is); ring attention keeps no more, since
+    its backward redraws each block's probability mask from the positions (measured at cp 2 and 3,
+    bf16 and float32; the blocks it materialises meanwhile are transient, not counted). Each
     in its dtype: p bytes, but the norms' upcast input and 1/rms, the log-sum-exp and ring's output
     in at least float32 (u = 4 under bf16 / fp16: `checkpointing.formula.upcast_bytes`). `moe`: an
     MoE block, whose feed-forward keeps `moe_activation_bytes` instead of the SwiGLU's four (whole
@@ -154,6 +158,8 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
     s, h, F, kv, a, u = s / cp, cfg.d_model, cfg.ffn_dim, cfg.kv_dim, cfg.n_head, upcast_bytes(p)
     F = 0 if moe else F  # an MoE block has no dense SwiGLU
     norms = u * (2 * s * b * h + 2 * s * b) + p * 2 * s * b * h  # two RMSNorms: input, 1/rms; normalised input
+    if cfg.dropout > 0 and cp > 1:  # the two residual dropout masks, on the residual stream's tokens
+        norms += p * 2 * s * b * h
     gathered = p * 2 * s * b * h  # their outputs, as the column-parallel layers save them
     if policy == "full":
         return p * s * b * h / (tp if sp else 1)  # the block's input

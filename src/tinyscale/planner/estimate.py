@@ -499,7 +499,8 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank, n_
         layers, dense = len(blocks), len(blocks) - n_moe
         forward = (dense * per_layer + n_moe * moe_layer + head * last) / rate + (layers + last) * launch
         fwd = forward + layers * (tp_fwd + cp_fwd) + n_moe * ep_fwd
-        return {"compute": 3 * forward + layers * rerun_layer / rate, "recompute": (dense * recompute + n_moe * recompute_moe) / rate,
+        return {"compute": 3 * forward + layers * rerun_layer / rate,  # backward: 2 forwards and the rerun
+                "recompute": (dense * recompute + n_moe * recompute_moe) / rate,
                 "tp": layers * (tp_fwd + tp_bwd), "cp": layers * (cp_fwd + cp_bwd),
                 "ep": n_moe * (ep_fwd + ep_bwd)}, fwd
 

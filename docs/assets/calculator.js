@@ -91,7 +91,8 @@
   function layerActivationBytes(c, batch, seq, p, policy, tp, cp) {
     const s = seq / cp, b = batch, h = c.d_model, F = c.ffn_dim, kv = c.kv_dim, a = c.n_head;
     const u = Math.max(p, 4);
-    const norms = u * (2 * s * b * h + 2 * s * b) + p * 2 * s * b * h;
+    let norms = u * (2 * s * b * h + 2 * s * b) + p * 2 * s * b * h;
+    if (c.dropout > 0 && cp > 1) norms += p * 2 * s * b * h;  // the two residual dropout masks
     const gathered = p * 2 * s * b * h;
     if (policy === "full") return p * s * b * h / tp;
     if (policy === "offload") return 0.0;

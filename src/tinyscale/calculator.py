@@ -28,8 +28,10 @@ except the activations' growth with pp (its layers and in-flight micro-batches),
         cp splits the tokens, and ring attention changes the block (cp > 1): it keeps k and v
         before the GQA repeat (kv, not h, wide) and its own output in at least float32 beside wo's
         input, as tinyscale.planner.estimate.layer_activation_bytes counts it (called here, with
-        sp: per rank; "sdpa" without dropout, whatever attn_impl says; measured: cp 3 at 6 heads
-        on 3, 4 on 1 and 4 on 4 K/V heads; before, A / cp, right only at 2 heads per K/V head).
+        sp: per rank; "sdpa", whatever attn_impl says; measured: cp 3 at 6 heads on 3, 4 on 1 and
+        4 on 4 K/V heads; before, A / cp, right only at 2 heads per K/V head). With dropout the
+        block keeps the two residual masks, p (s/cp) b h each, and ring attention nothing more
+        (it redraws its blocks' masks in backward; measured: cp 3, bf16, dropout 0.1).
         Ulysses is not offered: the cp numbers are ring's. Under bf16 / fp16 our block keeps
         each norm's upcast input, 1/rms and the softmax (sdpa: its log-sum-exp) in float32, as
         block_saved_bytes counts them (measured: dp 3, bf16); in-flight micro-batches
@@ -49,8 +51,9 @@ except the activations' growth with pp (its layers and in-flight micro-batches),
               times in float32 (DKV_BYTES): ((4 [+ 2]) p + 2 x 4) (cp-1) (s/cp) b (kv/tp)
 Not counted: the embedding, final norm, logits and loss activations (under cp also the first
 block's float32 RoPE rows for the rank, 2 (s/cp) D 4 bytes, and the loss's bool per token and
-8 bytes: once per micro-batch, not per block), dropout under cp, temporary buffers
-(gradient buckets, stage 3's gathered parameters), allocator fragmentation.
+8 bytes: once per micro-batch, not per block), temporary buffers (gradient buckets, stage 3's
+gathered parameters, the scores and masks ring attention materialises for one block at a time
+under dropout), allocator fragmentation.
 
 Exact model states per rank, for the layouts the engine runs: not this calculator's Psi/(tp pp)
 and Psi/N_d (averages), but `tinyscale.engine.layout_memory.rank_model_state_bytes` (the real

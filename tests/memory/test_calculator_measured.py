@@ -18,7 +18,8 @@ on 2, and the calculator's numbers for the same inputs are compared with the sec
     activations   per block (tp 3 with sequence parallelism; cp 3, ring attention, bf16, at 4 heads
                   on 1 and on 4 K/V heads): the bytes a block's first forward saves for backward
                   (saved-tensor hooks), every block exactly (the first one's RoPE rows named);
-                  and under bf16 at dp 3 (the norms' inputs, 1/rms and log-sum-exp in float32)
+                  under bf16 at dp 3 (the norms' inputs, 1/rms and log-sum-exp in float32);
+                  and cp 3 with dropout (the residual masks; ring attention saves no block)
 
 What the calculator leaves out (the loss's traffic, replicated norms, the tied
 table's copy) is derived beside each comparison. Not checked here: activations under pp (1F1B's
@@ -62,10 +63,13 @@ LAYOUTS = {
     "dp3-bf16": (1, 1, 1, 0, "bf16", "none"),  # dp 3: a bf16 block keeps its norms' inputs in float32
     "cp3-gqa4": (1, 1, 3, 0, "bf16", "none"),  # ring attention at 4 heads on 1 K/V head (HEADS below)
     "cp3-mha": (1, 1, 3, 0, "bf16", "none"),  # and on 4: the GQA group is not 2, as it is in SHAPE
+    "cp3-dropout": (1, 1, 3, 0, "bf16", "none"),  # dropout 0.1 (counter masks): the residual masks
 }
 DP = {"dp3-zero1": 3, "dp3-bf16": 3}  # data-parallel degree (1 unless named)
-HEADS = {"cp3-gqa4": dict(n_head=4, n_kv_head=1), "cp3-mha": dict(n_head=4, n_kv_head=4)}  # else SHAPE's 6 on 3
-DEFAULT = ("tp3", "pp3", "cp3", "tp3-sp", "dp3-zero1", "dp3-bf16", "cp3-gqa4", "cp3-mha")  # on 3 ranks; pp2 on 2
+HEADS = {"cp3-gqa4": dict(n_head=4, n_kv_head=1), "cp3-mha": dict(n_head=4, n_kv_head=4),  # else SHAPE's 6 on 3
+         "cp3-dropout": dict(dropout=0.1, dropout_masks="counter")}  # SHAPE's, with dropout
+DEFAULT = ("tp3", "pp3", "cp3", "tp3-sp", "dp3-zero1", "dp3-bf16", "cp3-gqa4", "cp3-mha",
+           "cp3-dropout")  # on 3 ranks; pp2 on 2
 
 
 def calculator(name: str) -> dict:
@@ -235,7 +239,7 @@ def test_calculator_cp_zero_shards_over_dp_times_cp():
         assert sum(size for _, size in zero) * 2 / 3 == out["comm"]["dp"], rank  # ring: (n - 1) / n each
 
 
-@pytest.mark.parametrize("name", ["tp3-sp", "dp3-bf16", "cp3-gqa4", "cp3-mha",
+@pytest.mark.parametrize("name", ["tp3-sp", "dp3-bf16", "cp3-gqa4", "cp3-mha", "cp3-dropout",
                                   pytest.param("cp3-none", marks=pytest.mark.thorough)])
 def test_calculator_tp_cp_activations_per_block_equal_the_saved_tensors(name):
     """Per block and micro-batch, what a rank saves for backward: cp splits our block's tensors
@@ -248,7 +252,10 @@ def test_calculator_tp_cp_activations_per_block_equal_the_saved_tensors(name):
     again in backward instead): (A + (tp - 1) 2 s b h p) / (tp cp). Without pp and checkpointing
     the calculator's activations are L such blocks. Under bf16 (dp 3) the norms' upcast inputs, 1/rms
     and sdpa's log-sum-exp are float32 (`_fp32_saved`): counting them at 2 bytes, as
-    `block_saved_bytes` does, is 2 (2 s b h + 2 s b + a s b) bytes a block short and fails."""
+    `block_saved_bytes` does, is 2 (2 s b h + 2 s b + a s b) bytes a block short and fails. With
+    dropout under cp (bf16, 0.1, counter masks) the block keeps the two residual masks, 2 (T/cp) b C
+    p bytes, and ring attention nothing more: it redraws each block's mask in its backward (the
+    calculator left dropout under cp out, 8.5% short here)."""
     per_block = calculator(name)["device"]["activations"] / L
     for rank, (*_, saved) in enumerate(measured(DEFAULT if name in DEFAULT else (name,))[name]):
         assert [saved[i] for i in range(1, L)] == [per_block] * (L - 1), (name, rank, saved, per_block)

@@ -262,7 +262,8 @@ def test_planner_llama2_70b_on_1024_a100s_pins_its_choice_next_to_nemo_s_layout(
     best = out["ranked"][0]
     assert best["describe"] == "tp 4 sp x pp 8 interleaved_1f1b v10 x dp 32, ZeRO 1, AC none, b 1"
     # 4 significant digits: the model is deterministic; any change to its costs moves them
-    assert best["time_s"]["total"] == pytest.approx(8.795, abs=5e-4) and best["mfu"] == pytest.approx(0.6635, abs=5e-4)
+    # (8.795 s and 0.6635 before a fused attention backward's Q K^T rerun was counted: +0.5%, the same choice)
+    assert best["time_s"]["total"] == pytest.approx(8.843, abs=5e-4) and best["mfu"] == pytest.approx(0.6599, abs=5e-4)
     # 57.38 GB (54.45 before the bf16 activations counted the norms' float32 inputs and 1/rms and the
     # float32 log-sum-exp and softmax: +2.9 GB on the first GPU; the choice and its time did not move)
     assert best["memory_bytes"]["total"] / 1e9 == pytest.approx(57.38, abs=5e-3)
@@ -274,7 +275,7 @@ def test_planner_llama2_70b_on_1024_a100s_pins_its_choice_next_to_nemo_s_layout(
     nemo_layout = Layout(dp=64, tp=4, pp=4, virtual_stages=20, schedule="interleaved_1f1b", zero_stage=1)
     assert nemo_layout in set(layouts(cfg, 1024, 1024, max_tp=8, max_cp=1))  # the search tries it
     nemo = estimate(cfg, nemo_layout, cluster, **kw)
-    assert nemo.fits and nemo.time["total"] == pytest.approx(8.927, abs=5e-4)
+    assert nemo.fits and nemo.time["total"] == pytest.approx(8.974, abs=5e-4)  # 8.927 before the rerun
     assert nemo.memory["total"] / 1e9 == pytest.approx(63.77, abs=5e-3)  # 60.98 before the float32 bytes
     assert nemo.time["total"] / best["time_s"]["total"] - 1 == pytest.approx(0.015, abs=5e-4)  # 1.5% behind
     # 2 chunks at pp 4 keep more in flight on the first GPU than 20 and do not fit

@@ -9,12 +9,16 @@ loss save outside the blocks; these equal, with ==, `layer_activation_bytes` and
 `extra_activation_bytes` at p = 2, for the policies none, selective and full, at dp 2 (tp 1),
 tp 2, tp 2 with sequence parallelism and cp 2 (ring attention: its own float32 output, k and v
 unrepeated), in one pooled call on 2 ranks: each layout, policy and fp16 once by default, every
-layout x policy pair with --thorough.
+layout x policy pair with --thorough. With dropout under cp (counter masks), the block keeps the two
+residual masks beside ring attention's tensors and no more: cp 2 in bf16 and float32 by default;
+cp 3 and tp 2 x cp 2 (with and without SP) in both policies that keep them, --thorough.
 Counting every tensor at 2 bytes, as both did before, is 10.7-16.3 % short per block here.
 The float64 runs of the whole step: test_planner.py. Key: planner.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -58,16 +62,16 @@ class _Regions:
         return t
 
 
-def _saved(cases):
+def _saved(cases, cfg: GPTConfig = CFG):
     out = []
     for dp, tp, sp, policy, dtype, cp in cases:
-        engine = ts.initialize(GPT(CFG, seed=3), {
+        engine = ts.initialize(GPT(cfg, seed=3), {
             "train_batch_size": B * dp, "train_micro_batch_size_per_gpu": B,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, dtype: {"enabled": True},
-            "activation_checkpointing": {"policy": policy},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": dtype == "bf16"},
+            "fp16": {"enabled": dtype == "fp16"}, "activation_checkpointing": {"policy": policy},
             "parallel": {"tensor": tp, "sequence_parallel": sp, "context": cp}})
         regions = _Regions(engine.model)
-        batch = synthetic_token_batches(num_batches=1, batch_size=B * dp, seq_len=T, vocab_size=CFG.vocab_size,
+        batch = synthetic_token_batches(num_batches=1, batch_size=B * dp, seq_len=T, vocab_size=cfg.vocab_size,
                                         seed=1)[0]
         with saved_tensors_hooks(regions.pack, lambda t: t):
             engine.train_batch(batch)
@@ -100,3 +104,29 @@ def test_planner_bf16_layer_formula_is_block_saved_bytes_at_tp_1(p, dtype):
     for policy in ("none", "selective", "full", "offload"):
         for b, s in ((1, 32), (3, 17)):
             assert layer_activation_bytes(CFG, b, s, p, policy) == block_saved_bytes(CFG, b, s, dtype, policy)
+
+
+DROPOUT = dataclasses.replace(CFG, dropout=0.1, dropout_masks="counter")  # cp refuses stream masks
+# (world, cases): cp 2 by default; cp 3 and tp 2 x cp 2 with and without SP, --thorough
+DROP_CASES = [(2, [(1, 1, False, "none", "bf16", 2), (1, 1, False, "selective", "fp32", 2)])]
+DROP_MORE = [(3, [(1, 1, False, policy, dtype, 3) for dtype in ("bf16", "fp32") for policy in ("none", "selective")]),
+             (4, [(1, 2, sp, policy, "bf16", 2) for sp in (True, False) for policy in ("none", "selective")])]
+
+
+@pytest.mark.parametrize(("world", "cases"), [pytest.param(*DROP_CASES[0], id="cp2"), *(
+    pytest.param(*c, marks=pytest.mark.thorough, id=name) for c, name in zip(DROP_MORE, ("cp3", "tp2xcp2")))])
+def test_planner_bf16_ring_dropout_block_keeps_the_residual_masks_and_no_block_scores(world, cases):
+    """Ring attention under dropout materialises each block's scores, probabilities and counter
+    mask while it runs, but saves only q, k, v, its output and lse (its backward redraws the masks
+    from the positions): what dropout adds to a block is the two residual branches' masks, p bytes
+    per (s / cp) b h element each, split over tp under SP. Without them the count is short."""
+    per_rank = run_on_ranks(_saved, world, cases, DROPOUT)
+    for i, (dp, tp, sp, policy, dtype, cp) in enumerate(cases):
+        p = {"bf16": 2, "fp32": 4}[dtype]
+        block = layer_activation_bytes(DROPOUT, B, T, p, policy, tp=tp, sp=sp, cp=cp)
+        extra = extra_activation_bytes(DROPOUT, B, T, p, tp=tp, sp=sp, cp=cp, first=True, last=True)
+        rope, loss = 2 * T // cp * CFG.head_dim * 4, B * T // cp + 8  # as above: once per micro-batch
+        for rank in per_rank:
+            assert rank[i] == {"b0": block + rope, "b1": block, "out": extra + loss}, (cases[i], rank[i])
+        masks = 2 * p * T // cp * B * CFG.d_model // (tp if sp else 1)
+        assert block - layer_activation_bytes(CFG, B, T, p, policy, tp=tp, sp=sp, cp=cp) == masks, cases[i]

@@ -282,8 +282,8 @@ def test_planner_ep_mixtral_8x7b_keeps_its_ep_groups_inside_a_node():
       micro-batch, three more where full recompute reruns the forward) run on NVLink and cost 5%
       of the step. ep does not cut FLOPs (every rank computes k = 2 experts' worth per token
       whatever ep is); it cuts the expert states a rank stores (E / ep experts) and, under ZeRO 3,
-      the experts each micro-batch gathers: the same layout is +14% at ep 2 and +119% at ep 1.
-    - Full recompute costs 1.16 s of its 4.96 s. pp 8 x dp 4 (ep 4) with selective checkpointing
+      the experts each micro-batch gathers: the same layout is +13% at ep 2 and +118% at ep 1.
+    - Full recompute costs 1.16 s of its 4.98 s. pp 8 x dp 4 (ep 4) with selective checkpointing
       would be 10% faster, but its first stage keeps 8 micro-batches in flight: 73.2 GB of the
       72 GB usable (74.6 GB at ep 2, 77.4 GB at ep 1). The best pipeline that fits, pp 8 ZB-H1 x
       dp 4 without ep, ZeRO 1, AC full, is +3.5%.
@@ -293,7 +293,8 @@ def test_planner_ep_mixtral_8x7b_keeps_its_ep_groups_inside_a_node():
     (combine's index_put keeps only the order), the pp 8 selective layout went from 73.2 GB to
     71.0 GB and won (4.47 s). When the bf16 activations then counted the norms' float32 inputs and
     1/rms and the float32 log-sum-exp (+2.2 GB on that first stage: 73.2 GB again), it stopped
-    fitting, and the answer is the one before, dp 32 (ep 4) with full recompute (4.96 s).
+    fitting, and the answer is the one before, dp 32 (ep 4) with full recompute (4.96 s; 4.98 s since
+    a fused attention backward's Q K^T rerun is counted, the same answer).
     Pinned: the search is deterministic."""
     assert MIXTRAL.num_params() == pytest.approx(46.7e9, rel=1e-3)  # the paper's 47B; 13B active:
     assert MIXTRAL.num_params() - 6 * 32 * 3 * 4096 * 14336 == pytest.approx(12.88e9, rel=1e-3)  # 6 experts unused
@@ -307,19 +308,19 @@ def test_planner_ep_mixtral_8x7b_keeps_its_ep_groups_inside_a_node():
     degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
     assert lay.describe() == "dp 32 (ep 4), ZeRO 3, AC full, b 8"
     assert cluster.link("ep", degrees) is cluster.intra
-    assert best.time["ep"] / best.time["total"] == pytest.approx(0.053, abs=5e-4)
+    assert best.time["ep"] / best.time["total"] == pytest.approx(0.0525, abs=5e-4)
     assert best.time["recompute"] == pytest.approx(1.162, abs=5e-4)
     assert best.memory["total"] == pytest.approx(50.876e9, rel=1e-4)
     across, why = {f: (e, w) for f, e, w in result.alternatives}["expert parallelism across nodes"]
     assert across.layout.ep == 8 and why.startswith("+61% step time: ep 8's all-to-alls (inter-node, 25 GB/s)")
-    for ep, slower in ((1, 2.192), (2, 1.136)):
+    for ep, slower in ((1, 2.182), (2, 1.131)):
         other = estimate(MIXTRAL, dataclasses.replace(lay, ep=ep), cluster, **kw)
         assert other.fits and other.time["total"] / best.time["total"] == pytest.approx(slower, abs=5e-4)
     piped = Layout(pp=8, dp=4, ep=4, zero_stage=3, policy="selective")  # the answer before bf16's float32 bytes
     for ep, needs in ((1, "77.4"), (2, "74.6"), (4, "73.2")):
         other = estimate(MIXTRAL, dataclasses.replace(piped, ep=ep), cluster, **kw)
         assert not other.fits and other.problem.startswith(f"needs {needs} GB > 72.0 GB usable"), other.problem
-    assert other.time["total"] / best.time["total"] == pytest.approx(0.902, abs=5e-4)  # faster, but over the line
+    assert other.time["total"] / best.time["total"] == pytest.approx(0.903, abs=5e-4)  # faster, but over the line
     pipelined = next(e for e in result.ranked if e.layout.pp > 1)
     assert pipelined.layout.describe() == "pp 8 zb_h1 x dp 4, ZeRO 1, AC full, b 1"
     assert pipelined.time["total"] / best.time["total"] == pytest.approx(1.035, abs=5e-4)

@@ -20,10 +20,13 @@ Memory per GPU (the largest over the pipeline ranks, both ends of the tp and ZeR
 A layout fits when the total is at most `USABLE` of the GPU's memory (the rest: CUDA context,
 NCCL buffers, allocator fragmentation).
 
-Time per step: FLOPs from `tinyscale.mfu.forward_flops` (causal attention, as a fused kernel
-computes it) at `peak_flops x efficiency`, per model stage; tp's collectives (4 per layer per
-micro-batch, 6 with full recomputation: all-reduces, or all-gathers and reduce-scatters under SP,
-the same ring time) on the critical path; cp's ring passes overlapped with the attention they
+Time per step: FLOPs from `step_flops` (`tinyscale.mfu.layout_flops`: the causal half of attention
+as a fused kernel computes it, its backward recomputing Q K^T; tp's padded vocabulary rows; what
+checkpointing reruns, `ForwardFlops.recomputed`, with the non-re-entrant checkpoint's early stop:
+a dense GPT's step is `ForwardFlops.hardware`'s count, tests/planner/test_planner_flops.py) at
+`peak_flops x efficiency`, per model stage; tp's collectives (4 per layer per micro-batch, 6 with
+full recomputation: all-reduces, or all-gathers and reduce-scatters under SP, the same ring time)
+on the critical path; cp's ring passes overlapped with the attention they
 feed; the pipeline's makespan from the simulator on those per-stage costs with the activation send
 as latency (the bubble is what it adds over the slowest rank's busy time); dp's gradient reduction
 overlapped with the last micro-batch's backward (stage 3: gathers per micro-batch, overlapped with
@@ -59,7 +62,7 @@ from tinyscale.checkpointing.formula import upcast_bytes
 from tinyscale.engine import expert
 from tinyscale.engine.layout_memory import _partition, rank_model_state_bytes, rank_tensors
 from tinyscale.engine.plan import LayoutPlan
-from tinyscale.mfu import forward_flops, model_flops_per_token
+from tinyscale.mfu import ForwardFlops, layout_flops, model_flops_per_token
 from tinyscale.models.config import GPTConfig
 from tinyscale.models.gpt import GPT
 from tinyscale.moe import all_to_all_bytes
@@ -142,7 +145,11 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
     2022, sec. 4.2.2); the norms' outputs stay whole: they are the all-gathered inputs the
     column-parallel wq/wk/wv and w_gate/w_up save (Megatron gathers them again in backward
     instead). cp splits the tokens; ring attention (cp > 1) keeps k and v before the GQA repeat
-    and its own output, accumulated in u, beside wo's input. ("sdpa" attention, no dropout.) Each
+    and its own output, accumulated in u, beside wo's input. ("sdpa" attention; dropout only under
+    cp.) Dropout under cp (counter masks): both residual branches keep their p-byte mask (s b h
+    each, split over tp under SP, as the residual stream is); ring attention keeps no more, since
+    its backward redraws each block's probability mask from the positions (measured at cp 2 and 3,
+    bf16 and float32; the blocks it materialises meanwhile are transient, not counted). Each
     in its dtype: p bytes, but the norms' upcast input and 1/rms, the log-sum-exp and ring's output
     in at least float32 (u = 4 under bf16 / fp16: `checkpointing.formula.upcast_bytes`). `moe`: an
     MoE block, whose feed-forward keeps `moe_activation_bytes` instead of the SwiGLU's four (whole
@@ -151,6 +158,8 @@ def layer_activation_bytes(cfg: GPTConfig, b: int, s: int, p: int, policy: str, 
     s, h, F, kv, a, u = s / cp, cfg.d_model, cfg.ffn_dim, cfg.kv_dim, cfg.n_head, upcast_bytes(p)
     F = 0 if moe else F  # an MoE block has no dense SwiGLU
     norms = u * (2 * s * b * h + 2 * s * b) + p * 2 * s * b * h  # two RMSNorms: input, 1/rms; normalised input
+    if cfg.dropout > 0 and cp > 1:  # the two residual dropout masks, on the residual stream's tokens
+        norms += p * 2 * s * b * h
     gathered = p * 2 * s * b * h  # their outputs, as the column-parallel layers save them
     if policy == "full":
         return p * s * b * h / (tp if sp else 1)  # the block's input
@@ -432,19 +441,42 @@ def moe_all_to_all_bytes(cfg: GPTConfig, lay: Layout, seq_len: int, p: int) -> d
 # --8<-- [end:moe-time]
 
 
+# --8<-- [start:step-flops]
+def step_flops(cfg: GPTConfig, lay: Layout, seq_len: int) -> ForwardFlops:
+    """The matmul FLOPs one sequence costs on `lay`'s tp x cp ranks together, as a GPU runs them:
+    `tinyscale.mfu.layout_flops` (tp's padded vocabulary rows, ring attention's blocks under cp)
+    with the attention core the layout runs. A fused kernel (sdpa, ring attention's blocks) computes
+    the causal half and its backward recomputes Q K^T (`backward_rerun`: Q K^T and P V cost 2.5x
+    their forward in backward, not 2x); an explicit core (attn_impl "math", counter dropout masks,
+    or dropout under tp: `engine.throughput.explicit_core_of` on a GPU) multiplies the whole square
+    and keeps P; ring attention under dropout runs merge.py's whole blocks, and still recomputes."""
+    explicit = True if cfg.dropout > 0 and lay.tp > 1 else None  # None: the config's answer
+    flops = layout_flops(cfg, seq_len, tp=lay.tp, cp=lay.cp, causal=True, explicit_core=explicit)
+    if flops.backward_rerun == 0 or (lay.cp > 1 and cfg.dropout > 0):  # no fused kernel: the whole square
+        flops = layout_flops(cfg, seq_len, tp=lay.tp, cp=lay.cp, causal=False, explicit_core=explicit)
+    return flops
+# --8<-- [end:step-flops]
+
+
 def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank, n_expert) -> dict:
     """Seconds per step by part (see the module doc); parts sum to `total`."""
     degrees = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "ep": lay.ep}
     rate = cluster.peak_flops * cluster.efficiency
-    fl = forward_flops(cfg, s, causal=True)
-    dense_mlp = s * 6 * cfg.d_model * cfg.ffn_dim  # one dense block's SwiGLU
-    per_layer = (fl.qkvo + fl.attention + cfg.n_layer * dense_mlp) / cfg.n_layer * lay.micro_batch / (lay.tp * lay.cp)
-    moe_layer = ((fl.qkvo + fl.attention) / cfg.n_layer / (lay.tp * lay.cp) + moe_layer_flops(cfg, s) / lay.cp) \
-        * lay.micro_batch if cfg.moe_experts else 0.0
-    attn_layer = fl.attention / cfg.n_layer * lay.micro_batch / (lay.tp * lay.cp)
-    head = fl.head * lay.micro_batch / (lay.tp * lay.cp)
-    recompute = {"none": 0.0, "offload": 0.0, "selective": attn_layer, "full": per_layer}[lay.policy]
-    recompute_moe = moe_layer if lay.policy == "full" else recompute
+    fl, L, share = step_flops(cfg, lay, s), cfg.n_layer, lay.micro_batch / (lay.tp * lay.cp)  # share: one rank's
+    C, F = cfg.d_model, cfg.ffn_dim
+    per_layer = ((fl.qkvo + fl.attention) / L + s * 6 * C * F) * share  # a dense block: its SwiGLU 6 s C F
+    moe_layer = ((fl.qkvo + fl.attention) / L * share + moe_layer_flops(cfg, s) / lay.cp * lay.micro_batch) \
+        if cfg.moe_experts else 0.0
+    attn_layer = fl.attention / L * share
+    rerun_layer = fl.backward_rerun / L * share  # Q K^T again in a fused core's backward
+    head = fl.head * share
+    # full recomputation stops early (non-re-entrant checkpoint, `ForwardFlops.recomputed`): not at
+    # w_down (an MoE block's shared experts' w_down), whose output nothing saves, unless dropout does
+    unsaved, unsaved_moe = (0, 0) if cfg.dropout > 0 else (2 * s * C * F, 2 * s * C * cfg.moe_shared_experts
+                                                          * cfg.expert_dim)
+    recompute = {"none": 0.0, "offload": 0.0, "selective": fl.recomputed("selective") / L * share,
+                 "full": per_layer - unsaved * share}[lay.policy]
+    recompute_moe = moe_layer - unsaved_moe / lay.cp * lay.micro_batch if lay.policy == "full" else recompute
     ep_link = cluster.link("ep", degrees)
     a2a = moe_all_to_all_bytes(cfg, lay, s, p)
     rows_one = a2a["forward"] / 2  # one all-to-all of the rows
@@ -457,7 +489,8 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank, n_
     kv_chunk = 2 * lay.micro_batch * s / lay.cp * cfg.kv_dim / lay.tp * p  # K and V of one cp shard
     hide = 1.0 if cluster.overlap else 0.0  # share of the compute beside it that hides communication
     cp_fwd = max(0.0, (lay.cp - 1) * cp_link.send(kv_chunk) - hide * attn_layer / rate) if lay.cp > 1 else 0.0
-    cp_bwd = max(0.0, (lay.cp - 1) * cp_link.send(2 * kv_chunk) - 2 * hide * attn_layer / rate) if lay.cp > 1 else 0.0
+    cp_bwd = max(0.0, (lay.cp - 1) * cp_link.send(2 * kv_chunk) - hide * (2 * attn_layer + rerun_layer) / rate) \
+        if lay.cp > 1 else 0.0
     launch = cluster.launch_overhead
 
     def stage_cost(blocks, last: bool) -> tuple[dict, float]:
@@ -466,7 +499,8 @@ def _step_time(cfg, lay, cluster, m, s, p, stages, simulate_pipeline, n_rank, n_
         layers, dense = len(blocks), len(blocks) - n_moe
         forward = (dense * per_layer + n_moe * moe_layer + head * last) / rate + (layers + last) * launch
         fwd = forward + layers * (tp_fwd + cp_fwd) + n_moe * ep_fwd
-        return {"compute": 3 * forward, "recompute": (dense * recompute + n_moe * recompute_moe) / rate,
+        return {"compute": 3 * forward + layers * rerun_layer / rate,  # backward: 2 forwards and the rerun
+                "recompute": (dense * recompute + n_moe * recompute_moe) / rate,
                 "tp": layers * (tp_fwd + tp_bwd), "cp": layers * (cp_fwd + cp_bwd),
                 "ep": n_moe * (ep_fwd + ep_bwd)}, fwd
 

@@ -160,7 +160,8 @@ def accumulate(params, grads, fed=()) -> None:
     Where .grad is None it takes the gradient itself, or a copy if its storage is also one of `fed`
     (the gradients this backward was seeded with, which autograd may pass through unchanged) or an
     earlier parameter's: a later in-place add must not change another tensor. A None gradient (an
-    unused parameter) leaves p alone."""
+    unused parameter) leaves p alone. A gradient not laid out as p (a `p.sum()`'s arrives expanded,
+    stride 0, where an in-place add raises) is copied into p's layout, as AccumulateGrad does."""
     taken = {t.untyped_storage().data_ptr() for t in fed}
     for p, d in zip(params, grads):
         if d is None:
@@ -169,5 +170,5 @@ def accumulate(params, grads, fed=()) -> None:
             p.grad.add_(d)
             continue
         ptr = d.untyped_storage().data_ptr()
-        p.grad = d.clone() if ptr in taken else d
+        p.grad = torch.empty_like(p).copy_(d) if ptr in taken or d.stride() != p.stride() else d
         taken.add(ptr)

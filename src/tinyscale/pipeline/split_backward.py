@@ -19,7 +19,9 @@ same on every rank: a collective on a parameter's side, ZeRO 3 style, stays matc
 intermediates lie on one path (a weight used at the stage's top and its bottom) walks that path
 again in W, each intermediate fed its recorded gradient (a pre-hook replaces what arrives), so the
 result is exact; only such a stage pays. Frozen parameters are not passed; an unused one gets no
-gradient (as `allow_unused`).
+gradient (as `allow_unused`). A parameter's tensor hooks (`register_hook`) shape its gradient as in
+a plain backward; its post-accumulate-grad hooks do not run (W writes .grad, not AccumulateGrad):
+whoever reduces gradients in them (DDP, ZeRO 1/2) reduces after the schedule (engine/pipeline_step.py).
 
 Time: no operator runs in both B and W; what they cost beyond one backward (1.49 times it on
 stage 1 of notebook 08's GPT, one micro-batch, 1.74 before W accumulated in place) is host work:

@@ -19,7 +19,9 @@ same on every rank: a collective on a parameter's side, ZeRO 3 style, stays matc
 intermediates lie on one path (a weight used at the stage's top and its bottom) walks that path
 again in W, each intermediate fed its recorded gradient (a pre-hook replaces what arrives), so the
 result is exact; only such a stage pays. Frozen parameters are not passed; an unused one gets no
-gradient (as `allow_unused`).
+gradient (as `allow_unused`). A parameter's tensor hooks (`register_hook`) shape its gradient as in
+a plain backward; its post-accumulate-grad hooks do not run (W writes .grad, not AccumulateGrad):
+whoever reduces gradients in them (DDP, ZeRO 1/2) reduces after the schedule (engine/pipeline_step.py).
 
 Time: no operator runs in both B and W; what they cost beyond one backward (1.49 times it on
 stage 1 of notebook 08's GPT, one micro-batch, 1.74 before W accumulated in place) is host work:
@@ -160,7 +162,8 @@ def accumulate(params, grads, fed=()) -> None:
     Where .grad is None it takes the gradient itself, or a copy if its storage is also one of `fed`
     (the gradients this backward was seeded with, which autograd may pass through unchanged) or an
     earlier parameter's: a later in-place add must not change another tensor. A None gradient (an
-    unused parameter) leaves p alone."""
+    unused parameter) leaves p alone. A gradient not laid out as p (a `p.sum()`'s arrives expanded,
+    stride 0, where an in-place add raises) is copied into p's layout, as AccumulateGrad does."""
     taken = {t.untyped_storage().data_ptr() for t in fed}
     for p, d in zip(params, grads):
         if d is None:
@@ -169,5 +172,5 @@ def accumulate(params, grads, fed=()) -> None:
             p.grad.add_(d)
             continue
         ptr = d.untyped_storage().data_ptr()
-        p.grad = d.clone() if ptr in taken else d
+        p.grad = torch.empty_like(p).copy_(d) if ptr in taken or d.stride() != p.stride() else d
         taken.add(ptr)

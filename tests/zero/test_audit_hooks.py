@@ -79,9 +79,6 @@ def test_zero_audit_hooks_shared_frozen_and_rarely_used_weights_train_like_one_p
         assert_state_dicts_close(state, expected, what=f"ZeroStage{stage} {scenario} rank {rank}")
 
 
-@pytest.mark.xfail(strict=True, reason="audit2: ZeroStage1/2 reduce a .grad set outside backward but never "
-                   "mark it used (no hook ran), so the step skips it; fix: mark_used where _launch copies .grad "
-                   "in (stage1._launch, stage2._launch); remove this marker with the fix")
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_audit_hooks_a_grad_set_outside_backward_is_stepped_like_one_process(stage):
     """torch's optimizer steps a parameter whose .grad the user set; ZeRO must too (it reduces that

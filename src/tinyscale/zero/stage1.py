@@ -120,8 +120,9 @@ class ZeroStage1(ZeroStage2):
                 continue
             if p.grad is None:
                 self._slot(u, i).zero_()
-            else:  # set or replaced outside backward's hook: copy it in
+            else:  # set or replaced outside backward's hook: copy it in; it has a gradient, so it is used
                 self._keep_in_slot(p)
+                self.sharded.mark_used(p)
         self._ready[u].update(range(len(unit.params)))  # every slot is filled: ZeroStage2 copies nothing
         self._held = False
         ZeroStage2._launch(self, u)

@@ -129,12 +129,19 @@ class ZeroStage2:
     def _launch(self, u: int) -> None:
         unit, flat = self.sharded.units[u], self._flat[u]
         if flat is None:  # no_sync / reduce_gradients: the accumulated .grad, flattened
+            for p in unit.params:  # a .grad set outside backward (no hook ran) counts as used too
+                if p.grad is not None:
+                    self.sharded.mark_used(p)
             work = self.sharded.reduce_scatter_into(u, [p.grad for p in unit.params], async_op=True)
         else:
             for i, (p, shape) in enumerate(zip(unit.params, unit.shapes)):
                 if i not in self._ready[u]:  # no gradient this backward: what .grad holds, or zeros
                     slot = flat[unit.offsets[i]: unit.offsets[i] + shape.numel()]
-                    slot.zero_() if p.grad is None else slot.copy_(p.grad.reshape(-1))
+                    if p.grad is None:
+                        slot.zero_()
+                    else:  # set outside backward (no hook ran): it counts as used, as in one process
+                        slot.copy_(p.grad.reshape(-1))
+                        self.sharded.mark_used(p)
             work = self.sharded.reduce_scatter_into(u, None, async_op=True, flat=flat)
             self._flat[u] = None
         self._pending.append(work)

@@ -140,11 +140,14 @@ class RankPool:
         statuses = {o.status for o in outcomes.values()}
         if statuses not in ({"ok"}, {"skip"}):
             procs.dump_stacks(self._procs, outcomes, self._stack_dir)
-            self.close()
+            # A hung rank never reads the stop message: waiting for it to leave politely only
+            # added close()'s 2 s to every hang (and every raise that left peers in a collective).
+            self.close(polite="hung" not in statuses)
         return raise_for_outcomes(outcomes, timeout_s)
 
-    def close(self) -> None:
-        """Stop the ranks (politely, then not); the next `run` starts fresh ones."""
+    def close(self, *, polite: bool = True) -> None:
+        """Stop the ranks (politely, then not; at once with `polite=False`); the next `run` starts
+        fresh ones."""
         if not self._procs:
             return
         for q in self._tasks:
@@ -152,7 +155,7 @@ class RankPool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + (2.0 if polite else 0.0)
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         procs.kill_all(self._procs)

@@ -34,7 +34,7 @@ from tests.planner.activations import SavedPeak
 from tinyscale.config import ConfigError, EngineConfig
 from tinyscale.data import synthetic_token_batches
 from tinyscale.dist.mesh import MeshLayout
-from tinyscale.engine.layout_memory import _partition
+from tinyscale.engine.layout_memory import cached_partition
 from tinyscale.engine.plan import plan_layout
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.moe import expert_group_ranks
@@ -127,7 +127,7 @@ def _moe_layers_on(lay: Layout, rank: int) -> int:
     if lay.pp == 1:
         return sum(MOE.is_moe_layer(i) for i in range(MOE.n_layer))
     pp = MeshLayout(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp).coords(rank)["pp"]
-    return sum(MOE.is_moe_layer(i) for st in _partition(MOE, lay.pp, lay.virtual_stages) if st.rank == pp
+    return sum(MOE.is_moe_layer(i) for st in cached_partition(MOE, lay.pp, lay.virtual_stages) if st.rank == pp
                for i in st.layers)
 
 

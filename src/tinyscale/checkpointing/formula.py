@@ -11,7 +11,7 @@ Our block (models/gpt.py) is Llama-style, so the count changes; every term below
 tensor that `saved_tensors` lists (tests/checkpointing/test_memory.py checks the sum to the
 byte, in float32, float64, bf16 and fp16). p = bytes per element of the compute dtype (2 bf16
 or fp16, 4 float32, 8 float64); u = bytes of the dtype the block computes its norms and softmax
-in, at least float32 (`models.gpt._compute_dtype`: u = max(p, 4)); d = 1 if dropout > 0 else 0,
+in, at least float32 (`models.gpt.compute_dtype`: u = max(p, 4)); d = 1 if dropout > 0 else 0,
 F = ffn width, kv = K * D (key/value width), on a CPU (where dropout saves a p-byte scaled
 mask, not a 1-byte one as on a GPU):
 
@@ -56,7 +56,7 @@ def korthikanti_layer_bytes(seq: int, batch: int, hidden: int, heads: int) -> fl
 # --8<-- [start:block-formula]
 def upcast_bytes(p: int) -> int:
     """u: bytes per element of what our GPT computes in at least float32 (norms, softmax, the
-    loss; `models.gpt._compute_dtype`) when its compute dtype has p bytes: 4 under bf16 / fp16."""
+    loss; `models.gpt.compute_dtype`) when its compute dtype has p bytes: 4 under bf16 / fp16."""
     return max(p, 4)
 
 

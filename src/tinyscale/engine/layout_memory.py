@@ -89,7 +89,7 @@ DEFAULT_SUB_GROUP = 1_000_000_000  # zero_optimization.sub_group_size's default 
 
 
 @functools.lru_cache(maxsize=256)
-def _partition(cfg: GPTConfig, pp: int, virtual_stages: int) -> tuple:
+def cached_partition(cfg: GPTConfig, pp: int, virtual_stages: int) -> tuple:
     """`partition_gpt`, once per shape (a search asks for the same stages on every rank)."""
     return tuple(partition_gpt(cfg, pp, virtual_stages=virtual_stages))
 
@@ -113,7 +113,7 @@ def rank_tensors(cfg: GPTConfig, plan, rank: int) -> list[LocalTensor]:
     t, r = plan.tp, where["tp"]
     C, D, F, K, V, L = cfg.d_model, cfg.head_dim, cfg.ffn_dim, cfg.kv_heads, cfg.vocab_size, cfg.n_layer
     if plan.pp > 1:
-        stages = _partition(cfg, plan.pp, plan.virtual_stages)
+        stages = cached_partition(cfg, plan.pp, plan.virtual_stages)
         mine = sorted((s for s in stages if s.rank == where["pp"]), key=lambda s: s.stage)
         unit_of = {i: u for u, s in enumerate(mine) for i in s.layers}  # block -> its stage's position
         first, last = stages[0].rank == where["pp"], stages[-1].rank == where["pp"]

@@ -80,7 +80,7 @@ from tinyscale.dist import ParallelMesh, comm
 from tinyscale.engine import compression, context, expert
 from tinyscale.engine.plan import LayoutPlan
 from tinyscale.models.dropout import set_dropout_clock
-from tinyscale.models.gpt import GPT, _check_ids
+from tinyscale.models.gpt import GPT, check_ids
 from tinyscale.optim import check_elementwise_state, set_lr
 from tinyscale.pipeline import (
     add_communication, afab, interleaved_1f1b, one_f_one_b, partition_gpt, zb_h1,
@@ -168,7 +168,7 @@ class PipelineStep:
             raise ValueError(f"train_batch: with parallel.pipeline the batch is (ids, targets), got {len(batch)} "
                              "tensors")
         for ids, name in zip(batch, ("idx", "targets")):  # on every rank alike, before any message: a bad
-            _check_ids(ids, self.gpt_config, name)        # id seen by one stage would leave the others waiting
+            check_ids(ids, self.gpt_config, name)        # id seen by one stage would leave the others waiting
         engine.model.train()
         if engine.zero is not None:
             engine.zero.abandon_backward()  # nothing to forget unless a caller ran backward itself

@@ -26,7 +26,7 @@ from tinyscale.models.config import GPTConfig
 from tinyscale.models.dropout import SITE_ATTN, SITE_MLP, DropoutClock, ProbsDropout, residual_dropout
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least float32: norms, RoPE and softmax lose too much in bf16/fp16."""
     return torch.promote_types(dtype, torch.float32)
 
@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(_compute_dtype(x.dtype))
+        xf = x.to(compute_dtype(x.dtype))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
 
@@ -58,7 +58,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x (B, T, heads, D) by the tables cos, sin (T, D) of x's positions."""
     x1, x2 = x.chunk(2, dim=-1)  # (B, T, heads, D/2) each
     rotated = torch.cat([-x2, x1], dim=-1)  # (B, T, heads, D)
-    ct = _compute_dtype(x.dtype)
+    ct = compute_dtype(x.dtype)
     cos, sin = cos[:, None, :].to(ct), sin[:, None, :].to(ct)  # (T, 1, D): broadcast over heads
     return (x.to(ct) * cos + rotated.to(ct) * sin).to(x.dtype)
 
@@ -81,7 +81,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl:
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, T, D) @ (B, H, D, T) -> (B, H, T, T)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
     scores = scores.masked_fill(future, float("-inf"))
-    probs = scores.softmax(dim=-1, dtype=_compute_dtype(q.dtype)).to(q.dtype)  # (B, H, T, T)
+    probs = scores.softmax(dim=-1, dtype=compute_dtype(q.dtype)).to(q.dtype)  # (B, H, T, T)
     if dropout_fn is not None:
         probs = dropout_fn(probs)
     elif dropout_p > 0:
@@ -177,7 +177,7 @@ class Block(nn.Module):
         return F.dropout(h, self.dropout, self.training)
 
 
-def _check_ids(ids: torch.Tensor, cfg: GPTConfig, name: str) -> None:
+def check_ids(ids: torch.Tensor, cfg: GPTConfig, name: str) -> None:
     """Bad ids make embedding lookups and cross-entropy fail obscurely (or read garbage on a GPU)."""
     if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{name} must be a 2-D (B, T) int64 tensor of token ids, got shape "
@@ -217,7 +217,7 @@ class GPT(nn.Module):
         # At least float32: angles up to max_seq_len radians need the precision.
         for name in ("rope_cos", "rope_sin"):  # (max_seq_len, D), filled by reset_parameters
             table = torch.empty(config.max_seq_len, config.head_dim, device=device,
-                                dtype=_compute_dtype(dtype))
+                                dtype=compute_dtype(dtype))
             self.register_buffer(name, table, persistent=False)
         self.reset_parameters(seed)
 
@@ -251,7 +251,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.config
-        _check_ids(idx, cfg, "idx")
+        check_ids(idx, cfg, "idx")
         B, T = idx.shape
         x = self.embed(idx)  # (B, T, C)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D)
@@ -263,10 +263,10 @@ class GPT(nn.Module):
         if targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}: "
                              "targets must be idx shifted by one position, same (B, T)")
-        _check_ids(targets, cfg, "targets")
+        check_ids(targets, cfg, "targets")
         # Mean over all B*T positions = mean over rows of per-row means (every row has T
         # positions): that is what lets data parallelism average per-rank losses.
-        logits = logits.reshape(B * T, cfg.vocab_size).to(_compute_dtype(logits.dtype))  # (B*T, V)
+        logits = logits.reshape(B * T, cfg.vocab_size).to(compute_dtype(logits.dtype))  # (B*T, V)
         return self.add_aux_losses(F.cross_entropy(logits, targets.reshape(B * T).long()))
 
     def add_aux_losses(self, loss: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ from tinyscale.config import ConfigError, EngineConfig, ZeroConfig
 from tinyscale.dist.mesh import MeshLayout
 from tinyscale.checkpointing.formula import upcast_bytes
 from tinyscale.engine import expert
-from tinyscale.engine.layout_memory import _partition, rank_model_state_bytes, rank_tensors
+from tinyscale.engine.layout_memory import cached_partition, rank_model_state_bytes, rank_tensors
 from tinyscale.engine.plan import LayoutPlan
 from tinyscale.mfu import ForwardFlops, layout_flops, model_flops_per_token
 from tinyscale.models.config import GPTConfig
@@ -376,7 +376,7 @@ def estimate(cfg: GPTConfig, lay: Layout, cluster: Cluster, *, global_batch: int
                   "activations": 0, "buffers": 0, "host": host, "total": params + grads + masters + states}
         return Estimate(lay, memory, {}, 0.0, False, f"its model states alone need {memory['total'] / 1e9:.1f} GB "
                                                      f"> {USABLE * cluster.gpu_mem / 1e9:.1f} GB usable")
-    stages = _partition(cfg, lay.pp, lay.virtual_stages) if lay.pp > 1 else None
+    stages = cached_partition(cfg, lay.pp, lay.virtual_stages) if lay.pp > 1 else None
     if lay.schedule == "interleaved_1f1b" and m % lay.pp:
         return Estimate(lay, {}, {}, 0.0, False, f"interleaved 1F1B needs {m} micro-batches to be a multiple of pp {lay.pp}")
     layer, whole = ({moe: layer_activation_bytes(cfg, b, s, p, policy, tp=tp, sp=sp, cp=cp, moe=moe, ep=lay.ep)

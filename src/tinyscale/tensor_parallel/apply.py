@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tinyscale.dist import ParallelMesh
-from tinyscale.models.gpt import GPT, Block, SwiGLU, _check_ids, _compute_dtype
+from tinyscale.models.gpt import GPT, Block, SwiGLU, check_ids, compute_dtype
 from tinyscale.tensor_parallel.comm_ops import copy_to_region, gather_from_region, gather_from_sequence
 from tinyscale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tinyscale.tensor_parallel.kv_heads import ReplicatedKVLinear
@@ -157,7 +157,7 @@ class TensorParallelGPT(GPT):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         cfg, group = self.config, self.tp_group
-        _check_ids(idx, cfg, "idx")
+        check_ids(idx, cfg, "idx")
         B, T = idx.shape
         tp = dist.get_world_size(group)
         if self.sequence_parallel and T % tp != 0:
@@ -173,8 +173,8 @@ class TensorParallelGPT(GPT):
         if targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(idx.shape)}: "
                              "targets must be idx shifted by one position, same (B, T)")
-        _check_ids(targets, cfg, "targets")
-        local_logits = local_logits.reshape(B * T, -1).to(_compute_dtype(local_logits.dtype))  # (B*T, Vp/t)
+        check_ids(targets, cfg, "targets")
+        local_logits = local_logits.reshape(B * T, -1).to(compute_dtype(local_logits.dtype))  # (B*T, Vp/t)
         losses = vocab_parallel_cross_entropy(local_logits, targets.reshape(B * T).long(), group,
                                               vocab_size=cfg.vocab_size)  # (B*T,)
         return self.add_aux_losses(losses.mean())  # an MoE GPT's aux losses (tinyscale.moe) train with it

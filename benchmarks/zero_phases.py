@@ -11,8 +11,9 @@ hooks and the wait for the reductions included) and the step; the rest of the pr
 gradient's arrival (a post-accumulate-grad hook on every parameter) to backward's return, which
 is the reduction left exposed; the step's wall time (the sharded AdamW and, for the stages,
 the all-gather); and the process's minor page faults and voluntary and involuntary context
-switches (`getrusage`: what fresh buffers and waits on gloo's threads cost besides CPU time). CPU times are what the machine's load distorts least: a busy core stretches
-wall time, not the CPU a thread uses. Prints rank 0's medians and each stage's ratio to DDP (the
+switches (`getrusage`: what fresh buffers and waits on gloo's threads cost besides CPU time).
+CPU times are what the machine's load distorts least: a busy core stretches wall time, not the
+CPU a thread uses. Prints rank 0's medians and each stage's ratio to DDP (the
 slowest rank's step) with its 95% bootstrap interval.
 """
 import argparse

@@ -51,8 +51,9 @@ def _train(stage: int | None, scenario: str) -> dict:
     from tinyscale.zero import ZeroStage1, ZeroStage2
     model = Model()
     ranks = range(WORLD) if stage is None else [dist.get_rank()]
-    opt = _make(model.parameters()) if stage is None else \
-        (ZeroStage1 if stage == 1 else ZeroStage2)(model.parameters(), _make, bucket_bytes=8 * 80)  # units [side, c, b], [a]
+    stage_cls = ZeroStage1 if stage == 1 else ZeroStage2
+    # bucket_bytes 8 x 80: the units are [side, c, b] and [a]
+    opt = _make(model.parameters()) if stage is None else stage_cls(model.parameters(), _make, bucket_bytes=8 * 80)
     for step in range(STEPS):
         if scenario == "frozen" and step == 1:
             model.b.requires_grad_(False)

@@ -7,7 +7,7 @@ module level; the single-process measurements sit beside them to keep the notebo
   sizes (and with every block recomputed: the `full` policy of `tinyscale.checkpointing`), interleaved with the measured matmul peak, so that
   both see the same interference from other jobs;
 - `ddp_profile` (on ranks): BucketedDDP steps under the StepProfiler, with and without
-  overlap, returning the profiler's records.
+  overlap taking turns step by step, returning the profiler's records.
 """
 
 from __future__ import annotations
@@ -63,21 +63,26 @@ def cpu_mfu_sweep(variants: list[tuple[int, str]], *, preset: str = "small", seq
 
 
 def ddp_profile(steps: int = 6, bucket_cap_mb: float = 0.5, rows: int = 4, preset: str = "small") -> dict:
-    """On every rank: BucketedDDP training steps of the GPT under the StepProfiler, first with
-    overlap, then without (buckets held until backward ends). Returns both runs' records."""
+    """On every rank: BucketedDDP training steps of the GPT under the StepProfiler, with overlap
+    and without (buckets held until backward ends), taking turns: step i of both, the order
+    swapped every other step, a barrier before each, so that the machine's load (2 shared cores,
+    other jobs) hits both alike. Run one after the other, they differed by 1.3x either way from
+    run to run. Returns both runs' records."""
     cfg = GPTConfig.preset(preset)
     batches = synthetic_token_batches(num_batches=steps, batch_size=rows, seq_len=cfg.max_seq_len,
                                       seed=dist.get_rank())
-    out = {}
+    runs = {}
     for overlap in (True, False):
         torch.manual_seed(0)
         model = BucketedDDP(GPT(cfg, seed=0), bucket_cap_mb=bucket_cap_mb, overlap=overlap)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        prof = StepProfiler()
-        for x, y in batches:
+        runs["overlap" if overlap else "no_overlap"] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                                        StepProfiler())
+    for i, (x, y) in enumerate(batches):
+        for key in ("overlap", "no_overlap") if i % 2 == 0 else ("no_overlap", "overlap"):
+            model, optimizer, prof = runs[key]
+            dist.barrier()
             _profiled_step(prof, model, optimizer, x, y)
-        dist.barrier()
-        out["overlap" if overlap else "no_overlap"] = prof.records
+    out = {key: prof.records for key, (_, _, prof) in runs.items()}
     out["threads"] = torch.get_num_threads()
     return out
 

@@ -3,8 +3,8 @@ float64 on one process: a parameter whose gradient autograd hands over in anothe
 parameter's (a `p.sum()`'s arrives expanded, stride 0, one element for all) must land in .grad laid
 out as the parameter, as torch's AccumulateGrad does; else the next micro-batch's in-place add
 (or clipping's in-place scale) raises. Both of W's paths: a later stage's (`backward_weight`) and
-the first stage's (the executor's W, `accumulate` over autograd.grad). Run:
-`pytest tests/pipeline -k audit_split_backward`."""
+the first stage's (the executor's W, through AccumulateGrad). Hooks under the split: `-k zb_hooks`.
+Run: `pytest tests/pipeline -k audit_split_backward`."""
 
 from __future__ import annotations
 
@@ -73,23 +73,3 @@ def test_pp_audit_split_backward_first_stage_w_accumulates_an_expanded_gradient_
     executor.run(inputs, [None] * 3)
     expected = {k: g / 3 for k, g in _plain(inputs).items()}  # the executor's backward seed is 1 / m
     _check(module, expected, "zb_h1 first stage")
-
-
-def test_pp_audit_split_backward_runs_tensor_hooks_but_not_post_accumulate_hooks():
-    """As the module docstring says: a `register_hook` doubling a weight's gradient doubles it under
-    the split too; a post-accumulate-grad hook (DDP's, ZeRO's) is not called by W."""
-    def run(split: bool):
-        module, calls = Summed(), []
-        module.w.register_hook(lambda g: 2 * g)
-        module.v.register_post_accumulate_grad_hook(lambda p: calls.append(p))
-        for x in _inputs(2):
-            x = x.clone().requires_grad_()
-            loss = module(x).square().sum()
-            if split:
-                backward_weight(backward_input(loss, None, x, list(module.parameters()))[1])
-            else:
-                loss.backward()
-        return {k: p.grad for k, p in module.named_parameters()}, len(calls)
-    (split, split_calls), (plain, plain_calls) = run(True), run(False)
-    assert_state_dicts_close(split, plain, rtol=1e-10, what="split backward with a tensor hook")  # float64, as above
-    assert (split_calls, plain_calls) == (0, 2)

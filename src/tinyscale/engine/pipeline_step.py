@@ -199,7 +199,7 @@ class PipelineStep:
             with comm.record(engine.comm_ledger):
                 # --8<-- [start:step]
                 # DDP and ZeRO 2 synchronise once, below: the schedule's backwards (and zero-bubble's
-                # W passes, which write .grad outside autograd's hooks) only accumulate.
+                # W passes, which run the hooks as a backward does) only accumulate.
                 error, watch = None, engine._failure_watch  # watch: with tp, TP peers mid-compute
                 with _no_sync(engine), watch.attempt_step() if watch else contextlib.nullcontext():
                     self.executor.on_failure = None if watch is None else watch.post

@@ -11,6 +11,8 @@ only knows what each action means:
   edge; W starts there later and runs only those nodes' weight side (a matmul's weight-gradient
   matmul), nothing B ran above them: W is the weight matmuls, B the rest (ZB paper, sec. 2).
   On stage 0, which sends no input gradient, B does nothing and W is the whole backward.
+  Each W runs the parameters' post-accumulate-grad hooks once, as one backward (DDP's and
+  ZeRO's hooks reduce there as after a BW), and B none: B writes no parameter's gradient.
 - SEND/RECV: a run of consecutive sends goes out as one batched isend, a lone send as an
   isend, as torch's pipelining does (`tinyscale.dist.comm`, so the ledger counts it).
   Each message is a *frame*: the tensor's elements and one status element after them (0 ok,
@@ -68,7 +70,7 @@ from tinyscale.pipeline.schedules import (
     B, BW, COMM_KINDS, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule, stage_ranks,
 )
 from tinyscale.pipeline.simulator import matching_send, simulate
-from tinyscale.pipeline.split_backward import Kept, accumulate, backward_input, backward_weight
+from tinyscale.pipeline.split_backward import Kept, backward_input, backward_weight
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]  # header code -> dtype
 _HEADER = 8  # int64 slots: dtype code, number of dims, up to 6 sizes
@@ -267,9 +269,9 @@ class PipelineExecutor:
         kept = self.saved.pop((a.stage, a.microbatch))
         if isinstance(kept, Kept):
             backward_weight(kept)
-        else:  # stage 0: (out, grad_out), B did nothing
+        else:  # stage 0: (out, grad_out), B did nothing; AccumulateGrad runs the parameters' hooks
             (out, grad_out), params = kept, self._trained(a.stage)
-            accumulate(params, torch.autograd.grad(out, params, grad_out, allow_unused=True), [grad_out])
+            torch.autograd.backward(out, grad_out, inputs=params)
 
     def _seed(self, loss: torch.Tensor) -> torch.Tensor:
         """The last stage's output gradient, S / m (1 / m without fp16's loss scale S), so the m

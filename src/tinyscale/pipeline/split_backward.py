@@ -14,14 +14,19 @@ towards the parameters, so each intermediate computes its weight side only, and 
 The same cut torch's zero-bubble stage makes (torch/distributed/pipelining/_backward.py).
 
 Parameters are grouped by the intermediates they share (a weight used twice has two; so does a
-weight used by two nodes); W runs the engine once per group, groups in parameter order (the
-same on every rank: a collective on a parameter's side, ZeRO 3 style, stays matched). A group whose
+weight used by two nodes); W runs the engine once per group, groups in reverse parameter order (as
+a plain backward reaches them; the same on every rank: a collective on a parameter's side, ZeRO 3
+style, stays matched). A group whose
 intermediates lie on one path (a weight used at the stage's top and its bottom) walks that path
 again in W, each intermediate fed its recorded gradient (a pre-hook replaces what arrives), so the
 result is exact; only such a stage pays. Frozen parameters are not passed; an unused one gets no
 gradient (as `allow_unused`). A parameter's tensor hooks (`register_hook`) shape its gradient as in
-a plain backward; its post-accumulate-grad hooks do not run (W writes .grad, not AccumulateGrad):
-whoever reduces gradients in them (DDP, ZeRO 1/2) reduces after the schedule (engine/pipeline_step.py).
+a plain backward. Its post-accumulate-grad hooks run as in a plain backward too: once per W that
+reached it, after its group's gradients are in .grad, and the whole W is one backward for the
+engine (`in_one_backward`), so what a hook queues for the end of backward (BucketedDDP's and
+ZeRO's flush) runs once, after the last group. W writes .grad itself, not through AccumulateGrad
+(which would apply the tensor hooks a second time), so it calls the hooks itself, read from where
+torch keeps them (`post_accumulate_grad_hooks`, private; a test fails if torch moves them).
 
 Time: no operator runs in both B and W; what they cost beyond one backward (1.49 times it on
 stage 1 of notebook 08's GPT, one micro-batch, 1.74 before W accumulated in place) is host work:
@@ -36,7 +41,8 @@ Measured on a middle stage of 3 blocks (C 16, N 16, float64): 32,000 B saved eit
 18,432 B of arriving gradients instead of 2,048 B of output gradient (`-k split_backward_keeps`).
 Zero-bubble's W needs those gradients (ZB paper, sec. 2); the saved tensors only B needed could go.
 
-Test: `pytest tests/pipeline -k split_backward` (float64 against a plain backward; FLOPs of B, W).
+Test: `pytest tests/pipeline -k split_backward` (float64 against a plain backward; FLOPs of B, W);
+`pytest tests/pipeline -k zb_hooks` (the hooks; BucketedDDP and ZeRO 2 over ZB-H1 equal one process).
 """
 
 from __future__ import annotations
@@ -136,8 +142,18 @@ def backward_input(out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Te
 
 
 def backward_weight(kept: Kept) -> None:
-    """W: each group's parameter gradients from its intermediates' recorded gradients, into .grad."""
-    for g in kept.groups:
+    """W: each group's parameter gradients from its intermediates' recorded gradients, into .grad,
+    then each parameter's post-accumulate-grad hooks, all inside one backward (`in_one_backward`)."""
+    hooked = {id(p) for g in kept.groups for p in g.params if post_accumulate_grad_hooks(p)}
+    if hooked:  # (that backward costs ~40 us a W: not paid where no parameter has a hook)
+        in_one_backward(lambda: _weight_groups(kept, hooked))
+    else:
+        _weight_groups(kept, hooked)
+
+
+def _weight_groups(kept: Kept, hooked: set[int]) -> None:
+    # Last group first, as a plain backward reaches the parameters (DDP's buckets fill in launch order).
+    for g in reversed(kept.groups):
         fed = [(n, ds) for n, ds in zip(g.nodes, g.grads) if ds is not None]
         edges = [(GradientEdge(n, k), d) for n, ds in fed for k, d in enumerate(ds) if d is not None]
         if not edges:
@@ -151,9 +167,53 @@ def backward_weight(kept: Kept) -> None:
             for h in clamp:
                 h.remove()
         accumulate(g.params, grads, [d for _, d in edges])
+        for p, d in zip(reversed(g.params), reversed(grads)) if hooked else ():
+            if d is not None and id(p) in hooked:  # as AccumulateGrad: once per backward that reached p, after .grad
+                for hook in post_accumulate_grad_hooks(p):
+                    if (returned := hook(p)) is not None:
+                        raise TypeError(f"a post-accumulate-grad hook must return None, got {type(returned)}")
 
 
 # --8<-- [end:split]
+
+
+def post_accumulate_grad_hooks(p: torch.Tensor) -> list:
+    """p's `register_post_accumulate_grad_hook` hooks, in registration order. Private: torch keeps
+    them in `Tensor._post_accumulate_grad_hooks` (an OrderedDict, None before the first) and runs
+    them only from p's AccumulateGrad node. W cannot go through that node: the engine applies
+    p's tensor hooks (`register_hook`) to a gradient on its way into the node, also where W's
+    `run_backward` captures it, so feeding the node the captured gradient would apply them twice.
+    `test_pp_zb_hooks_torch_keeps_post_accumulate_hooks_where_w_reads_them` fails if torch moves them."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
+class _OneBackward(torch.autograd.Function):
+    """A node whose backward runs `work`: what a hook queues there with `queue_callback` (DDP's and
+    ZeRO's end of backward) joins this node's graph task and runs once, after all of `work`."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, work) -> torch.Tensor:
+        ctx.work = work
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, _):
+        ctx.work()
+        return None, None
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)  # a leaf to start `_OneBackward` from; never gets a gradient
+
+
+def in_one_backward(work) -> None:
+    """Run `work` (which may run the autograd engine itself, re-entrantly) as one backward: the
+    engine's end-of-backward callbacks queued during it run once, when it is done, as after a
+    plain `loss.backward()`. W makes one engine call per parameter group; without this, DDP's
+    end of backward would run after the first group's, before the others' gradients exist."""
+    with torch.enable_grad():  # (W may be called under no_grad: autograd.grad works there, so W must)
+        out = _OneBackward.apply(_ANCHOR, work)
+    _engine.run_backward((out,), (torch.ones_like(out),), False, False, (), True, True)
 
 
 def accumulate(params, grads, fed=()) -> None:

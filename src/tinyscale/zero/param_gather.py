@@ -15,7 +15,9 @@ forward must wait for it:
 - a forward pre-hook on every module below `module` waits for the units of the parameters
   it holds (its own and its submodules'; the root: its own only, or it would wait for all at
   once), so each unit is waited for by the first module that reads it, in training or
-  evaluation, with or without grad, even one that reads a child's weight itself;
+  evaluation, with or without grad, even one that reads a child's weight itself, except the
+  root: a root forward that reads a child's weight before calling that child reads it
+  unwaited, mid-gather (the GPT here reads every weight through the module holding it);
 - state-dict and load-state-dict pre-hooks on the same modules wait for them
   (``model.state_dict()``, and so every checkpoint that reads it; ``load_state_dict``, which
   a gather landing after it would undo);

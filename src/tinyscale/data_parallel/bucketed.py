@@ -30,8 +30,9 @@ every operation launched from Python between autograd's kernels costs far more t
 as torch's DDP offers): no copy out, no second copy of the gradients in memory, and while
 ``.grad`` stays that view (``zero_grad(set_to_none=False)``, or accumulation) autograd
 accumulates straight into the bucket, so the copy in goes too. ``gradient_as_bucket_view=
-False`` gives each parameter a ``.grad`` of its own, cloned from the bucket. `events` records when each bucket was launched
-and when backward ended, so a test (and the lesson's timeline) can see the overlap.
+False`` gives each parameter a ``.grad`` of its own, cloned from the bucket. `events` records
+when each bucket was launched and when backward ended, so a test (and the lesson's timeline)
+can see the overlap.
 
 Shape legend: each bucket's ``buffer`` is 1-D, holding its parameters' gradients
 flattened and concatenated in bucket order.

@@ -372,9 +372,9 @@ def _divide_uses(set_to_none):
                                                         (True, (False, 1.0))])
 def test_ddp_bucketed_divides_each_gradient_once_on_its_way_into_the_bucket(set_to_none, scaling):
     """The division by N (prescaled), or by the predivide factor and the rest after the sum, is
-    made per gradient as it enters its bucket (copied, or in place where autograd accumulated
-    into the bucket itself), also for gradients filled in at the end of backward (used in an
-    earlier micro-batch only). Float64, 3 ranks (a third is inexact), SGD: one process's steps."""
+    made once per gradient as it enters its bucket (after the copy in, or in place where autograd
+    accumulated into the bucket itself), also for gradients filled in at the end of backward (used
+    in an earlier micro-batch only). Float64, 3 ranks (a third is inexact), SGD: one process's steps."""
     uses = _divide_uses(set_to_none)
     results = run_on_ranks(train_data_parallel, 3, IMPLEMENTATIONS["bucketed"], "mlp-unused", 3, 1, 2, 4, 2.2e-3,
                            True, "sgd", uses, None, set_to_none, scaling)

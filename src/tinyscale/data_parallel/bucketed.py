@@ -12,24 +12,27 @@ What it changes from `naive.py`:
    collective's latency once. ``first_bucket_cap_mb=1`` gives torch DDP's layout (its
    default): a small first bucket that goes early, then few large ones (on 2 CPU cores each
    extra message costs milliseconds of gloo's thread work on the backward's core: lesson 02).
-2. **Overlap.** A gradient hook copies each gradient into its bucket as soon as autograd
-   has it; when a bucket is full its all-reduce is *launched asynchronously* and backward
-   carries on computing earlier layers' gradients while the bytes move.
+2. **Overlap.** A gradient hook marks each gradient ready as soon as autograd has it; when
+   a bucket is full, its gradients go in (one `torch.cat` into the bucket) and its all-reduce
+   is *launched asynchronously*, and backward carries on computing earlier layers' gradients
+   while the bytes move.
 3. **Order.** Buckets are launched strictly in index order (a full bucket waits for the
    ones before it). Every rank must issue the same collectives in the same order, and
    gradient readiness can differ between ranks; a fixed launch order keeps them matched.
 
 Each gradient is divided by the world size *before* the all-reduce (as torch's DDP does: in
 fp16 a sum of N gradients can overflow where their mean would not; `pytest -k
-overflow_safe_reduce`), on its way into the bucket: the hook's copy writes the quotient
-(torch's reducer fuses it the same way), so no second pass over the bucket. When backward
-ends, the wrapper waits for every bucket, and each
+overflow_safe_reduce`): one `div_` over the bucket once its gradients are in (`_pack`). Two
+operations a bucket, where a copy per gradient in each hook made 39 a step on the small GPT:
+every operation launched from Python between autograd's kernels costs far more than its bytes
+(lesson 02, "Four ranks"). When backward ends, the wrapper waits for every bucket, and each
 ``.grad`` becomes a view of its slot in the bucket (``gradient_as_bucket_view``, default on,
 as torch's DDP offers): no copy out, no second copy of the gradients in memory, and while
 ``.grad`` stays that view (``zero_grad(set_to_none=False)``, or accumulation) autograd
 accumulates straight into the bucket, so the copy in goes too. ``gradient_as_bucket_view=
-False`` gives each parameter a ``.grad`` of its own, cloned from the bucket. `events` records when each bucket was launched
-and when backward ended, so a test (and the lesson's timeline) can see the overlap.
+False`` gives each parameter a ``.grad`` of its own, cloned from the bucket. `events` records
+when each bucket was launched and when backward ended, so a test (and the lesson's timeline)
+can see the overlap.
 
 Shape legend: each bucket's ``buffer`` is 1-D, holding its parameters' gradients
 flattened and concatenated in bucket order.
@@ -56,9 +59,11 @@ class Bucket:
     work: comm.Work | None = None
     views: list[torch.Tensor] = field(default_factory=list)  # slot i, shaped as param i (made once)
     flag_index: list[int] = field(default_factory=list)  # param i's place in the usage flags
+    gradients: torch.Tensor = field(init=False)  # buffer[:sum of numels]: the gradients without the usage flags
 
     def __post_init__(self):
         self.views = [self.buffer[o: o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        self.gradients = self.buffer[: self.offsets[-1] + self.params[-1].numel()]
 
     @property
     def full(self) -> bool:
@@ -200,21 +205,15 @@ class BucketedDDP(DataParallelBase):
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         # Runs for every parameter every step, in Python where torch's reducer is C++, between
-        # autograd's kernels (cold caches): so no helper calls, no decorator, no tensor-keyed dict
-        # (lesson 02, "What the hooks' Python costs").
-        if torch.is_grad_enabled():  # backward(create_graph=True): keep the copy out of the graph
-            with torch.no_grad():
-                return self._grad_ready(param)
+        # autograd's kernels (cold caches): so no helper calls, no decorator, no tensor-keyed dict,
+        # and no tensor operation: the gradient stays in .grad until its bucket is full (lesson 02,
+        # "What the hooks' Python costs" and "Four ranks").
         bucket, b, i = self._slot_of[id(param)]
-        slot, grad, divisor = bucket.views[i], param.grad, self._div
-        if grad is not slot:  # as `_fill`: the quotient written on the way into the bucket
-            torch.div(grad, divisor, out=slot) if divisor != 1 else slot.copy_(grad)
-        elif divisor != 1:  # .grad is the slot: autograd accumulated into the bucket itself
-            slot.div_(divisor)
         bucket.ready.add(i)
         if b == self._next_launch and self.overlap and len(bucket.ready) == len(bucket.params):
             # Launch every full bucket that is next in line: a fixed order on every rank.
             while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
+                self._pack(self._next_launch, self._div)
                 self._launch(self._next_launch)
 
     def _divisor(self) -> float:
@@ -222,12 +221,32 @@ class BucketedDDP(DataParallelBase):
         factor, or 1 under a comm hook (which gets this rank's gradients as they are)."""
         return 1.0 if self._comm_hook is not None else self._pre_post(self.world_size)[0]
 
+    @torch.no_grad()  # (under backward(create_graph=True) the gradients require grad: no graph for this)
+    def _pack(self, b: int, divisor: float) -> None:
+        """Put each parameter's .grad / divisor in its slot of bucket `b` (zero where .grad is None).
+        Divide before summing (torch DDP does): in fp16 the sum of N gradients can overflow where
+        their mean would not. A full bucket whose gradients are tensors of their own (after
+        ``zero_grad(set_to_none=True)``, the usual case) takes two operations, whatever its number
+        of parameters: one `cat` into the bucket, one `div_` over it; where every .grad is its slot
+        already (autograd accumulated into the bucket itself), the `div_` alone. Either is the
+        same arithmetic, bit for bit, as dividing each gradient on its way in (`_fill`)."""
+        bucket = self.buckets[b]
+        grads = [p.grad for p in bucket.params]
+        if len(bucket.ready) == len(bucket.params):
+            aliased = [g.data_ptr() == v.data_ptr() for g, v in zip(grads, bucket.views)]
+            if not any(aliased):
+                torch.cat([g.reshape(-1) for g in grads], out=bucket.gradients)
+            if not any(aliased) or all(aliased):
+                if divisor != 1:
+                    bucket.gradients.div_(divisor)
+                return
+        for slot, grad in zip(bucket.views, grads):  # a bucket not all ready (unused parameters), or mixed
+            self._fill(slot, grad, divisor)
+
     @staticmethod
     def _fill(slot: torch.Tensor, grad: torch.Tensor | None, divisor: float) -> None:
-        """Put grad / divisor in its slot. Divide before summing (torch DDP does): in fp16 the sum
-        of N gradients can overflow where their mean would not. The division rides on the copy
-        into the bucket (one pass over the gradient, as torch's reducer fuses it into its copy),
-        or, where autograd accumulated into the bucket itself, is made in place."""
+        """Put grad / divisor in its slot, one parameter: the quotient written on the way in, or,
+        where autograd accumulated into the bucket itself, made in place."""
         if grad is None:
             slot.zero_()
         elif grad.data_ptr() != slot.data_ptr():
@@ -240,14 +259,14 @@ class BucketedDDP(DataParallelBase):
         if b == len(self.buckets) - 1:  # launched last, when this rank's usage is known
             # (the flags, after the gradients, are not divided: they stay counts)
             self._flags.copy_(torch.tensor([p.grad is not None for p in self.params]))
-        gradients = bucket.offsets[-1] + bucket.params[-1].numel()
+        gradients = bucket.gradients.numel()
         if self._comm_hook is not None:
             flags = None
             if b == len(self.buckets) - 1:
                 flags = comm.all_reduce(self._flags, group=self.process_group, async_op=True)
             state, hook = self._comm_hook
-            bucket.work = _HookWork(hook(state, _BucketView(self, b, gradients)), bucket.buffer[:gradients], flags)
-        else:  # every slot already holds its gradient divided (`_fill`)
+            bucket.work = _HookWork(hook(state, _BucketView(self, b, gradients)), bucket.gradients, flags)
+        else:  # every slot already holds its gradient divided (`_pack`)
             bucket.work = all_reduce_in(bucket.buffer, self.comm_dtype, self.process_group)
         self.events.append(("launch", b, time.perf_counter()))
         self._next_launch = b + 1
@@ -259,23 +278,20 @@ class BucketedDDP(DataParallelBase):
         self.events.append(("backward_end", None, time.perf_counter()))
         if not self.buckets:  # only expert shards train: `_reduce_expert_shards` does it all
             return
-        # Buckets still waiting for a gradient that never came (a parameter unused in this
-        # backward): fill in what .grad holds (accumulated earlier, or zero) and launch.
+        # Buckets not launched yet (overlap off, or still waiting for a gradient that never came:
+        # a parameter unused in this backward): in with what .grad holds (accumulated earlier, or
+        # zero) and launch.
         divisor = self._divisor()
         for b in range(self._next_launch, len(self.buckets)):
-            bucket = self.buckets[b]
-            for i, p in enumerate(bucket.params):
-                if i not in bucket.ready:
-                    self._fill(bucket.views[i], p.grad, divisor)
+            self._pack(b, divisor)
             self._launch(b)
         self.buckets[-1].work.wait()
         used = (self._flags > 0).tolist()  # got a gradient on some rank (the flags' sum counts them)
         post = self._pre_post(self.world_size)[1]
         for bucket in self.buckets:
             bucket.work.wait()  # the average: each rank sent its gradients divided by N (prescaled)
-            gradients = bucket.offsets[-1] + bucket.params[-1].numel()
             if post != 1 and self._comm_hook is None:  # prescale_gradients false: divide the sum now
-                bucket.buffer[:gradients].div_(post)
+                bucket.gradients.div_(post)
             for p, view, k in zip(bucket.params, bucket.views, bucket.flag_index):
                 if not used[k]:
                     p.grad = None  # unused on every rank: no gradient, as in one process

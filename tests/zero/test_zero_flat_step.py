@@ -3,8 +3,8 @@ bits as the per-fragment step and as a plain torch optimizer (`pytest -k zero_fl
 
 Both paths run the same elementwise arithmetic on the same values, so the comparisons are
 `torch.equal`, not a tolerance. One process (a group of one: a unit's shard is the whole
-unit, its fragments whole parameters) for the optimizer's bookkeeping; two ranks through
-the engine for fragments that straddle shards.
+unit, its fragments whole parameters) for the optimizer's bookkeeping; three ranks through
+the engine for fragments that straddle shards and padded units.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tinyscale.precision.scaler import DynamicLossScaler
 from tinyscale.data import synthetic_regression_batches
 from tinyscale.models import TinyMLP
 from tinyscale.testing import assert_state_dicts_close, run_on_ranks
+from tinyscale.zero import flat_step
 from tinyscale.zero.optimizer import ShardedOptimizer
 from tinyscale.zero.state_dict import gather_optimizer_state, load_optimizer_state
 
@@ -101,7 +102,8 @@ def test_zero_flat_step_equals_fragment_step_and_torch(opt):
     """Several units, weight decay in one group only, clipping on: flat == per fragment ==
     torch's optimizer on the whole parameters, bit for bit; the flat path was taken."""
     flat, frag = _run(opt, True), _run(opt, False)
-    assert flat[1].flat.stepped == STEPS * len(flat[1].units) and len(flat[1].units) >= 3
+    assert len(flat[1].units) >= 3
+    assert flat[1].flat.stepped == STEPS * len(flat[1].units)  # each unit one piece (under PIECE_BYTES)
     assert frag[1].flat.stepped == 0
     _assert_same(flat, frag)
     ref = _model()
@@ -119,6 +121,16 @@ def test_zero_flat_step_equals_fragment_step_and_torch(opt):
         key = "momentum_buffer" if opt == "sgd" else "exp_avg"
         bases = {state[f.view][key].untyped_storage().data_ptr() for f in frags}
         assert len(bases) == 1
+
+
+def test_zero_flat_step_pieces_cut_at_fragments_equal_fragment_step(monkeypatch):
+    """PIECE_BYTES under a unit's size: several pieces a unit, each whole fragments, the same bits."""
+    monkeypatch.setattr(flat_step, "PIECE_BYTES", 8 * 12)
+    flat = _run("adamw", True, unused_at={2})
+    pieces = [p for row in flat[1].flat.pieces for p in row]
+    assert len(pieces) > len(flat[1].units)
+    assert all(p.end - p.start <= 12 or len(p.ks) == 1 for p in pieces)
+    _assert_same(flat, _run("adamw", False, unused_at={2}))
 
 
 def test_zero_flat_step_unused_parameter_mid_run_is_skipped():
@@ -211,28 +223,33 @@ def test_zero_flat_step_refuses_what_it_cannot_keep_exact():
 def _engine_run(stage, flat):
     engine = ts.initialize(TinyMLP(seed=0), _engine_config(stage))
     engine.zero.sharded.flat_step = flat
-    for b in synthetic_regression_batches(num_batches=3, batch_size=8, dim=8, seed=0):
+    for b in synthetic_regression_batches(num_batches=3, batch_size=12, dim=8, seed=0):
         engine.train_batch(b)
-    return engine.full_state_dict(), engine.zero.sharded.flat.stepped
+    sharded = engine.zero.sharded
+    # the padding past a unit's last fragment: never stepped (weight decay on), so exactly zero
+    padding = [m[frags[-1].end if frags else 0:] for m, frags in zip(sharded.master, sharded.fragments)]
+    return engine.full_state_dict(), sharded.flat.stepped, sum(p.numel() for p in padding), \
+        all(not p.any() for p in padding)
 
 
 def _engine_config(stage):
-    return {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
+    return {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.5,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 100}}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_flat_step_engine_two_ranks_equals_fragment_step(stage):
-    """Two ranks through the engine (TinyMLP: a tied weight, a frozen layer; several units,
+def test_zero_flat_step_engine_three_ranks_equals_fragment_step(stage):
+    """Three ranks through the engine (TinyMLP: a tied weight, a frozen layer; several units,
     fragments straddling shards; clipping, weight decay, accumulation 2): the flat path is
     taken, gives the fragment path's bits, and matches the float64 reference."""
-    flat, frag = run_on_ranks(_engine_run, 2, stage, True), run_on_ranks(_engine_run, 2, stage, False)
+    flat, frag = run_on_ranks(_engine_run, 3, stage, True), run_on_ranks(_engine_run, 3, stage, False)
     ref = TinyMLP(seed=0)
-    ts.reference.train(ref, synthetic_regression_batches(num_batches=3, batch_size=8, dim=8, seed=0),
+    ts.reference.train(ref, synthetic_regression_batches(num_batches=3, batch_size=12, dim=8, seed=0),
                        _engine_config(stage))
-    for (sf, nf), (sg, ng) in zip(flat, frag):
-        assert nf > 0 and ng == 0
+    assert sum(r[2] for r in flat) > 0  # some unit is padded
+    for (sf, nf, _, zero_pad), (sg, ng, _, _) in zip(flat, frag):
+        assert nf > 0 and ng == 0 and zero_pad
         assert all(torch.equal(sf[k], sg[k]) for k in sf)
         assert_state_dicts_close(sf, ref.state_dict())
 

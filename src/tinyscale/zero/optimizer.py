@@ -22,9 +22,10 @@ The optimizer is any `torch.optim` optimizer: it sees one tensor per parameter f
 parameter group, so per-group hyperparameters (no weight decay on norms) work unchanged,
 padding is never stepped, and a parameter that got no gradient on any rank is skipped
 exactly as torch skips a `None` grad (its state and step count untouched). Where that is
-exact (torch's Adam, AdamW or SGD; every parameter of the unit stepped) the fragments of a
-unit are stepped as one tensor, as DeepSpeed steps one flat partition, their states views of
-one flat state each (`flat_step.py`): the same values, one call instead of a loop. Which parameters
+exact (torch's Adam, AdamW or SGD; every parameter of the piece stepped) a unit's consecutive
+fragments are stepped as one tensor (pieces of up to 1 MiB), as DeepSpeed steps one flat
+partition, their states views of the piece's (`flat_step.py`): the same values, a few calls
+instead of one per fragment. Which parameters
 got one is agreed once per step: `agree_used` (one all-reduce of a flag per parameter), or
 the engine's loss all-reduce carries the flags (`used_here`), which costs no extra collective.
 Lesson: lessons/02-data-parallel.md, "Unused parameters". Tests: `pytest -k unused`.
@@ -141,7 +142,7 @@ class ShardedOptimizer:
                        "params": [f.view for frags, ug in zip(self.fragments, unit_group) if ug == g for f in frags]}
                       for g, group in enumerate(self.param_groups) if group["params"]]
         self.optimizer = make_optimizer(opt_groups)  # a group may be empty on a rank: torch allows it
-        # Stepped as one tensor per unit (per sub-group) where that is exact: `flat_step.py`
+        # Stepped as a few flat tensors per unit where that is exact: `flat_step.py`
         # (None: every step per fragment; the disk tier's swapper moves states per fragment).
         position = {g: n for n, g in enumerate(g for g, group in enumerate(self.param_groups) if group["params"])}
         self.flat = None if offload == "nvme" else FlatStep.build(
@@ -259,7 +260,7 @@ class ShardedOptimizer:
             # --8<-- [start:sub-groups]
             flat = self.flat if self.flat_step else None
             for s, group in enumerate(self.sub_groups):  # sub_group_size: one sub-group's temporaries at a time
-                # one tensor per unit where exact (`flat_step.py`); the rest per fragment
+                # flat pieces (a few per unit) where exact (`flat_step.py`); the rest per fragment
                 rest = group if flat is None else flat.prepare(s, self.grad, used)
                 for i in range(len(self.units)) if rest else ():
                     self._attach_grads(i, used, [k for j, k in rest if j == i])

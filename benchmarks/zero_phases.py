@@ -14,7 +14,8 @@ the all-gather); and the process's minor page faults and voluntary and involunta
 switches (`getrusage`: what fresh buffers and waits on gloo's threads cost besides CPU time).
 CPU times are what the machine's load distorts least: a busy core stretches wall time, not the
 CPU a thread uses. Prints rank 0's medians and each stage's ratio to DDP (the
-slowest rank's step) with its 95% bootstrap interval.
+slowest rank's step) with its 95% bootstrap interval; and ZeroStage1 against itself stepping one
+tensor per parameter fragment (`flat_step = False`, as before `tinyscale.zero.flat_step`).
 """
 import argparse
 import os
@@ -34,7 +35,8 @@ from zero import _build  # benchmarks/zero.py, beside this script
 
 PHASES = ("step ms", "fwd cpu", "bwd cpu", "tail ms", "opt ms", "opt cpu", "main cpu", "gloo cpu", "faults",
           "vol csw", "invol csw")
-VARIANTS = ("torch DDP", "ZeroStage1", "ZeroStage2")
+# "per fragment": the sharded step as before zero/flat_step.py, one tensor per parameter fragment
+VARIANTS = ("torch DDP", "ZeroStage1", "ZeroStage1, per fragment", "ZeroStage2")
 WARMUP = 3
 
 
@@ -63,7 +65,9 @@ def _rank(steps: int, micro: int = 4) -> dict:
 
     variants = {}
     for name in VARIANTS:
-        impl, last = _build(name, cfg), [0.0]
+        impl, last = _build(name.removesuffix(", per fragment"), cfg), [0.0]
+        if name.endswith("per fragment"):
+            impl.zero.sharded.flat_step = False
         for p in impl.forward.parameters():  # when the last gradient arrived
             p.register_post_accumulate_grad_hook(lambda _, last=last: last.__setitem__(0, time.perf_counter()))
         variants[name] = lambda i, name=name, impl=impl, last=last: phases(name, impl, last, i)
@@ -84,10 +88,15 @@ def main() -> None:
         table.add_row(name, *(f"{statistics.median(col) * 1e3:.2f}" for col in zip(*rows)))
     Console(width=150).print(table)  # piped into a file too: not squeezed into 80 columns
     total = {name: slowest([[row[0] for row in r[name]] for r in per_rank]) for name in per_rank[0]}
-    for name in ("ZeroStage1", "ZeroStage2"):
-        low, high = ratio_interval(total[name], total["torch DDP"])
-        ratio = statistics.median(total[name]) / statistics.median(total["torch DDP"])
-        print(f"{name} / torch DDP: {ratio:.3f}x (95% interval {low:.3f} .. {high:.3f})")
+    for name, base in (("ZeroStage1", "torch DDP"), ("ZeroStage1, per fragment", "torch DDP"),
+                       ("ZeroStage2", "torch DDP"), ("ZeroStage1", "ZeroStage1, per fragment")):
+        low, high = ratio_interval(total[name], total[base])
+        ratio = statistics.median(total[name]) / statistics.median(total[base])
+        print(f"{name} / {base}: {ratio:.3f}x (95% interval {low:.3f} .. {high:.3f})")
+    opt = {name: [row[5] for row in rows] for name, rows in per_rank[0].items()}  # rank 0's step CPU
+    low, high = ratio_interval(opt["ZeroStage1"], opt["ZeroStage1, per fragment"])
+    ratio = statistics.median(opt["ZeroStage1"]) / statistics.median(opt["ZeroStage1, per fragment"])
+    print(f"rank 0's step CPU, ZeroStage1 flat / per fragment: {ratio:.3f}x (95% interval {low:.3f} .. {high:.3f})")
 
 
 if __name__ == "__main__":

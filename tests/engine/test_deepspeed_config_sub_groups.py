@@ -68,13 +68,14 @@ def _model_and_step_peaks(sub_group_size, foreach):
 
 @pytest.mark.parametrize("foreach", [False, True])
 def test_deepspeed_config_sub_group_size_bounds_the_offloaded_step_memory(foreach):
-    params, largest, total = 4, 32 * 64, 2372
+    params, total = 4, 2372
     flags = params  # the step's usage flags: one bool per parameter
     # AdamW allocates sqrt(exp_avg_sq) and the denominator: two temporaries of what it steps at
-    # once. Per tensor (foreach False, torch's CPU default) that is the largest parameter; as
-    # a list (foreach, the GPU default) every tensor it steps, each temporary once.
+    # once. It steps one flat tensor per unit and sub-group (zero/flat_step.py, as DeepSpeed steps
+    # its flat partition): per tensor (foreach False, torch's CPU default) both temporaries are
+    # the whole unit; as a list (foreach, the GPU default) the first is, the second in place.
     whole = _model_and_step_peaks(None, foreach)
-    assert whole == (2 * 8 * largest if not foreach else 8 * total) + flags
+    assert whole == (2 * 8 * total if not foreach else 8 * total) + flags
     for size in (256, 64):
         assert _model_and_step_peaks(size, foreach) <= 2 * 8 * size + flags < whole
 

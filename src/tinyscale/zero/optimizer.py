@@ -21,7 +21,11 @@ The optimizer is any `torch.optim` optimizer: it sees one tensor per parameter f
 (the part of a parameter inside this rank's shard, a view of the master shard), in its
 parameter group, so per-group hyperparameters (no weight decay on norms) work unchanged,
 padding is never stepped, and a parameter that got no gradient on any rank is skipped
-exactly as torch skips a `None` grad (its state and step count untouched). Which parameters
+exactly as torch skips a `None` grad (its state and step count untouched). Where that is
+exact (torch's Adam, AdamW or SGD; every parameter of the piece stepped) a unit's consecutive
+fragments are stepped as one tensor (pieces of up to 1 MiB), as DeepSpeed steps one flat
+partition, their states views of the piece's (`flat_step.py`): the same values, a few calls
+instead of one per fragment. Which parameters
 got one is agreed once per step: `agree_used` (one all-reduce of a flag per parameter), or
 the engine's loss all-reduce carries the flags (`used_here`), which costs no extra collective.
 Lesson: lessons/02-data-parallel.md, "Unused parameters". Tests: `pytest -k unused`.
@@ -37,6 +41,7 @@ import torch.distributed as dist
 
 from tinyscale.dist import comm
 from tinyscale.zero.flat import FlatUnit, split_into_units
+from tinyscale.zero.flat_step import FlatStep
 from tinyscale.zero.offload import OFFLOAD_DEVICES, DiskSwapper, to_host
 from tinyscale.zero.sub_groups import group_fragments, sub_group_starts
 
@@ -137,6 +142,12 @@ class ShardedOptimizer:
                        "params": [f.view for frags, ug in zip(self.fragments, unit_group) if ug == g for f in frags]}
                       for g, group in enumerate(self.param_groups) if group["params"]]
         self.optimizer = make_optimizer(opt_groups)  # a group may be empty on a rank: torch allows it
+        # Stepped as a few flat tensors per unit where that is exact: `flat_step.py`
+        # (None: every step per fragment; the disk tier's swapper moves states per fragment).
+        position = {g: n for n, g in enumerate(g for g, group in enumerate(self.param_groups) if group["params"])}
+        self.flat = None if offload == "nvme" else FlatStep.build(
+            self.optimizer, self.fragments, self.sub_groups, self.master, [position[g] for g in unit_group],
+            self._index)
 
     # --8<-- [start:expert-units]
     def _split(self, params: list[torch.Tensor], cap: int | None, reverse: bool) -> list[FlatUnit]:
@@ -247,11 +258,14 @@ class ShardedOptimizer:
         used = used.tolist() if torch.is_tensor(used) else used  # read once per fragment: no tensor indexing
         if self.swap is None:
             # --8<-- [start:sub-groups]
-            for group in self.sub_groups:  # sub_group_size: one sub-group's temporaries at a time
-                for i in range(len(self.units)):
-                    self._attach_grads(i, used, [k for j, k in group if j == i])
-                self.optimizer.step()  # torch skips every fragment whose grad is None
-                self._detach_grads(group)
+            flat = self.flat if self.flat_step else None
+            for s, group in enumerate(self.sub_groups):  # sub_group_size: one sub-group's temporaries at a time
+                # flat pieces (a few per unit) where exact (`flat_step.py`); the rest per fragment
+                rest = group if flat is None else flat.prepare(s, self.grad, used)
+                for i in range(len(self.units)) if rest else ():
+                    self._attach_grads(i, used, [k for j, k in rest if j == i])
+                self.optimizer.step()  # torch skips every fragment whose grad is None; the flat pieces first
+                self._detach_grads(rest)
             # --8<-- [end:sub-groups]
             # overlap_param_gather: the last unit (the first layers, which forward reads first) goes first
             for i in reversed(range(len(self.units))) if self.overlap_param_gather else range(len(self.units)):
@@ -265,6 +279,8 @@ class ShardedOptimizer:
         for frags in self.fragments:
             for f in frags:
                 f.view.grad = None
+        if self.flat is not None:
+            self.flat.detach()
         self.grad = [None] * len(self.master)
 
     # --8<-- [start:attach]
@@ -328,6 +344,9 @@ class ShardedOptimizer:
             publish(i, self.master[i])
         else:
             self.publish_gathered(i, in_flight=in_flight)
+
+    # False: every step per fragment, as before `flat_step.py` (tests compare the two paths)
+    flat_step: bool = True
 
     # True (stages 1-2 set it): the parameters live in one flat buffer per unit, the all-gather's
     # output (`params_flat`); False: a fresh flat buffer per gather, copied into the parameters.

@@ -170,10 +170,14 @@ REPEAT: dict[str, tuple[list[str], tuple[str, ...]]] = {
     # pipeline: its default 80 rounds (3 steps could not resolve a 5 % difference; about 45 s idle)
     "pipeline": ([], ("pp_1f1b_vs_torch", "pp_afab_vs_torch", "pp_1f1b_bubble_gap_points")),
     "context_parallel": (["--steps", "3"], ("cp_ring_vs_sdpa", "cp_ulysses_vs_sdpa")),
-    # ddp: its default 30 rounds and their bootstrap interval (6 steps could not resolve 2 %; about 66 s)
-    "ddp": ([], ("ddp_bucketed_vs_torch_2", "ddp_bucketed_vs_torch_4")),
-    # zero: its default 50 rounds and their intervals (6 steps spread zero2_vs_ddp 0.99-1.09; about 60 s)
-    "zero": ([], ("zero1_vs_ddp", "zero2_vs_ddp", "zero3_vs_fsdp2")),
+    # ddp: the ratio's pair alone, 90 rounds. At 30 (with the optional rows) three runs of the 4-rank
+    # ratio spread 7 points (0.938, 1.000, 1.008); at 90, 1.6 points, about 40 s a run at 4 ranks
+    # (2026-11-27, helper ddp4b). 6 steps could not resolve 2 %.
+    "ddp": (["--only", "--steps", "90"], ("ddp_bucketed_vs_torch_2", "ddp_bucketed_vs_torch_4")),
+    # zero: only the rows' variants, 120 rounds in about the time 50 rounds of all ten took: at 50,
+    # zero1_vs_ddp went 1.021, 0.983, 1.018 and zero2_vs_ddp 0.988, 0.969, 0.985 in three runs.
+    "zero": (["--only", "torch DDP,ZeroStage1,ZeroStage2,FSDP2 fully_shard,ZeroStage3", "--steps", "120"],
+             ("zero1_vs_ddp", "zero2_vs_ddp", "zero3_vs_fsdp2")),
     # deepspeed: 40 paired steps. At 12, one run's 95% interval on zero0_vs_deepspeed was about
     # +-5 % (0.921-1.087), too wide to place a ratio near 1.0; 40-60 steps narrow it to about
     # +-4 % (2026-11-27, helper lvl0). A step is ~0.1 s a side: about 35 s more a run than 12.

@@ -2,17 +2,18 @@
 
 For every layout of the layout matrix (`test_layout_matrix.py`: dp x pp x cp x tp with a ZeRO
 stage, SP, activation checkpointing, a schedule; the odd GPT with vocab 61, 5 layers, GQA and a
-tied table, linear biases in half the layouts), each rank's `engine.memory_report(when="before_step")`
-of the second step (Adam's states exist), taken in the matrix's own pooled run, gives parameters, gradients, master_weights and optimizer_states equal (==) to
-`tinyscale.engine.layout_memory.rank_model_state_bytes` of the same plan: pipeline stages from
+tied table, linear biases in half the layouts), each rank's
+`engine.memory_report(when="before_step")` of the second step (Adam's states exist), taken in the
+matrix's own pooled run, gives parameters, gradients, master_weights and optimizer_states equal
+(==) to `tinyscale.engine.layout_memory.rank_model_state_bytes` of the same plan: pipeline stages from
 `partition_gpt`, TP shards with vocab padding, replicated norms, ZeRO's units with their
 flat-buffer padding and Adam's step counter per fragment. Two layouts run again under fp16 and
 bf16 (2-byte parameters and gradients, fp32 masters and states); a few more cover what the
 matrix's GPT cannot: ZeRO groups that pad (its width 12 is divisible by every group it has), the
 zero_optimization knobs that change the units, K/V heads copied over tp 4, and linear biases
 (`BIASED`: column biases split, row-parallel ones whole on every TP rank); and, for the lesson's
-table, two matrix layouts whose matrix GPT has biases again without (`PLAIN`). Pure tests: at tp = pp = 1
-the formula is `zero.estimate.model_state_bytes` with padding; over awkward shapes the ranks of
+table, two matrix layouts whose matrix GPT has biases again without (`PLAIN`). Pure tests: at
+tp = pp = 1 the formula is `zero.estimate.model_state_bytes` with padding; over awkward shapes the ranks of
 one model replica hold the model plus exactly its accounted copies and padding.
 Default: the layouts on at most 4 ranks, one pooled call per world size; `--thorough`: all.
 Run: `pytest tests/engine/test_layout_memory.py` (key layout_memory).

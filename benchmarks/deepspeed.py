@@ -6,7 +6,7 @@ Needs DeepSpeed (the `peers` extra: pip install -e ".[peers]"; `make setup` inst
 it, it says so and exits 0 having measured nothing (so `make bench` runs on without the extra;
 --json then writes no ratios, and a "skipped" note in place of stale ones). It
 runs in a process of its own (`tinyscale.testing.deepspeed_peer`, with DS_ACCELERATOR=cpu and
-gloo); the first run builds DeepSpeed's shared-memory op, which takes minutes once. On the same
+gloo; DeepSpeed's inference-only shared-memory op skipped, `deepspeed_peer.skip_shm_op`). On the same
 rank processes, for each stage, both engines train their own float32 copy of the GPT from the
 same seed on the same batches (AdamW, torch's on both sides: DeepSpeed's "torch_adam": true),
 one optimizer step at a time, alternating which goes first, so that changes in the machine's

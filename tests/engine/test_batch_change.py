@@ -230,8 +230,8 @@ def test_batch_change_deepspeed_agreement_losses_follow_deepspeeds_across_the_ch
     """DeepSpeed 0.19.8 itself (its own process, DS_ACCELERATOR=cpu, gloo, 2 ranks, float32):
     set_train_batch_size on both engines before steps 2 and 4 (8 -> 16 -> 8 rows, accumulation
     2 -> 4 -> 2, at micro_steps that DeepSpeed's boundary count divides); every loss agrees at
-    the float32 bound of the agreement tests, and both with one float64 process. 9 s once
-    DeepSpeed's op is built (the first DeepSpeed test on a machine builds it: minutes)."""
+    the float32 bound of the agreement tests, and both with one float64 process. 9 s
+    (DeepSpeed's inference-only shared-memory op skipped: `deepspeed_peer.skip_shm_op`)."""
     from tinyscale.testing import deepspeed_peer
 
     if not deepspeed_peer.available():

@@ -11,7 +11,7 @@ spends ~4 s importing DeepSpeed):
 - 49 configs accepted or refused alike, or the difference listed in docs/deepspeed-config.md;
 - ZeRO stages 0-3 training the GPT on DeepSpeed's engine and tinyscale's (more under --thorough).
 
-The first run on a machine builds DeepSpeed's shared-memory op (minutes on a busy machine).
+DeepSpeed's shared-memory op (inference only) is skipped: `deepspeed_peer.skip_shm_op`.
 
     pytest -k deepspeed_agreement            # needs the `peers` extra: pip install -e ".[peers]"
 """

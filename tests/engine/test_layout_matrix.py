@@ -14,7 +14,9 @@ default subset without a full cross product: ZeRO stages 0-3, SP on every tp > 1
 activation checkpointing policies, the schedules, and dropout (counter masks) on every other
 layout. Half the layouts give the GPT linear biases (GPTConfig.bias, `BIASED`): tp with and without
 SP (a row-parallel bias is added once, after the reduction), cp, pp with virtual stages and zb_h1,
-dp, ZeRO 0-3; a bias bug no layer test sees fails here. Layouts of one world size run in one pooled multi-rank call. Default: the layouts on at most 4 ranks; `--thorough`: all of them.
+dp, ZeRO 0-3; a bias bug no layer test sees fails here. Layouts of one world size run in one pooled multi-rank call,
+which also returns each rank's memory report (`test_layout_memory.py` checks it: no second run of the same layouts).
+Default: the layouts on at most 4 ranks; `--thorough`: all of them.
 Run: `pytest tests/engine/test_layout_matrix.py` (key layout_matrix).
 """
 
@@ -30,6 +32,7 @@ import torch
 import tinyscale as ts
 from tinyscale.config import ConfigError
 from tinyscale.data import synthetic_token_batches
+from tinyscale.engine.layout_memory import CATEGORIES
 from tinyscale.models import GPT, GPTConfig
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
 
@@ -147,7 +150,8 @@ def _train(layouts: list[tuple]) -> list:
             out.append(exc)
             continue
         losses = [engine.train_batch(b) for b in batches(layout)]
-        out.append((losses, engine.full_state_dict()))
+        report = engine.memory_report(when="before_step")  # test_layout_memory checks it against the formula
+        out.append((losses, engine.full_state_dict(), {c: report.bytes(c) for c in CATEGORIES}))
     return out
 
 
@@ -181,7 +185,7 @@ def test_layout_matrix_trains_like_single_process(layout, request):
     for rank, rank_results in enumerate(results(world(layout), thorough)):
         if isinstance(rank_results[index], ConfigError):
             raise rank_results[index]
-        losses, state = rank_results[index]
+        losses, state, _ = rank_results[index]
         assert_losses_close(losses, expected_losses)
         assert list(state) == list(expected), f"rank {rank}: keys differ from the model's"
         assert_state_dicts_close(state, expected, what=f"{_id(layout)} rank {rank} after {STEPS} steps")

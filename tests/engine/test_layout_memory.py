@@ -2,16 +2,18 @@
 
 For every layout of the layout matrix (`test_layout_matrix.py`: dp x pp x cp x tp with a ZeRO
 stage, SP, activation checkpointing, a schedule; the odd GPT with vocab 61, 5 layers, GQA and a
-tied table), each rank's `engine.memory_report(when="before_step")` of the second step (Adam's
-states exist) gives parameters, gradients, master_weights and optimizer_states equal (==) to
-`tinyscale.engine.layout_memory.rank_model_state_bytes` of the same plan: pipeline stages from
+tied table, linear biases in half the layouts), each rank's
+`engine.memory_report(when="before_step")` of the second step (Adam's states exist), taken in the
+matrix's own pooled run, gives parameters, gradients, master_weights and optimizer_states equal
+(==) to `tinyscale.engine.layout_memory.rank_model_state_bytes` of the same plan: pipeline stages from
 `partition_gpt`, TP shards with vocab padding, replicated norms, ZeRO's units with their
 flat-buffer padding and Adam's step counter per fragment. Two layouts run again under fp16 and
 bf16 (2-byte parameters and gradients, fp32 masters and states); a few more cover what the
 matrix's GPT cannot: ZeRO groups that pad (its width 12 is divisible by every group it has), the
 zero_optimization knobs that change the units, K/V heads copied over tp 4, and linear biases
-(`BIASED`: column biases split, row-parallel ones whole on every TP rank). Pure tests: at tp = pp = 1
-the formula is `zero.estimate.model_state_bytes` with padding; over awkward shapes the ranks of
+(`BIASED`: column biases split, row-parallel ones whole on every TP rank); and, for the lesson's
+table, two matrix layouts whose matrix GPT has biases again without (`PLAIN`). Pure tests: at
+tp = pp = 1 the formula is `zero.estimate.model_state_bytes` with padding; over awkward shapes the ranks of
 one model replica hold the model plus exactly its accounted copies and padding.
 Default: the layouts on at most 4 ranks, one pooled call per world size; `--thorough`: all.
 Run: `pytest tests/engine/test_layout_memory.py` (key layout_memory).
@@ -29,7 +31,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tinyscale as ts
-from tests.engine.test_layout_matrix import batches, config, gpt, matrix, world
+from tests.engine.test_layout_matrix import batches, biased, config, gpt, matrix, model_of, world
+from tests.engine.test_layout_matrix import results as matrix_results
 from tinyscale.engine.layout_memory import (
     CATEGORIES,
     rank_model_state_bytes,
@@ -69,6 +72,9 @@ BIASED = [((1, 1, 1, 2, 1, True, "none", "1f1b", 0.0), "bias"), ((1, 2, 1, 2, 2,
 SMALL = (("reduce_bucket_size", 300), ("sub_group_size", 250))
 KNOBS = [((3, 1, 1, 1, s, False, "none", "1f1b", 0.0), p, SMALL) for s, p in ((1, None), (2, None), (2, "bf16"))] + \
     [((3, 1, 1, 1, 3, False, "none", "1f1b", 0.0), None, (("stage3_param_persistence_threshold", 11),))]
+# The matrix's tp 2 and cp 2 x tp 2 layouts on the GPT without biases (the matrix gives theirs
+# biases): lesson 12's table shows them, and every row of it is measured here.
+PLAIN = [lay for lay in matrix() if lay[:5] in ((1, 1, 1, 2, 1), (1, 1, 2, 2, 3))]
 
 
 def _jobs(thorough: bool) -> list[tuple]:
@@ -80,7 +86,14 @@ def _jobs(thorough: bool) -> list[tuple]:
         [(lay, None, "width10", ()) for lay in PADDED if thorough or world(lay) <= 4] + \
         [(lay, p, "width10", knobs) for lay, p, knobs in KNOBS] + \
         [(lay, None, "kv4", ()) for lay in KV_COPIES if thorough or world(lay) <= 4] + \
-        [(lay, None, other, ()) for lay, other in BIASED]
+        [(lay, None, other, ()) for lay, other in BIASED] + \
+        [(lay, None, "plain", ()) for lay in PLAIN if thorough or world(lay) <= 4]
+
+
+def in_matrix_run(job: tuple) -> bool:
+    """A matrix layout on the matrix's own GPT: its bytes come from `test_layout_matrix.results`."""
+    layout, precision, other, knobs = job
+    return layout in matrix() and precision is None and other is None and not knobs
 
 
 def _engine_config(layout: tuple, precision: str | None, knobs: tuple = ()) -> dict:
@@ -92,6 +105,8 @@ def _engine_config(layout: tuple, precision: str | None, knobs: tuple = ()) -> d
 
 
 def _model(layout: tuple, precision: str | None, other: str | None, knobs: tuple = ()) -> GPT:
+    if in_matrix_run((layout, precision, other, knobs)):
+        return model_of(layout)  # the matrix's GPT: biases where its BIASED says
     model = gpt(layout[-1], bias=other is not None and other.endswith("bias"))
     if other in ("kv4", "kv4-bias"):
         return GPT(model.config.with_(d_model=8, n_head=4, n_kv_head=1, ffn_hidden=16), seed=7, dtype=torch.float64)
@@ -114,9 +129,26 @@ def _measure(jobs: list[tuple]) -> list[dict]:
 
 @functools.cache
 def measured(world_size: int, thorough: bool) -> list:
-    """[rank][job] -> bytes by category, for every job of one world size in one pooled call."""
-    return run_on_ranks(_measure, world_size, [j for j in _jobs(thorough) if world(j[0]) == world_size],
-                        timeout_s=600)
+    """[rank][job] -> bytes by category, for every job of one world size: the matrix's layouts from
+    its pooled run, the others from one pooled call here."""
+    jobs = [j for j in _jobs(thorough) if world(j[0]) == world_size]
+    own = [j for j in jobs if not in_matrix_run(j)]
+    here = run_on_ranks(_measure, world_size, own, timeout_s=600) if own else [[] for _ in range(world_size)]
+    layouts = [lay for lay in matrix() if (thorough or world(lay) <= 4) and world(lay) == world_size]
+    theirs = matrix_results(world_size, thorough)
+    out = []
+    for rank in range(world_size):
+        row = []
+        for job in jobs:
+            if in_matrix_run(job):
+                result = theirs[rank][layouts.index(job[0])]
+                if isinstance(result, Exception):
+                    raise result
+                row.append(result[2])
+            else:
+                row.append(here[rank][own.index(job)])
+        out.append(row)
+    return out
 
 
 def plan_of(layout: tuple) -> LayoutPlan:
@@ -241,7 +273,7 @@ def test_layout_memory_one_replica_holds_the_model_and_its_copies(vocab, layers,
 LESSON = "lessons/12-engine.md"
 # (dp, pp, cp, tp, ZeRO stage, width-10 model?) of the layouts in the table: each also runs above,
 # in float64, where every rank's measured bytes equal the formula's
-TABLE = [(1, 2, 1, 1, 0, None), (1, 1, 1, 2, 1, None), (1, 1, 2, 2, 3, None), (3, 1, 1, 1, 2, "width10")]
+TABLE = [(1, 2, 1, 1, 0, None), (1, 1, 1, 2, 1, "plain"), (1, 1, 2, 2, 3, "plain"), (3, 1, 1, 1, 2, "width10")]
 TABLE_JOBS = [next(j for j in _jobs(False) if (*j[0][:5], j[2]) == row and j[1] is None and not j[3]) for row in TABLE]
 
 
@@ -255,7 +287,7 @@ def lesson_table() -> str:
         per_rank = rank_model_state_bytes(_model(*job).config, plan_of(layout), dtype_bytes=8)
         dp, pp, cp, tp, stage, sp, *_ = layout
         name = " x ".join(f"{a} {d}" for a, d in zip(("dp", "pp", "cp", "tp"), (dp, pp, cp, tp)) if d > 1) + \
-            (" + SP" if sp else "") + f", ZeRO {stage}" + (" (width 10)" if job[2] else "")
+            (" + SP" if sp else "") + f", ZeRO {stage}" + (" (width 10)" if job[2] == "width10" else "")
         rows: list[list] = []
         for rank, states in per_rank.items():
             if rows and rows[-1][1] == states:
@@ -269,5 +301,6 @@ def lesson_table() -> str:
 
 
 def test_layout_memory_lesson_table_is_the_formula():
+    assert len(PLAIN) == 2 and all(biased(lay) for lay in PLAIN)  # else the table's rows would run twice
     text = (Path(__file__).parents[2] / LESSON).read_text()
     assert lesson_table() in text, "regenerate the table: print(tests.engine.test_layout_memory.lesson_table())"

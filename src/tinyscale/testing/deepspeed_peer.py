@@ -88,8 +88,8 @@ def scalers(cases: list[dict]) -> list[dict]:
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 
-    # update_scale asks deepspeed.comm for the rank only to decide who logs; rank 0 here. (A
-    # real process group would build DeepSpeed's shared-memory op, minutes on a busy machine.)
+    # update_scale asks deepspeed.comm for the rank only to decide who logs; rank 0 here (no
+    # process group needed).
     # Put back afterwards: a later task in the same process (run_many) may use a real group.
     real_dist, loss_scaler.dist = loss_scaler.dist, SimpleNamespace(get_rank=lambda: 0)
     try:
@@ -124,13 +124,24 @@ def _scale_both(case: dict, loss_scaler, FP16_Optimizer, DeepSpeedFP16Config) ->
     return result
 
 
+def skip_shm_op() -> None:
+    """Make deepspeed.init_distributed skip its shared-memory op (`deepspeed.comm.torch.build_shm_op`).
+
+    The op serves `inference_all_reduce` only (AutoTP inference layers), which falls back to
+    torch's all_reduce without it; training's collectives go to torch.distributed either way. Loading
+    it cost ~3.3 s per process even when cached (a ninja check; minutes to build the first time)."""
+    import deepspeed.comm.torch as ds_torch
+
+    ds_torch.build_shm_op = lambda: None
+
+
 def _process_group_of_one() -> None:
-    """A gloo group of one rank, through deepspeed.init_distributed (which builds DeepSpeed's
-    shared-memory op the first time: minutes on a busy machine, then cached)."""
+    """A gloo group of one rank, through deepspeed.init_distributed (its shared-memory op skipped)."""
     import socket
 
     import deepspeed
 
+    skip_shm_op()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

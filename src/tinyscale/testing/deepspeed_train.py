@@ -82,6 +82,9 @@ def _rank(payload: dict) -> dict:
     from tinyscale.bench import slowest
     from tinyscale.models import GPT, GPTConfig
 
+    from tinyscale.testing.deepspeed_peer import skip_shm_op
+
+    skip_shm_op()  # an inference-only op: training's collectives are torch.distributed's either way
     deepspeed.init_distributed(dist_backend="gloo")  # wraps the group launch made
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[payload.get("dtype", "float64")]

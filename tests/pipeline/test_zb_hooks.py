@@ -23,23 +23,15 @@ from tinyscale.pipeline.schedules import add_communication, zb_h1
 from tinyscale.pipeline.split_backward import backward_input, backward_weight, post_accumulate_grad_hooks
 from tinyscale.testing import assert_losses_close, assert_state_dicts_close, run_on_ranks
 from tinyscale.zero import ZeroOptimizer
+from tests.pipeline.test_audit_split_backward import Summed
 
 # float64 (eps 2.2e-16): the same products as one process, only the order of a few sums differs
 # (the dp mean, the micro-batch sum); the errors stay ~1e-14 relative over these few steps
 RTOL = 1e-10
 
 
-class Net(nn.Module):
-    """Two weights on one path and a gate read through its sum (three W groups, one stride-0 gradient)."""
-
-    def __init__(self, c: int = 5) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(1)
-        new = lambda *s: nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64) / c ** 0.5)  # noqa: E731
-        self.w, self.gate, self.v = new(c, c), new(c), new(c, c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh((x @ self.w) * self.gate.sum()) @ self.v
+# Two weights on one path and a gate read through its sum (three W groups, one stride-0 gradient)
+Net = Summed
 
 
 def _watch(module: nn.Module) -> list:

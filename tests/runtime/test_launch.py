@@ -124,12 +124,13 @@ def _skip_a_collective_on_rank_one():
         comm.all_reduce(torch.ones(4))
 
 
-def test_dist_launch_blames_a_rank_that_left_its_peers_waiting(no_orphans):
+def test_dist_launch_blames_a_rank_that_left_its_peers_waiting(no_orphans, start_s):
     with pytest.raises(RankError, match=r"rank 1 of 3 finished while the other ranks failed"):
-        # the waiting ranks raise at the process group's timeout, 0.75 x this (3.75 s: past the
-        # start); were they still waiting at the deadline, they would be hung inside a collective,
-        # and the finished rank is blamed all the same
-        launch(_skip_a_collective_on_rank_one, 3, timeout_s=START_S + 3)
+        # the waiting ranks raise at the process group's timeout, 0.75 x this (past the start of 3
+        # ranks: 1.5 x the measured start of 2, plus 3 s, as before with the fixed allowance); were
+        # they still waiting at the deadline, they would be hung inside a collective, and the
+        # finished rank is blamed all the same
+        launch(_skip_a_collective_on_rank_one, 3, timeout_s=round(1.5 * start_s + 3, 1))
 
 
 def _getenv(name):

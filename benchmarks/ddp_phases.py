@@ -102,7 +102,7 @@ def _rank(steps: int, names: list[str], micro: int = 4) -> dict:
     for k, name in enumerate(names):
         label = f"{name} {names[:k].count(name) + 1}"
         model = GPT(cfg, seed=0)
-        ddp, opt, last = MAKERS[name](model), None, [0.0]
+        ddp, last = MAKERS[name](model), [0.0]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for p in model.parameters():  # when the last gradient arrived (registered after the wrapper's hooks)
             p.register_post_accumulate_grad_hook(lambda _, last=last: last.__setitem__(0, time.perf_counter()))
@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=sorted(MAKERS), default=["torch", "ours", "torch", "ours"])
     args = parser.parse_args()
     load = os.getloadavg()
-    per_rank = ts.dist.launch(_rank, args.world, args.steps, args.variants, timeout_s=1800)
+    with Console().status(f"{args.world} ranks, {len(args.variants)} variants x {args.steps} rounds..."):
+        per_rank = ts.dist.launch(_rank, args.world, args.steps, args.variants, timeout_s=1800)
     print(f"{args.world} gloo ranks, small GPT, {args.steps} shuffled rounds; means over ranks and steps "
           f"(ms, counts per step); load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

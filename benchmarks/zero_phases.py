@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="timed rounds")
     steps = parser.parse_args().steps
     load = os.getloadavg()[0]
-    per_rank = ts.dist.launch(_rank, 2, steps, timeout_s=1800)
+    with Console().status(f"2 ranks, {steps} rounds..."):
+        per_rank = ts.dist.launch(_rank, 2, steps, timeout_s=1800)
     print(f"2 gloo ranks, small GPT, {steps} interleaved rounds; rank 0's medians (ms); load {load:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     table = Table("variant", *PHASES)

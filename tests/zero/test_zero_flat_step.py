@@ -43,6 +43,11 @@ OPTIMIZERS = {
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2),
     "adam": lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.05),
     "sgd": lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, dampening=0.1, nesterov=False),
+    # elementwise flags: amsgrad (an elementwise max kept in the state), maximize (the gradient negated)
+    "adam_amsgrad": lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.05, amsgrad=True),
+    "adamw_amsgrad_maximize": lambda groups: torch.optim.AdamW(groups, lr=1e-2, amsgrad=True, maximize=True),
+    "sgd_nesterov_maximize": lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True,
+                                                            maximize=True),
 }
 
 
@@ -117,10 +122,12 @@ def test_zero_flat_step_equals_fragment_step_and_torch(opt):
         assert torch.equal(p, q)
     # tied: each fragment's tensor states are views of one flat state per unit
     state = flat[1].optimizer.state
+    keys = ["momentum_buffer"] if opt.startswith("sgd") else ["exp_avg", "exp_avg_sq"]
+    keys += ["max_exp_avg_sq"] if "amsgrad" in opt else []
     for frags in flat[1].fragments:
-        key = "momentum_buffer" if opt == "sgd" else "exp_avg"
-        bases = {state[f.view][key].untyped_storage().data_ptr() for f in frags}
-        assert len(bases) == 1
+        for key in keys:
+            bases = {state[f.view][key].untyped_storage().data_ptr() for f in frags}
+            assert len(bases) == 1
 
 
 def test_zero_flat_step_pieces_cut_at_fragments_equal_fragment_step(monkeypatch):
@@ -215,9 +222,11 @@ def test_zero_flat_step_refuses_what_it_cannot_keep_exact():
     class MyAdamW(torch.optim.AdamW):
         pass
 
-    for make in (lambda g: MyAdamW(g), lambda g: torch.optim.Adam(g, amsgrad=True),
-                 lambda g: torch.optim.SGD(g, lr=0.1, maximize=True), lambda g: torch.optim.Adagrad(g)):
+    for make in (lambda g: MyAdamW(g), lambda g: torch.optim.Adam(g, differentiable=True),
+                 lambda g: torch.optim.SGD(g, lr=0.1, differentiable=True), lambda g: torch.optim.Adagrad(g)):
         assert ShardedOptimizer(_groups(_model()), make).flat is None
+    for make in (lambda g: torch.optim.Adam(g, amsgrad=True), lambda g: torch.optim.SGD(g, lr=0.1, maximize=True)):
+        assert ShardedOptimizer(_groups(_model()), make).flat is not None  # tested above, bit for bit
 
 
 def _engine_run(stage, flat):

@@ -23,9 +23,9 @@ DCP, universal), `set_lr` and the memory report read, keeps its format and value
     optimizer.step()                       # steps both (the pieces in a pre-hook)
 
 The per-fragment path stays, for:
-- an optimizer other than exactly torch.optim.Adam, AdamW or SGD, or a group with amsgrad,
-  maximize, capturable, differentiable or fused set (a subclass, LAMB, Adafactor or a user's
-  own may use per-tensor norms; the flags are untested here);
+- an optimizer other than exactly torch.optim.Adam, AdamW or SGD, or a group with
+  capturable, differentiable or fused set (a subclass, LAMB, Adafactor or a user's own may
+  use per-tensor norms; those flags are untested here: amsgrad and maximize are tested);
 - the disk tier (offload nvme: its swapper moves each fragment's states by key);
 - one piece for one step: some of its parameters got no gradient on any rank (those are
   skipped, the others stepped, as torch skips a None grad). Their step counts then differ,
@@ -50,7 +50,9 @@ FLAT_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # elements, one process, 2026-11-27, load 4) one tensor took 3.9 ms of CPU, one per parameter
 # 4.0, pieces of 1 MiB 3.1; over half of each (one rank's share of 2) 1.5, 3.3 and 1.55.
 PIECE_BYTES = 2**20
-UNTESTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
+# amsgrad (Adam's max_exp_avg_sq: an elementwise max) and maximize (the gradient negated) are
+# elementwise too, and tested bit for bit; these three are not (capturable and fused: other kernels)
+UNTESTED_FLAGS = ("capturable", "differentiable", "fused")
 
 
 def not_flat_reason(optimizer: torch.optim.Optimizer) -> str | None:

@@ -25,13 +25,13 @@ DCP, universal), `set_lr` and the memory report read, keeps its format and value
 The per-fragment path stays, for:
 - an optimizer other than exactly torch.optim.Adam, AdamW or SGD, or a group with
   capturable, differentiable or fused set (a subclass, LAMB, Adafactor or a user's own may
-  use per-tensor norms; those flags are untested here: amsgrad and maximize are tested);
+  use per-tensor norms; those three flags are untested here, amsgrad and maximize are tested);
 - the disk tier (offload nvme: its swapper moves each fragment's states by key);
 - one piece for one step: some of its parameters got no gradient on any rank (those are
-  skipped, the others stepped, as torch skips a None grad). A piece with no gradient at all
-  is not stepped. Their step counts then differ (Adam), so when every parameter has a gradient
-  again the piece is cut for good into runs of fragments whose scalars agree (`_split`), and
-  each run steps flat: one tensor a run, the same bits as one a fragment.
+  skipped, the others stepped, as torch skips a None grad). Their step counts then differ
+  (Adam), so when every parameter has a gradient again the piece is cut for good into runs of
+  fragments whose scalars agree (`_split`), and each run steps flat: one tensor a run, the
+  same bits as one a fragment. A piece with no gradient at all is not stepped.
 A piece lies inside one unit and one sub-group (`sub_groups.py`), so sub-groups bound the
 step's temporaries as before. Any step of the torch optimizer on a tied fragment (this
 path) or a replaced state (a loaded checkpoint: `_still_tied`) unties the piece; the next flat step ties
@@ -129,11 +129,6 @@ class FlatStep:
                 groups[unit_group[i]].append(piece)
             pieces.append(row)
         return cls(main, pieces, groups)
-
-    def untie_all(self) -> None:
-        for row in self.pieces:
-            for piece in row:
-                self._untie(piece)
 
     def _untie(self, piece: Piece) -> None:
         if piece.tied:

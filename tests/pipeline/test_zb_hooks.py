@@ -7,6 +7,8 @@ hand, outside the engine, then train like one process (pp 2 x dp 2, float64). Ru
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -147,8 +149,8 @@ def train_zb_dp(wrapper: str, tied: bool, m: int, steps: int, schedule=zb_h1):
     if wrapper == "bucketed_ddp":  # reduces in its hooks, finishes at the end of backward
         module = BucketedDDP(stage, process_group=dp_group, bucket_cap_mb=0.002)  # several buckets
         optimizer = torch.optim.SGD(params, **SGD)
-    else:  # ZeroOptimizer stage 2: reduces to each owner in its hooks, zeros for the rest at the end
-        module = stage
+    else:  # ZeroOptimizer stage 2: reduces to each owner in its hooks, zeros for the rest at the end;
+        module = stage  # under no_sync it keeps .grad for step() to reduce, after the tied exchange
         optimizer = ZeroOptimizer(params, torch.optim.SGD, process_group=dp_group, reduce_grads=True, stage=2,
                                   **SGD)
     executor = PipelineExecutor(add_communication(schedule(2, m)), me, {me: module}, loss_fn=gpt_loss,
@@ -156,7 +158,8 @@ def train_zb_dp(wrapper: str, tied: bool, m: int, steps: int, schedule=zb_h1):
     losses = []
     for batch in batches:
         micro = local_micro_batches(batch, dp_rank=dp_rank, dp_size=2, micro_batch_size=2)
-        loss = executor.run([ids for ids, _ in micro], [t for _, t in micro])
+        with optimizer.no_sync() if wrapper.endswith("no_sync") else contextlib.nullcontext():
+            loss = executor.run([ids for ids, _ in micro], [t for _, t in micro])
         if tied:
             exchange_tied_grads(model.embed.weight, ranks[1 - me], group=pp_group)
         optimizer.step()
@@ -167,8 +170,10 @@ def train_zb_dp(wrapper: str, tied: bool, m: int, steps: int, schedule=zb_h1):
 
 
 # ZeroOptimizer stage 2 drops .grad after each backward's reduce (the owner keeps the sum apart until
-# step), so a table tied across stages has no gradient to exchange after the schedule: untied there.
-@pytest.mark.parametrize(("wrapper", "tied"), [("bucketed_ddp", True), ("zero_optimizer_stage2", False)])
+# step), so a table tied across stages has no gradient to exchange after the schedule: untied there,
+# tied under no_sync (the reduces wait for step()); tied without it, step() raises (test below).
+@pytest.mark.parametrize(("wrapper", "tied"), [("bucketed_ddp", True), ("zero_optimizer_stage2", False),
+                                               ("zero_optimizer_stage2_no_sync", True)])
 def test_pp_zb_hooks_dp_wrapper_reducing_in_hooks_matches_single_process_float64(wrapper, tied):
     """GQA, 3 layers on 2 stages, SGD with momentum and weight decay; DDP's embedding tied (on both stages)."""
     m, steps = 3, 2
@@ -186,6 +191,13 @@ def test_pp_zb_hooks_dp_wrapper_reducing_in_hooks_matches_single_process_float64
     assert len(last) == 2
     mean = [(a + b) / 2 for a, b in zip(*last)]
     assert_losses_close(mean, expected_losses)
+
+
+def test_pp_zb_hooks_zero_optimizer_stage2_refuses_a_tied_gradient_exchanged_after_its_reduce():
+    """Tied across stages without no_sync: the exchange finds no .grad (zeros), writes one that stage 2
+    would drop; step() raises on every rank, naming the fix, instead of each stage stepping its own half."""
+    with pytest.raises(Exception, match="no_sync"):
+        run_on_ranks(train_zb_dp, 4, "zero_optimizer_stage2", True, 2, 1)
 
 
 def _engine_collectives(stage: int) -> list:

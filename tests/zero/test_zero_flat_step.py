@@ -43,6 +43,11 @@ OPTIMIZERS = {
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2),
     "adam": lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.05),
     "sgd": lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, dampening=0.1, nesterov=False),
+    # elementwise flags: amsgrad (an elementwise max kept in the state), maximize (the gradient negated)
+    "adam_amsgrad": lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.05, amsgrad=True),
+    "adamw_amsgrad_maximize": lambda groups: torch.optim.AdamW(groups, lr=1e-2, amsgrad=True, maximize=True),
+    "sgd_nesterov_maximize": lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9, nesterov=True,
+                                                            maximize=True),
 }
 
 
@@ -117,10 +122,12 @@ def test_zero_flat_step_equals_fragment_step_and_torch(opt):
         assert torch.equal(p, q)
     # tied: each fragment's tensor states are views of one flat state per unit
     state = flat[1].optimizer.state
+    keys = ["momentum_buffer"] if opt.startswith("sgd") else ["exp_avg", "exp_avg_sq"]
+    keys += ["max_exp_avg_sq"] if "amsgrad" in opt else []
     for frags in flat[1].fragments:
-        key = "momentum_buffer" if opt == "sgd" else "exp_avg"
-        bases = {state[f.view][key].untyped_storage().data_ptr() for f in frags}
-        assert len(bases) == 1
+        for key in keys:
+            bases = {state[f.view][key].untyped_storage().data_ptr() for f in frags}
+            assert len(bases) == 1
 
 
 def test_zero_flat_step_pieces_cut_at_fragments_equal_fragment_step(monkeypatch):
@@ -135,7 +142,8 @@ def test_zero_flat_step_pieces_cut_at_fragments_equal_fragment_step(monkeypatch)
 
 def test_zero_flat_step_unused_parameter_mid_run_is_skipped():
     """A parameter without a gradient at step 2: its piece steps per fragment that step (the
-    parameter untouched: no decay, no state change, step count behind), then stays there."""
+    parameter untouched: no decay, no state change, step count behind); back to flat after:
+    `test_zero_flat_step_piece_returns_flat_when_every_parameter_is_used_again`."""
     flat, frag = _run("adamw", True, unused_at={2}), _run("adamw", False, unused_at={2})
     _assert_same(flat, frag)
     sharded = flat[1]
@@ -215,9 +223,11 @@ def test_zero_flat_step_refuses_what_it_cannot_keep_exact():
     class MyAdamW(torch.optim.AdamW):
         pass
 
-    for make in (lambda g: MyAdamW(g), lambda g: torch.optim.Adam(g, amsgrad=True),
-                 lambda g: torch.optim.SGD(g, lr=0.1, maximize=True), lambda g: torch.optim.Adagrad(g)):
+    for make in (lambda g: MyAdamW(g), lambda g: torch.optim.Adam(g, differentiable=True),
+                 lambda g: torch.optim.SGD(g, lr=0.1, differentiable=True), lambda g: torch.optim.Adagrad(g)):
         assert ShardedOptimizer(_groups(_model()), make).flat is None
+    for make in (lambda g: torch.optim.Adam(g, amsgrad=True), lambda g: torch.optim.SGD(g, lr=0.1, maximize=True)):
+        assert ShardedOptimizer(_groups(_model()), make).flat is not None  # tested above, bit for bit
 
 
 def _engine_run(stage, flat):
@@ -268,3 +278,50 @@ def test_zero_flat_step_replaced_state_dicts_retie():
     _run("adamw", True, steps=range(2, STEPS), model=b[0], sharded=b[1])
     _assert_same(a, b)
     assert b[1].flat.stepped == a[1].flat.stepped
+
+
+def _torch_run(opt: str, unused_at=()) -> nn.Module:
+    """Plain torch on the whole parameters: a parameter without a gradient is skipped (None)."""
+    ref = _model()
+    torch_opt = OPTIMIZERS[opt](_groups(ref))
+    for step in range(STEPS):
+        for p, g in zip(ref.parameters(), _grads(ref, step, {0, 1} if step in unused_at else set(), None)):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        torch_opt.step()
+    return ref
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_zero_flat_step_piece_returns_flat_when_every_parameter_is_used_again(opt):
+    """The first Linear has no gradient at steps 2 and 3: its piece (the LayerNorm after it is
+    used) steps per fragment then. At step 4 every parameter has one again: every fragment steps
+    flat (Adam: the piece cut into runs whose step counts agree), the same bits as the per-fragment
+    step and torch."""
+    model, sharded = _run(opt, True, steps=range(4), unused_at={2, 3})
+    flat = sharded.flat
+    assert any(not p.tied and len(p.ks) > 1 for row in flat.pieces for p in row)  # per fragment, mixed
+    before = flat.stepped
+    _run(opt, True, steps=[4], model=model, sharded=sharded)
+    pieces = [p for row in flat.pieces for p in row]
+    assert all(p.tied for p in pieces) and flat.stepped - before == len(pieces)
+    assert sorted((p.unit, k) for p in pieces for k in p.ks) == \
+        sorted((i, k) for i, frags in enumerate(sharded.fragments) for k in range(len(frags)))
+    if opt == "adamw":
+        assert len(pieces) > len(sharded.units)  # cut where the step counts differ
+    _assert_same((model, sharded), _run(opt, False, unused_at={2, 3}))
+    for p, q in zip(model.parameters(), _torch_run(opt, unused_at={2, 3}).parameters()):
+        assert torch.equal(p, q)
+
+
+def test_zero_flat_step_scalar_written_in_place_unties():
+    """Adam's step counts reset in place by a user (`fill_`) between steps: the flat path sees the
+    write (its version counter), ties again from the fragments and keeps the per-fragment bits."""
+    a, b = _run("adamw", True, steps=range(2)), _run("adamw", False, steps=range(2))
+    for sharded in (a[1], b[1]):
+        for state in sharded.optimizer.state.values():
+            state["step"].fill_(1)
+    _run("adamw", True, steps=range(2, STEPS), model=a[0], sharded=a[1])
+    _run("adamw", False, steps=range(2, STEPS), model=b[0], sharded=b[1])
+    _assert_same(a, b)
+    assert a[1].flat.stepped == STEPS * len(a[1].units)  # still flat throughout

@@ -23,17 +23,20 @@ DCP, universal), `set_lr` and the memory report read, keeps its format and value
     optimizer.step()                       # steps both (the pieces in a pre-hook)
 
 The per-fragment path stays, for:
-- an optimizer other than exactly torch.optim.Adam, AdamW or SGD, or a group with amsgrad,
-  maximize, capturable, differentiable or fused set (a subclass, LAMB, Adafactor or a user's
-  own may use per-tensor norms; the flags are untested here);
+- an optimizer other than exactly torch.optim.Adam, AdamW or SGD, or a group with
+  capturable, differentiable or fused set (a subclass, LAMB, Adafactor or a user's own may
+  use per-tensor norms; those three flags are untested here, amsgrad and maximize are tested);
 - the disk tier (offload nvme: its swapper moves each fragment's states by key);
 - one piece for one step: some of its parameters got no gradient on any rank (those are
-  skipped, the others stepped, as torch skips a None grad). Their step counts then differ,
-  so the piece stays on this path. A piece with no gradient at all is not stepped.
+  skipped, the others stepped, as torch skips a None grad). Their step counts then differ
+  (Adam), so when every parameter has a gradient again the piece is cut for good into runs of
+  fragments whose scalars agree (`_split`), and each run steps flat: one tensor a run, the
+  same bits as one a fragment. A piece with no gradient at all is not stepped.
 A piece lies inside one unit and one sub-group (`sub_groups.py`), so sub-groups bound the
 step's temporaries as before. Any step of the torch optimizer on a tied fragment (this
 path) or a replaced state (a loaded checkpoint: `_still_tied`) unties the piece; the next flat step ties
-it again from the fragments' states if their step counts agree.
+it again from the fragments' states if their step counts agree. A scalar state (`step`)
+written in place (a user resetting the counts) is seen by its version counter and unties too.
 Tests: tests/zero/test_zero_flat_step.py (`pytest -k zero_flat`).
 """
 
@@ -50,7 +53,9 @@ FLAT_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # elements, one process, 2026-11-27, load 4) one tensor took 3.9 ms of CPU, one per parameter
 # 4.0, pieces of 1 MiB 3.1; over half of each (one rank's share of 2) 1.5, 3.3 and 1.55.
 PIECE_BYTES = 2**20
-UNTESTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
+# amsgrad (Adam's max_exp_avg_sq: an elementwise max) and maximize (the gradient negated) are
+# elementwise too, and tested bit for bit; these three are not (capturable and fused: other kernels)
+UNTESTED_FLAGS = ("capturable", "differentiable", "fused")
 
 
 def not_flat_reason(optimizer: torch.optim.Optimizer) -> str | None:
@@ -67,7 +72,7 @@ def not_flat_reason(optimizer: torch.optim.Optimizer) -> str | None:
 class Piece:
     """Unit `unit`'s fragments `ks` (consecutive), master[start:end] as one tensor (`view`)."""
 
-    __slots__ = ("unit", "ks", "frags", "index", "start", "end", "view", "tied", "refs", "flat_refs")
+    __slots__ = ("unit", "ks", "frags", "index", "start", "end", "view", "tied", "refs", "flat_refs", "versions")
 
     def __init__(self, unit: int, ks: list[int], frags: list, index: list[int], view: torch.Tensor):
         self.unit, self.ks, self.frags, self.index = unit, ks, frags, index
@@ -75,6 +80,7 @@ class Piece:
         self.tied = False
         self.refs: list = []  # per fragment: (its state dict, its values) as tied
         self.flat_refs: dict = {}  # the flat state's values as tied
+        self.versions: list = []  # per fragment: its scalar states' version counters as last written by us
 
 
 class FlatStep:
@@ -124,14 +130,9 @@ class FlatStep:
             pieces.append(row)
         return cls(main, pieces, groups)
 
-    def untie_all(self) -> None:
-        for row in self.pieces:
-            for piece in row:
-                self._untie(piece)
-
     def _untie(self, piece: Piece) -> None:
         if piece.tied:
-            piece.tied, piece.refs, piece.flat_refs = False, [], {}
+            piece.tied, piece.refs, piece.flat_refs, piece.versions = False, [], {}, []
             self.flat.state.pop(piece.view, None)  # the fragments' views keep the memory
 
     def _after_main_step(self, _opt, _args, _kwargs) -> None:
@@ -142,13 +143,16 @@ class FlatStep:
                     self._untie(piece)
 
     def _still_tied(self, piece: Piece) -> bool:
-        """Each fragment's state dict and values are those tied. A loader that replaces them
-        (`state_dict.load_optimizer_state`'s scalars, DCP's dicts, torch's `load_state_dict`)
-        unties the piece; one that writes scalars in place must call `untie_all`."""
+        """Each fragment's state dict and values are those tied, and its scalars hold what the
+        last flat step wrote. A loader that replaces them (`state_dict.load_optimizer_state`'s
+        scalars, DCP's dicts, torch's `load_state_dict`) or writes a scalar in place (its
+        version counter moves) unties the piece. (Tensor states are views of the flat ones:
+        writing them in place writes the flat state, which stays right.)"""
         state = self.main.state
-        for f, (d, values) in zip(piece.frags, piece.refs):
+        for f, (d, values), versions in zip(piece.frags, piece.refs, piece.versions):
             if state.get(f.view) is not d or len(d) != len(values) or \
-                    any(a is not b for a, b in zip(d.values(), values)):
+                    any(a is not b for a, b in zip(d.values(), values)) or \
+                    any(v._version != n for v, n in versions):
                 return False
         return True
 
@@ -198,6 +202,47 @@ class FlatStep:
             piece.refs.append((d, tuple(d.values())))
         piece.flat_refs = dict(flat)
         piece.tied = True
+        self._note_versions(piece)
+
+    @staticmethod
+    def _note_versions(piece: Piece) -> None:
+        piece.versions = [[(v, v._version) for v in d.values() if torch.is_tensor(v) and v.dim() == 0]
+                          for d, _ in piece.refs]
+
+    def _split(self, s: int, piece: Piece) -> list[Piece] | None:
+        """Cut `piece` for good into runs of consecutive fragments whose states agree in their
+        keys and scalars (Adam's step counts differ after a parameter was skipped), each run a
+        piece of its own in the flat optimizer's group; None if every fragment agrees (the
+        piece cannot tie for another reason, and stays per fragment)."""
+        def scalars(st):
+            return None if not st else [(k, v.item() if v.dim() == 0 else None) if torch.is_tensor(v) else (k, v)
+                                        for k, v in st.items()]
+        runs: list[list[int]] = []  # positions in piece.frags
+        last = object()
+        for j, f in enumerate(piece.frags):
+            sig = scalars(self.main.state.get(f.view))
+            if runs and sig == last:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+            last = sig
+        if len(runs) == 1:
+            return None
+        self._untie(piece)
+        subs = []
+        for run in runs:
+            frags = [piece.frags[j] for j in run]
+            a, b = frags[0].start - piece.start, frags[-1].end - piece.start
+            subs.append(Piece(piece.unit, [piece.ks[j] for j in run], frags, [piece.index[j] for j in run],
+                              piece.view[a:b]))
+        for group in self.flat.param_groups:  # the flat optimizer steps the runs in the piece's place
+            at = next((j for j, p in enumerate(group["params"]) if p is piece.view), None)
+            if at is not None:
+                group["params"][at:at + 1] = [sub.view for sub in subs]
+        row = self.pieces[s]
+        at = next(j for j, p in enumerate(row) if p is piece)
+        row[at:at + 1] = subs
+        return subs
 
     def prepare(self, s: int, grads: Sequence[torch.Tensor | None],
                 used: Sequence[bool] | None) -> list[tuple[int, int]]:
@@ -206,18 +251,25 @@ class FlatStep:
         path (pieces some of whose parameters got no gradient, or whose states are not tied)."""
         self.detach()  # (a step that raised left its pieces attached)
         rest = []
-        for piece in self.pieces[s]:
+        for piece in list(self.pieces[s]):  # (a copy: `_split` replaces pieces in the row)
             g = grads[piece.unit]
             if g is None:
                 continue  # no gradient in the unit: nothing to step either way
             n_used = len(piece.index) if used is None else sum(1 for k in piece.index if used[k])
             if n_used == 0:
                 continue
-            if n_used < len(piece.index) or not self._ready(piece):
+            if n_used < len(piece.index):
                 rest += [(piece.unit, k) for k in piece.ks]
                 continue
-            piece.view.grad = g[piece.start:piece.end].to(piece.view.device)  # (offload cpu: to the host)
-            self._pending.append(piece)
+            runs = [piece] if self._ready(piece) else self._split(s, piece) or []
+            if not runs:  # the fragments' states agree but cannot tie: per fragment
+                rest += [(piece.unit, k) for k in piece.ks]
+            for run in runs:
+                if run is not piece and not self._ready(run):
+                    rest += [(run.unit, k) for k in run.ks]
+                    continue
+                run.view.grad = g[run.start:run.end].to(run.view.device)  # (offload cpu: to the host)
+                self._pending.append(run)
         return rest
 
     def detach(self) -> None:
@@ -254,4 +306,6 @@ class FlatStep:
                         src.append(v)
         if dst:
             torch._foreach_copy_(dst, src)  # Adam's step counts: one call for every fragment
+            for piece in stepped:
+                self._note_versions(piece)  # our own writes: not a user's
         self.stepped += len(stepped)

@@ -30,6 +30,11 @@ those no backward reached are sent as zeros when backward ends), so that a param
 on some ranks only cannot reorder the collectives. After its reduce a gradient is dropped
 on every rank but its owner, which sums it over micro-batches apart from `.grad`: the full
 gradients of the model never exist at once. Usage counts are all-reduced once, at `step()`.
+A gradient that must change after backward, before the reduce (a table tied across pipeline
+stages: `exchange_tied_grads` after the schedule) needs the backwards run under
+`with opt.no_sync():` (DDP's name): the reduces wait, `.grad` accumulates as in torch, and
+`step()` reduces them once, as the engine does under a pipeline. A `.grad` found at `step()`
+outside `no_sync` was written after its reduce and would be lost: `step()` raises, naming it.
 
 **State dict.** `state_dict()` is a collective: every rank sends its states (serialized,
 through `comm.broadcast`) and every rank returns the whole state in the format of a plain
@@ -40,6 +45,7 @@ optimizer in one process; `load_state_dict` keeps the states of this rank's para
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 from functools import partial
@@ -139,11 +145,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.summed = [None] * len(self.order)  # the owner's reduced gradients, over micro-batches
         self.uses = torch.zeros(len(self.order))  # backward passes that gave each a gradient here
         self.ready, self.next, self.in_backward = set(), 0, False
+        self.holding = False  # inside no_sync: the hooks reduce nothing
+        self.held = False  # no_sync was entered (on every rank alike) since the last step: step() reduces .grad
         for i, p in enumerate(self.order):
             p.register_post_accumulate_grad_hook(partial(self._on_grad, i))
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stage 2: backwards inside keep their gradients in `.grad` (summed over micro-batches, as
+        torch does) for `step()` to reduce, so that they can still change after the schedule (a
+        tied table's exchange between pipeline stages). The full gradients then exist until step."""
+        if self.stage != 2:
+            raise ValueError("ZeroOptimizer.no_sync: stage 1 reduces nothing during backward; "
+                             "use it with stage=2")
+        holding, self.holding, self.held = self.holding, True, True
+        try:
+            yield
+        finally:
+            self.holding = holding
+
     @torch.no_grad()
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
+        if self.holding:
+            return
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -172,9 +196,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _finish_stage2(self) -> None:
         """Step-time: which parameters any rank used (one all-reduce); give owners their sums."""
-        uses = self.uses.clone()
+        if self.held:  # the gradients kept under no_sync: one more pass of reduces, in the fixed order
+            for i in range(len(self.order)):
+                self._reduce_one(i)
+            self.held = False
+        late = [i for i, p in enumerate(self.order) if p.grad is not None]
+        uses = torch.cat([self.uses, torch.tensor([float(len(late))])])  # the last: late gradients, agreed
         if self.world > 1:
             comm.all_reduce(uses, group=self.group)
+        if uses[-1] > 0:  # every rank raises together
+            raise ValueError(
+                f"ZeroOptimizer stage 2: {int(uses[-1])} .grad(s) over the group were written after backward "
+                "reduced and dropped them (exchange_tied_grads after a pipeline schedule?) and would be lost. "
+                "Run the backwards under `with optimizer.no_sync():` so the gradients stay in .grad until "
+                "step() reduces them, or use stage=1")
         for i, p in enumerate(self.order):
             p.grad = self.summed[i] if uses[i] > 0 and self.owner[id(p)] == self.rank else None
         self.summed, self.uses = [None] * len(self.order), torch.zeros(len(self.order))
@@ -182,7 +217,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.stage == 2:  # gradients reduced but not stepped are dropped too
-            self.summed, self.uses = [None] * len(self.order), torch.zeros(len(self.order))
+            self.summed, self.uses, self.held = [None] * len(self.order), torch.zeros(len(self.order)), False
         super().zero_grad(set_to_none)
 
     def _index(self) -> dict[int, int]:

@@ -28,7 +28,10 @@ typical costs do not show; lessons/08 measures it.) Timing: tinyscale.bench; the
 the replay: tinyscale.pipeline.replay. `--json PATH` writes pp_1f1b_vs_torch,
 pp_afab_vs_torch (the median paired ratios; their quartiles and interval under `ratio_stats`)
 and pp_1f1b_bubble_gap_points (measured minus simulated bubble, in points, the median over the
-timed steps; `gap_points_typical_costs` beside it from one cost per (stage, kind)). Each of ours runs
+timed steps; `gap_points_typical_costs` beside it from one cost per (stage, kind)), and
+`receive_waits_ms`: for our AFAB and 1F1B, each rank's time waiting for data in its receives per
+timed step, the first receive's (the pipeline filling) and the rest's (where 1F1B's ranks wait on
+each other in the steady state and AFAB's do not: what AFAB saves, lessons/08). Each of ours runs
 beside the torch schedule it is compared with in a round; 80 rounds take about 45 s on 2
 nearly idle cores.
 Lesson: lessons/08-pipeline-parallel.md.
@@ -87,7 +90,7 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         schedule = getattr(pipelining, cls)(stage, m, loss_fn=gpt_loss)
         kwargs = {"target": targets, "losses": []} if rank == p - 1 else {}
         runs[name] = (model, lambda s=schedule, kw=kwargs: s.step(inputs, **kw) if rank == 0 else s.step(**kw))
-    actions, messages = {}, {}
+    actions, messages, waits = {}, {}, {}
 
     def step(name, i):
         model, run = runs[name]
@@ -99,6 +102,7 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
         if timing:
             actions.setdefault(name, []).append(timers[name].computes)
             messages.setdefault(name, []).append(timers[name].holds)
+            waits.setdefault(name, []).append([t for _, t in timers[name].waits])
 
     # each of ours beside the torch schedule it is compared with, so a pair's two steps see the same
     # load; the 1F1B pair trades places every other round, so each follows torch GPipe as often
@@ -106,7 +110,7 @@ def _bench_rank(m: int, n_layer: int, steps: int) -> dict:
     order = ["afab", "torch GPipe", "1f1b", "torch 1F1B", "zb_h1", "interleaved_1f1b"]
     times = round_robin({name: lambda i, name=name: step(name, i) for name in order}, steps, warmup=1,
                         before=dist.barrier, alternate=("1f1b", "torch 1F1B"))
-    return {"times": times, "actions": actions, "messages": messages,
+    return {"times": times, "actions": actions, "messages": messages, "waits": waits,
             "latency": message_latency(2 * cfg.max_seq_len * cfg.d_model + 1)}
 
 
@@ -131,6 +135,14 @@ def bubbles(per_rank: list[dict], name: str, m: int, latency: float = 0.0) -> di
     steps = [([r["actions"][name][k] for r in per_rank], [r["messages"][name][k] for r in per_rank])
              for k in range(len(per_rank[0]["actions"][name]))]
     return replay_bubbles(add_communication(OURS[name][0](len(per_rank), m)), steps, latency)
+
+
+def receive_waits(per_rank: list[dict], name: str) -> list[tuple[float, float]]:
+    """Per rank, schedule `name`'s time waiting for data in its receives (seconds, the median
+    over the timed steps): the first receive's wait (the pipeline filling) and the sum of the
+    others' (the steady state and the drain: where 1F1B's ranks wait on each other, lessons/08)."""
+    steps = [r["waits"][name] for r in per_rank]  # per rank: each timed step's waits, in schedule order
+    return [(statistics.median(w[0] for w in rank), statistics.median(sum(w[1:]) for w in rank)) for rank in steps]
 
 
 def main() -> None:
@@ -162,7 +174,8 @@ def main() -> None:
         table.add_column(col, justify="right" if col != "variant" else "left")
     torch_of = {ours: name for name, (_, ours) in TORCH.items()}
     for name, b in bub.items():
-        ratio = f"{stats[name]['median']:.3f} ({stats[name]['q1']:.2f}-{stats[name]['q3']:.2f})" if name in stats else ""
+        st = stats.get(name)
+        ratio = f"{st['median']:.3f} ({st['q1']:.2f}-{st['q3']:.2f})" if st is not None else ""
         table.add_row(f"ours {name}", f"{times[name] * 1e3:.1f}", ratio, f"{b['measured']:.1%}", f"{b['replayed']:.1%}",
                       f"{b['gap']:.1f}", f"{b['typical']:.1%}", f"{b['free']:.1%}", f"{CLOSED[name](p, m):.1%}")
     for name in TORCH:
@@ -171,9 +184,15 @@ def main() -> None:
     print(f"simulated with messages: {latency * 1e6:.0f} us latency; each step replayed on its own costs and holds, "
           f"or one cost per (stage, kind) with the mean holds (1F1B: {' '.join(f'{t * 1e6:.0f}' for t in sends)} "
           f"us per send, {' '.join(f'{t * 1e6:.0f}' for t in recvs)} us per receive)")
+    waited = {name: receive_waits(per_rank, name) for name in ("afab", "1f1b")}
+    for name, ranks in waited.items():
+        print(f"ours {name}, receives' waits for data per step: " + ", ".join(
+            f"rank {r} first {first * 1e3:.2f} ms, the rest {rest * 1e3:.2f} ms"
+            for r, (first, rest) in enumerate(ranks)))
     for name, st in stats.items():
         print(f"ours {name} / {torch_of[name]}: median of {st['n']} paired rounds {st['median']:.3f}, "
-              f"quartiles {st['q1']:.3f} .. {st['q3']:.3f}, 95 % CI of the median {st['ci95'][0]:.3f} .. {st['ci95'][1]:.3f}")
+              f"quartiles {st['q1']:.3f} .. {st['q3']:.3f}, "
+              f"95 % CI of the median {st['ci95'][0]:.3f} .. {st['ci95'][1]:.3f}")
     print(f"wall time {time.perf_counter() - start:.0f} s")
     write_json(args.json, {"pp_1f1b_vs_torch": stats["1f1b"]["median"],
                            "pp_afab_vs_torch": stats["afab"]["median"],
@@ -182,7 +201,10 @@ def main() -> None:
                latency_s=latency, send_s=statistics.median(sends), recv_s=statistics.median(recvs),
                bubble_1f1b={key: bub["1f1b"][key] for key in ("measured", "replayed", "typical", "free")},
                gap_points_typical_costs=100 * (bub["1f1b"]["measured"] - bub["1f1b"]["typical"]),
-               holds_1f1b_us={f"{s}{kind}": round(t * 1e6) for (s, kind), t in held.items()}, microbatches=m, steps=args.steps)
+               receive_waits_ms={name: [[round(t * 1e3, 2) for t in rank] for rank in ranks]
+                                 for name, ranks in waited.items()},
+               holds_1f1b_us={f"{s}{kind}": round(t * 1e6) for (s, kind), t in held.items()},
+               microbatches=m, steps=args.steps)
 
 
 if __name__ == "__main__":

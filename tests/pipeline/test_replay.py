@@ -109,3 +109,20 @@ def test_pp_simulator_bench_replay_step_timer_records_each_action_once_and_parts
             parts = sum(e - s for _, s, e in computes) + sum(t for _, t in holds + waits) + send_waits
             assert parts <= wall, f"rank {rank}: the parts ({parts:.6f} s) overlap, more than the step ({wall:.6f} s)"
             assert restored, f"rank {rank}: the executor's methods or comm.Work.wait were not restored"
+
+
+def test_pp_simulator_bench_replay_receive_waits_keep_the_first_receive_apart_median_over_steps():
+    """benchmarks/pipeline.py's `receive_waits` (what lessons/08 compares between AFAB and 1F1B):
+    per rank, the first receive's wait and the sum of the others', each the median over steps."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline.py"
+    spec = importlib.util.spec_from_file_location("bench_pipeline", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # rank 0: three steps, the first receive waiting 5, 1, 3 and the others summing to 4, 4, 10
+    # (medians 3 and 4; means 3 and 6); rank 1: the first waits nothing, the rest 2, 9, 1
+    per_rank = [{"waits": {"1f1b": [[5.0, 1.0, 3.0], [1.0, 4.0, 0.0], [3.0, 2.0, 8.0]]}},
+                {"waits": {"1f1b": [[0.0, 2.0], [0.0, 9.0], [0.0, 1.0]]}}]
+    assert bench.receive_waits(per_rank, "1f1b") == [(3.0, 4.0), (0.0, 2.0)]

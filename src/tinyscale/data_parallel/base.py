@@ -26,16 +26,40 @@ from tinyscale.dist import comm
 
 
 # --8<-- [start:broadcast]
+# torch's DDP value (DistributedDataParallel.broadcast_bucket_size): one flat copy of at most this
+# many bytes per bucket is the memory coalescing costs while a broadcast is in flight.
+BROADCAST_BUCKET_BYTES = 250 * 2**20
+
+
 @torch.no_grad()
 def broadcast_parameters(module: nn.Module, process_group=None) -> None:
-    """Copy the group's first rank's parameters and buffers to every rank of the group."""
-    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    """Copy the group's first rank's parameters and buffers to every rank of the group, coalesced as
+    torch's DDP does at construction: one broadcast per bucket (`_broadcast_buckets`), not per tensor."""
+    for group, tensors in _broadcast_buckets(module, process_group):
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # (sum of numels,), a copy: strides do not matter
+        comm.broadcast(flat, src=src, group=group)
+        if dist.get_rank() != src:  # the source holds these values already
+            for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(piece.view(t.shape))
+
+
+def _broadcast_buckets(module: nn.Module, process_group) -> list[tuple[object, list[torch.Tensor]]]:
+    """[(group, tensors)]: every parameter and buffer once, by (group, dtype, device), in buckets of at
+    most BROADCAST_BUCKET_BYTES (a bigger tensor alone), in the order their first tensor appears.
+    Every rank holds the same model, so every rank makes the same buckets in the same order."""
+    buckets, open_bucket = [], {}  # open_bucket: (group, dtype, device) -> [tensors, bytes]
     for t in [*module.parameters(), *module.buffers()]:
         shard = getattr(t, "expert_shard", None)  # an expert shard: the same experts' ranks (moe/parallel.py)
-        if shard is not None:
-            comm.broadcast(t.data, src=dist.get_global_rank(shard.group, 0), group=shard.group)
-        else:
-            comm.broadcast(t.data, src=src, group=process_group)
+        group = shard.group if shard is not None else process_group
+        key, size = (group, t.dtype, t.device), t.numel() * t.element_size()
+        bucket = open_bucket.get(key)
+        if bucket is None or bucket[1] + size > BROADCAST_BUCKET_BYTES:
+            bucket = open_bucket[key] = [[], 0]
+            buckets.append((group, bucket[0]))
+        bucket[0].append(t)
+        bucket[1] += size
+    return buckets
 # --8<-- [end:broadcast]
 
 

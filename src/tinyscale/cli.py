@@ -138,7 +138,8 @@ def _summary_table(spec, result: dict, ref: dict | None) -> tuple[Table, dict]:
                                    f"GFLOP/s x {result['num_devices']} ({summary['peak_source']})")
     for op, row in result["ledger"].items():
         per_step = "once, at start" if op == "broadcast" else f"{_fmt_bytes(row['bytes'] / spec.steps)}/step"
-        table.add_row(f"comm {op}", f"{_fmt_bytes(row['bytes'])} in {row['calls']:,} calls ({per_step})")
+        calls = f"{row['calls']:,} call" + ("s" if row["calls"] != 1 else "")
+        table.add_row(f"comm {op}", f"{_fmt_bytes(row['bytes'])} in {calls} ({per_step})")
     if not result["ledger"]:
         table.add_row("comm", "none (one process)")
     mem = result["memory"]

@@ -96,8 +96,9 @@ class ZeroStage1(ZeroStage2):
 
     def _in_slot(self, u: int, i: int, grad: torch.Tensor) -> bool:
         """Whether `grad` is parameter i of unit u's slot: its address compared, no view made
-        (a no_sync hook after the first micro-batch does only this and `mark_used`: 1.7 us a
-        call, where making the slot's view to compare took 8.3; small GPT, one process)."""
+        (a no_sync hook after the first micro-batch does only this and `mark_used`: 3.2 us a
+        call, where making the slot's view to compare took 8.3; small GPT, one process, 400
+        interleaved blocks of its 39 parameters, 2026-11-27, load 3)."""
         flat = self._flat[u]
         return flat is not None and grad.data_ptr() == \
             flat.data_ptr() + self.sharded.units[u].offsets[i] * flat.element_size()

@@ -26,8 +26,9 @@ and reports the median step time (and, apart, the median time of what runs after
 broadcast, for DDP, FSDP2 and ZeroStage3 no communication), the ratio against the reference (stage 3 against FSDP2,
 the others against torch DDP; the target for stage 3 is at most 1.3x), the spread
 (fastest .. slowest step), and the bytes our implementations put on the wire per step (the
-comm ledger's bus bytes, against the 2 Psi and 3 Psi of ZeRO's section 7). torch's own
-collectives bypass the ledger. Timing: tinyscale.bench (the slowest rank's step).
+comm ledger's bus bytes, against the 2 Psi and 3 Psi of ZeRO's section 7), recorded on the last
+warm-up step: torch's own collectives bypass the ledger, so a row written in a timed step
+would be charged to ours alone. Timing: tinyscale.bench (the slowest rank's step).
 `--json PATH` writes zero1_vs_ddp, zero2_vs_ddp (the stages as built by default: blocking
 all-gather), zero1_overlap_param_gather_vs_ddp, zero2_overlap_param_gather_vs_ddp and
 zero3_vs_fsdp2 (each the ratio of the medians) and, under "intervals", each one's 95%
@@ -43,6 +44,7 @@ two sides are both among them: "torch DDP,ZeroStage1,ZeroStage2" takes a third o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
@@ -61,6 +63,7 @@ from tinyscale.models import GPT, GPTConfig
 from tinyscale.zero import ZeroStage1, ZeroStage2, ZeroStage3
 
 LR = 1e-3
+WARMUP = 2  # rounds dropped; the last of them records the bytes on the wire (comm ledger)
 REFERENCE = {"ZeroStage3": "FSDP2 fully_shard", "ZeroStage3, no prefetch": "FSDP2 fully_shard",
              "FSDP2, async + prefetch": "FSDP2 fully_shard"}
 
@@ -134,26 +137,28 @@ VARIANTS = ("torch DDP", "torch DDP + ZeroRedundancyOpt", "ZeroStage1", "ZeroSta
 def _bench_rank(model_name: str, steps: int, micro: int, only: tuple[str, ...] = VARIANTS) -> dict:
     cfg = GPTConfig.preset(model_name)
     world, rank = dist.get_world_size(), dist.get_rank()
-    batches = sample_batches(stdlib_corpus("train").tokens, num_batches=steps + 2, batch_size=micro * world,
+    batches = sample_batches(stdlib_corpus("train").tokens, num_batches=steps + WARMUP, batch_size=micro * world,
                              seq_len=cfg.max_seq_len, seed=0)
     runs = {name: {"impl": _build(name, cfg), "step_times": [], "bus_bytes": None} for name in only}
 
     def step(run, i):
         (local,) = local_micro_batches(batches[i], dp_rank=rank, dp_size=world, micro_batch_size=micro)
-        with comm.record() as ledger:
+        # the ledger on the last warm-up round only: a row costs ours each launch, and torch's none
+        with comm.record() if i == WARMUP - 1 else contextlib.nullcontext() as ledger:
             run["impl"].forward(*local).backward()
             backward_done = time.perf_counter()
             run["impl"].step()
         run["step_times"].append(time.perf_counter() - backward_done)
-        run["bus_bytes"] = ledger.bus_bytes() if ledger.rows else None
+        if ledger is not None:
+            run["bus_bytes"] = ledger.bus_bytes() if ledger.rows else None
 
     # each round in its own order (the same on every rank): what ran just before a step changes
     # its time (lesson 02 measured about 1 ms of 70), so no variant always follows the same one
-    times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=2,
+    times = round_robin({name: lambda i, run=run: step(run, i) for name, run in runs.items()}, steps, warmup=WARMUP,
                         before=dist.barrier, shuffle=0)
     psi = sum(p.numel() for p in GPT(cfg).parameters())
     return {"psi": psi, "world": world,
-            "variants": {name: {"times": times[name], "step_times": run["step_times"][2:],
+            "variants": {name: {"times": times[name], "step_times": run["step_times"][WARMUP:],
                                 "bus_bytes": run["bus_bytes"]}
                          for name, run in runs.items()}}
 

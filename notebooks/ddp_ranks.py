@@ -40,7 +40,9 @@ WRAPPERS = {"naive": NaiveDDP, "bucketed": BucketedDDP, "torch": DistributedData
 OPTIMIZERS = {
     "sgd": {"type": "SGD", "params": {"lr": 5e-2, "momentum": 0.9}},
     "adamw": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-    "adam_l2": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01}},  # L2 added to the gradient
+    # L2 added to the gradient: torch's Adam(weight_decay=). A DeepSpeed-style "Adam" config decouples
+    # the decay (AdamW) unless adam_w_mode is false, as DeepSpeed does; so it is said here.
+    "adam_l2": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01, "adam_w_mode": False}},
 }
 
 

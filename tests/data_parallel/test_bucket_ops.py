@@ -10,27 +10,15 @@ operations cancel out).
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tinyscale.data import synthetic_token_batches
 from tinyscale.data_parallel import BucketedDDP
 from tinyscale.models import GPT, GPTConfig
-from tinyscale.testing import run_on_ranks
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+from tinyscale.testing import CountOps, run_on_ranks
 
 
 def _ops_of_sync(set_to_none: bool):
@@ -46,7 +34,7 @@ def _ops_of_sync(set_to_none: bool):
     for sync in (True, False, True):  # the first: step 0
         model.zero_grad(set_to_none=set_to_none)
         loss = ddp(x[rows], y[rows])
-        count = _Count()
+        count = CountOps()
         with ddp.no_sync() if not sync else contextlib.nullcontext(), count:
             loss.backward()
         counts[sync] = count.ops

@@ -14,21 +14,10 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tinyscale.data import synthetic_token_batches
 from tinyscale.models import GPT, GPTConfig
-from tinyscale.testing import run_on_ranks
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+from tinyscale.testing import CountOps, run_on_ranks
 
 
 def _ops_of_no_sync_backwards():
@@ -46,7 +35,7 @@ def _ops_of_no_sync_backwards():
         counts = []
         for net, context in ((model, zero.no_sync), (plain, None)):
             loss = net(x[rows], y[rows])
-            count = _Count()
+            count = CountOps()
             if context is None:
                 with count:
                     loss.backward()

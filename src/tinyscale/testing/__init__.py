@@ -17,10 +17,12 @@ from tinyscale.testing.equivalence import (
     vocab_shard_boundary_ids,
     with_vocab_boundary_ids,
 )
+from tinyscale.testing.ops import CountOps
 from tinyscale.testing.pool import DEFAULT_TIMEOUT_S, RankPool, close_pools, get_pool, run_on_ranks
 from tinyscale.testing.seams import implementations, resolve
 
 __all__ = [
+    "CountOps",
     "DEFAULT_TIMEOUT_S",
     "FLOAT64_ATOL",
     "FLOAT64_RTOL",

@@ -111,7 +111,9 @@ def _train(stage, flat, steps=range(STEPS), engine=None, save=None, load=None, s
 def _result(engine):
     flat = engine.zero.sharded.flat
     pieces = [p for row in flat.pieces for p in row] if flat is not None else []
-    return engine.full_state_dict(), (flat.stepped if flat else 0), len(pieces), len(engine.zero.sharded.units)
+    counts = {st["step"].item() for st in engine.zero.sharded.optimizer.state.values()}
+    return engine.full_state_dict(), (flat.stepped if flat else 0), len(pieces), len(engine.zero.sharded.units), \
+        engine.skipped_steps, counts
 
 
 def _run(stage, flat, **kw):
@@ -130,11 +132,12 @@ def _reference(steps=range(STEPS), skip=(), **extra) -> dict:
 def test_zero_audit_users_mixed_piece_equals_fragment_step_and_one_process(stage, world):
     flat, frag = run_on_ranks(_run, world, stage, True), run_on_ranks(_run, world, stage, False)
     ref = _reference()
-    for (sf, nf, pieces, units), (sg, ng, _, _) in zip(flat, frag):
+    for (sf, nf, pieces, units, _, counts), (sg, ng, *_) in zip(flat, frag):
         assert nf > 0 and ng == 0
         assert all(torch.equal(sf[k], sg[k]) for k in sf), [k for k in sf if not torch.equal(sf[k], sg[k])]
         assert_state_dicts_close(sf, ref)
-    assert any(pieces > units for _, _, pieces, units in flat)  # some rank cut its piece into runs
+    assert {STEPS, STEPS - 1, STEPS - 2} <= set().union(*(r[5] for r in flat))  # three step counts
+    assert any(pieces > units for _, _, pieces, units, *_ in flat)  # some rank cut its piece into runs
 
 
 def _resume(stage, tmp, at, flat):
@@ -166,18 +169,18 @@ def test_zero_audit_users_recovery_after_a_raising_step(stage):
     flat = run_on_ranks(_run, 3, stage, True, raise_at=4)
     frag = run_on_ranks(_run, 3, stage, False, raise_at=4)
     ref = _reference(skip=(4,))
-    for (sf, nf, _, _), (sg, _, _, _) in zip(flat, frag):
+    for (sf, nf, *_), (sg, *_) in zip(flat, frag):
         assert nf > 0
         assert all(torch.equal(sf[k], sg[k]) for k in sf)
         assert_state_dicts_close(sf, ref)
 
 
 def test_zero_audit_users_fp16_skip_while_split():
-    """fp16 (masters fp32... here float64 masters of a half model): step 5's loss overflows and
-    the step is skipped after the piece was cut at step 3; flat and per-fragment agree bit for bit."""
+    """fp16 (a half model, dynamic loss scale): step 5's loss overflows and the step is skipped,
+    after the piece was cut at step 3; flat and per-fragment agree bit for bit."""
     extra = {"fp16": {"enabled": True, "initial_scale_power": 4}, "huge_at": 5}
     flat = run_on_ranks(_run, 2, 2, True, **extra)
     frag = run_on_ranks(_run, 2, 2, False, **extra)
-    for (sf, nf, pieces, units), (sg, _, _, _) in zip(flat, frag):
-        assert nf > 0
+    for (sf, nf, pieces, units, skipped, _), (sg, *_) in zip(flat, frag):
+        assert nf > 0 and pieces > units and skipped == 1  # (no skip without the huge batch)
         assert all(torch.equal(sf[k], sg[k]) for k in sf), [k for k in sf if not torch.equal(sf[k], sg[k])]

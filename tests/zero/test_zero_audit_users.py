@@ -6,7 +6,7 @@ a frozen layer between trainable ones, a weight tied (used twice), three paramet
 their own weight decay and betas, sizes no world size divides, and two gated layers whose use
 depends on the batch: `g1` is unused at step 1, `g2` at steps 1 and 2, and `g1` at step 2 is used
 on one rank only. At step 3 Adam's step counts in the piece then take three values (3, 2, 1):
-the piece is cut into runs. Stages 1 and 2, 2 and 3 ranks, float64: the flat path gives the
+the piece is cut into runs. Stages 1 to 3, 2 and 3 ranks, float64: the flat path gives the
 per-fragment path's bits (`torch.equal`: the same elementwise arithmetic on the same values)
 and the single process's values (rtol 1e-10: only the reduction order differs).
 """
@@ -128,7 +128,7 @@ def _reference(steps=range(STEPS), skip=(), **extra) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_audit_users_mixed_piece_equals_fragment_step_and_one_process(stage, world):
     flat, frag = run_on_ranks(_run, world, stage, True), run_on_ranks(_run, world, stage, False)
     ref = _reference()
@@ -161,7 +161,7 @@ def test_zero_audit_users_checkpoint_while_split_resumes(tmp_path, stage, at):
         assert_state_dicts_close(resumed, straight)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_audit_users_recovery_after_a_raising_step(stage):
     """Step 4 raises on the rank holding RAISE_ROW (its forward, in a micro-batch after others
     accumulated): the engine drops the step on every rank; later steps train as one process

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import tinyscale as ts
@@ -89,7 +90,6 @@ def config(stage: int, world: int, **extra) -> dict:
 
 def _train(stage, flat, steps=range(STEPS), engine=None, save=None, load=None, seed=0, raise_at=None, huge_at=None,
            **extra):
-    import torch.distributed as dist
     world = dist.get_world_size()
     if engine is None:
         engine = ts.initialize(UserNet(seed), config(stage, world, **extra), param_groups=groups)

@@ -25,8 +25,10 @@ class Mixed(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(1000 + rank)
         dev = ts.dist.device()
-        rand = lambda *shape, dtype=torch.float64: (  # noqa: E731 - float64 draws: bits no float32 holds
-            torch.randn(*shape, generator=g, dtype=torch.float64).to(dev, dtype))
+
+        def rand(*shape, dtype=torch.float64):  # float64 draws, rounded: bits no float32 holds
+            return torch.randn(*shape, generator=g, dtype=torch.float64).to(dev, dtype)
+
         self.w64 = nn.Parameter(rand(5, 7))
         self.t64 = nn.Parameter(rand(7, 3).t())  # non-contiguous (a transpose), float64 between the others
         self.w32 = nn.Parameter(rand(11, dtype=torch.float32))
@@ -100,15 +102,12 @@ def _expected_rows(world_size: int) -> list[tuple]:
     """One broadcast per (group, dtype) in the order each first appears: parameters, then buffers."""
     everyone, expert = tuple(range(world_size)), lambda r: (r,) if r == 0 or world_size == 2 else (1, 2)
     f64 = 8 * (5 * 7 + 7 * 3 + 0 + 4 * 4)  # w64, t64, empty, tied (once), then (after the expert) strided
-    rows = lambda r: [  # noqa: E731
-        ("broadcast", f64 + 8 * 4 * 3, "float64", everyone),
-        ("broadcast", 4 * (11 + 3), "float32", everyone),
-        ("broadcast", 2 * (6 * 4 + 5), "bfloat16", everyone),
-        ("broadcast", 8 * 2 * 3, "float64", expert(r)),
-        ("broadcast", 8 * 3, "int64", everyone),
-        ("broadcast", 3, "bool", everyone),
-    ]
-    return [rows(r) for r in range(world_size)]
+    return [[("broadcast", f64 + 8 * 4 * 3, "float64", everyone),
+             ("broadcast", 4 * (11 + 3), "float32", everyone),
+             ("broadcast", 2 * (6 * 4 + 5), "bfloat16", everyone),
+             ("broadcast", 8 * 2 * 3, "float64", expert(r)),
+             ("broadcast", 8 * 3, "int64", everyone),
+             ("broadcast", 3, "bool", everyone)] for r in range(world_size)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
